@@ -1,0 +1,286 @@
+"""DataPlaneServer: the ZMQ ROUTER the engine-side clients talk to, on the sidecar's event loop.
+
+State: the socket and a closing flag. Cache state lives in the engine facade; handlers are short
+synchronous calls into it, run inline in arrival order, so a COMMIT's reply is sent only after the
+objects are visible and the next LOOKUP from anyone sees them.
+
+Every frame is decoded against the protocol's tagged union with bounds on every field; anything
+that fails (garbage, unknown op, wrong types, absurd sizes) gets an ErrorReply and changes nothing.
+An unexpected exception in a handler is logged and answered with code `internal`; the loop goes on.
+
+Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),
+`handle(frame) -> reply bytes` (pure; also what tests and the fuzzer drive), `stop()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from api.dataplane.errors import wire_code
+from api.metrics import DataPlaneMetrics
+from app import __version__
+from app.errors import ConfigError, InvalidInput, KVDepotError
+from engine.facade import CacheEngine
+from engine.keys import KVLayout
+from kvdepot_connector import protocol as p
+
+log = structlog.get_logger("kvdepot.dataplane")
+
+_TAGS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in p.Request.__args__}
+
+
+class DataPlaneServer:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        *,
+        url: str,
+        max_frame_bytes: int,
+        max_tokens: int,
+        metrics: DataPlaneMetrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.url = url
+        self.max_frame_bytes = max_frame_bytes
+        self.max_token_bytes = max_tokens * 4
+        self.metrics = metrics
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._closing = False
+        self.running = False
+        self._handlers: dict[type, Callable[[Any], p.Reply]] = {
+            p.Hello: self._hello,
+            p.Register: self._register,
+            p.Lookup: self._lookup,
+            p.QueryPrefetch: self._query_prefetch,
+            p.Retrieve: self._retrieve,
+            p.Release: self._release,
+            p.Store: self._store,
+            p.Commit: self._commit,
+            p.Abort: self._abort,
+            p.FreeLookupLocks: self._free_lookup_locks,
+            p.EndRequest: self._end_request,
+            p.Ping: self._ping,
+            p.Clear: self._clear,
+        }
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        if self.url.startswith("ipc://"):
+            path = Path(self.url[len("ipc://") :])
+            if len(str(path)) > 100:
+                sock.close()
+                raise ConfigError(f"data_plane.url: ipc path too long ({len(str(path))} > 100 characters)")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # left by a dead predecessor; a live one is refused by the arena check
+        try:
+            sock.bind(self.url)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"data_plane.url: cannot bind {self.url}: {exc}") from None
+        if self.url.startswith("ipc://"):
+            os.chmod(self.url[len("ipc://") :], 0o660)
+        self._sock = sock
+        log.info("dataplane_bound", url=self.url)
+
+    async def serve(self) -> None:
+        sock = self._sock
+        if sock is None:
+            raise RuntimeError("bind() first")
+        self.running = True
+        try:
+            while not self._closing:
+                if not await sock.poll(100):
+                    continue
+                frames = await sock.recv_multipart()
+                if len(frames) != 2:
+                    if frames:
+                        await sock.send_multipart(
+                            [
+                                frames[0],
+                                self._error(-1, p.ErrorCode.MALFORMED_FRAME, "expected exactly one frame"),
+                            ]
+                        )
+                    continue
+                await sock.send_multipart([frames[0], self.handle(frames[1])])
+        finally:
+            self.running = False
+
+    def stop(self) -> None:
+        """Stop accepting; `serve` returns within one poll interval."""
+        self._closing = True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._ctx.term()
+        if self.url.startswith("ipc://"):
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.url[len("ipc://") :]).unlink()
+
+    # --- dispatch ------------------------------------------------------------------------------
+
+    def handle(self, frame: bytes) -> bytes:
+        start = time.perf_counter()
+        op = "malformed"
+        rid = -1
+        try:
+            if len(frame) > self.max_frame_bytes:
+                raise InvalidInput(f"frame of {len(frame)} bytes exceeds {self.max_frame_bytes}")
+            try:
+                msg = p.request_decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                rid = p.salvage_id(frame)
+                return self._error(rid, p.ErrorCode.MALFORMED_FRAME, str(exc)[:300], op)
+            rid = msg.id
+            op = _TAGS[type(msg)]
+            structlog.contextvars.bind_contextvars(op=op, rid=rid)
+            reply = self._handlers[type(msg)](msg)
+            return p.encode(reply)
+        except KVDepotError as exc:
+            return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("dataplane_handler_failed", op=op)
+            return self._error(rid, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], op)
+        finally:
+            structlog.contextvars.unbind_contextvars("op", "rid")
+            if self.metrics is not None:
+                self.metrics.observe(op, time.perf_counter() - start)
+
+    def _error(
+        self, rid: int, code: p.ErrorCode, message: str, op: str = "malformed", retryable: bool = False
+    ) -> bytes:
+        if self.metrics is not None:
+            self.metrics.error(op, code)
+        return p.encode(p.ErrorReply(id=rid, code=code.value, message=message, retryable=retryable))
+
+    def _tokens(self, data: bytes) -> bytes:
+        if len(data) % 4:
+            raise InvalidInput(
+                f"tokens must be uint32 little-endian: {len(data)} bytes is not a multiple of 4"
+            )
+        if len(data) > self.max_token_bytes:
+            raise InvalidInput(
+                f"{len(data) // 4} tokens exceed data_plane.max_tokens={self.max_token_bytes // 4}"
+            )
+        return data
+
+    # --- handlers ------------------------------------------------------------------------------
+
+    def _hello(self, m: p.Hello) -> p.Reply:
+        if m.version != p.PROTOCOL_VERSION:
+            return p.ErrorReply(
+                id=m.id,
+                code=p.ErrorCode.UNSUPPORTED_VERSION.value,
+                message=f"sidecar speaks protocol {p.PROTOCOL_VERSION}, client {m.version}",
+            )
+        arena = self.engine.arena
+        return p.HelloReply(
+            id=m.id,
+            version=p.PROTOCOL_VERSION,
+            server=f"kvdepot/{__version__}",
+            chunk_size=self.engine.chunk_size,
+            arena_name=arena.name,
+            arena_size=arena.size,
+            max_frame_bytes=self.max_frame_bytes,
+        )
+
+    def _register(self, m: p.Register) -> p.Reply:
+        lay = m.layout
+        try:
+            layout = KVLayout(
+                dtype=lay.dtype,
+                num_layers=lay.num_layers,
+                num_kv_heads=lay.num_kv_heads,
+                head_dim=lay.head_dim,
+                block_size=lay.block_size,
+                kind=lay.kind,
+                chunk_size=lay.chunk_size,
+            )
+        except ValueError as exc:
+            raise InvalidInput(f"layout: {exc}") from None
+        reg = self.engine.register(m.model, layout, m.kv_rank, m.group)
+        log.info(
+            "engine_registered",
+            engine_id=reg.engine_id,
+            model=m.model,
+            kv_rank=m.kv_rank,
+            layout=lay.kind,
+            chunk_bytes=reg.chunk_bytes,
+        )
+        return p.RegisterReply(
+            id=m.id,
+            engine_id=reg.engine_id,
+            chunk_bytes=reg.chunk_bytes,
+            layout_fingerprint=layout.fingerprint,
+        )
+
+    def _lookup(self, m: p.Lookup) -> p.Reply:
+        r = self.engine.lookup(m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt)
+        return p.LookupReply(
+            id=m.id,
+            hit_tokens=r.hit_tokens,
+            hit_chunks=r.hit_chunks,
+            total_chunks=r.total_chunks,
+            pending_chunks=r.pending_chunks,
+        )
+
+    def _query_prefetch(self, m: p.QueryPrefetch) -> p.Reply:
+        r = self.engine.query_prefetch(m.engine_id, m.request_id)
+        return p.LookupReply(
+            id=m.id,
+            hit_tokens=r.hit_tokens,
+            hit_chunks=r.hit_chunks,
+            total_chunks=r.total_chunks,
+            pending_chunks=r.pending_chunks,
+        )
+
+    def _retrieve(self, m: p.Retrieve) -> p.Reply:
+        extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks)
+        return p.RetrieveReply(id=m.id, extents=[p.Extent(e.offset, e.size) for e in extents])
+
+    def _release(self, m: p.Release) -> p.Reply:
+        return p.ReleaseReply(id=m.id, valid=self.engine.release(m.engine_id, m.request_id))
+
+    def _store(self, m: p.Store) -> p.Reply:
+        slots = self.engine.store(
+            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk
+        )
+        return p.StoreReply(
+            id=m.id,
+            slots=[p.Slot(s.chunk, p.SlotStatus(s.status.value), s.oid, s.offset, s.size) for s in slots],
+        )
+
+    def _commit(self, m: p.Commit) -> p.Reply:
+        return p.CommitReply(id=m.id, ok=self.engine.commit(m.engine_id, m.oids))
+
+    def _abort(self, m: p.Abort) -> p.Reply:
+        return p.CountReply(id=m.id, count=self.engine.abort(m.engine_id, m.oids))
+
+    def _free_lookup_locks(self, m: p.FreeLookupLocks) -> p.Reply:
+        return p.CountReply(id=m.id, count=self.engine.free_lookup_locks(m.engine_id, m.request_id))
+
+    def _end_request(self, m: p.EndRequest) -> p.Reply:
+        return p.CountReply(id=m.id, count=self.engine.end_request(m.engine_id, m.request_id))
+
+    def _ping(self, m: p.Ping) -> p.Reply:
+        return p.Pong(id=m.id, server_time=time.time())
+
+    def _clear(self, m: p.Clear) -> p.Reply:
+        return p.CountReply(id=m.id, count=self.engine.clear(m.cache_salt))

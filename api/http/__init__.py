@@ -1,0 +1,1 @@
+"""The HTTP control plane (FastAPI): health, readiness, status, metrics and admin endpoints."""

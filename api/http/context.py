@@ -1,0 +1,31 @@
+"""What the control plane is given by app/main: passed explicitly, stored on `app.state.ctx`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+
+from app.settings import Settings
+from engine.facade import CacheEngine
+
+
+class ServiceHealth(Protocol):
+    def not_ready(self) -> dict[str, str]:
+        """Component name -> reason, for every component that is not ready. Empty = ready."""
+        ...
+
+    def components(self) -> dict[str, str]:
+        """Component name -> state, for /status."""
+        ...
+
+    def uptime_s(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ControlContext:
+    settings: Settings
+    engine: CacheEngine
+    health: ServiceHealth
+    registry: CollectorRegistry

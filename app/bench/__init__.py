@@ -1,0 +1,14 @@
+"""Benchmarks. Each prints ONE JSON object on stdout and compares against a baseline measured in
+the same run, because a ratio survives a noisy machine and seconds do not."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "server":
+        from app.bench.server import run
+
+        return run(args)
+    raise SystemExit(f"unknown benchmark {args.bench}")

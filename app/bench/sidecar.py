@@ -1,0 +1,102 @@
+"""Start a `kvdepot serve` subprocess and wait until it is ready (used by benchmarks and tests).
+
+The sidecar logs JSON lines; the `kvdepot_started` line carries the HTTP address and the data-plane
+URL, so port 0 works. Stdout is drained by a thread into `lines` so the child never blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class SidecarProcess:
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.started: dict[str, Any] = {}
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if '"kvdepot_started"' in line and not self._ready.is_set():
+                self.started = json.loads(line)
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def http(self) -> str:
+        return str(self.started["http"])
+
+    @property
+    def url(self) -> str:
+        return str(self.started["data_plane"])
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        if not self._ready.wait(timeout) or not self.started:
+            self.kill()
+            raise RuntimeError("sidecar did not start:\n" + "\n".join(self.lines[-30:]))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.http + "/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("sidecar never became ready")
+
+    def get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(self.http + path, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+            self._reader.join(timeout=2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_sidecar(
+    data_dir: Path,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    wait: bool = True,
+    l1_size_gb: float = 0.25,
+) -> SidecarProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("KVDEPOT_LOGGING__FORMAT", "json")
+    cmd = [
+        sys.executable, "-m", "app.cli", "serve", "--http-port", "0", "--data-dir", str(data_dir),
+        "--l1-size-gb", str(l1_size_gb), *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, bufsize=1
+    )
+    sidecar = SidecarProcess(proc)
+    if wait:
+        sidecar.wait_ready()
+    return sidecar

@@ -1,0 +1,211 @@
+"""Wiring: builds every component from the settings, runs them on one event loop, stops them.
+
+`Service.build()` does everything that can fail on bad settings (data dir, shared memory, data
+plane and HTTP binds) and raises ConfigError with one line; `Service.run()` starts the background
+tasks through the supervisor, serves until SIGTERM/SIGINT (or `request_stop()`), then stops
+accepting, drains for `shutdown_timeout_s`, cancels the rest, releases the arena and returns 0.
+Nothing imports this module but the CLI and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import signal
+import socket
+import time
+from collections.abc import Generator
+
+import structlog
+import uvicorn
+
+from api.dataplane.server import DataPlaneServer
+from api.http.app import create_app
+from api.http.context import ControlContext
+from api.metrics import DataPlaneMetrics, EngineCollector, build_registry
+from app import __version__
+from app.errors import ConfigError
+from app.settings import Settings
+from app.supervisor import Supervisor
+from engine.facade import CacheEngine
+from engine.l1.allocator import ExtentAllocator
+from engine.l1.arena import SharedArena, cleanup_stale, instance_id
+from engine.l1.cache import L1Cache
+from engine.l1.eviction import LRUPolicy
+
+log = structlog.get_logger("kvdepot")
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"http.port: {host}:{port} is already in use") from None
+        raise ConfigError(f"http.host/http.port: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class Service:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.supervisor = Supervisor()
+        self._started_at = time.monotonic()
+        self._stop = asyncio.Event()
+        self.arena: SharedArena | None = None
+        self.engine: CacheEngine | None = None
+        self.dataplane: DataPlaneServer | None = None
+        self.http_server: _Uvicorn | None = None
+        self.http_socket: socket.socket | None = None
+
+    # --- ServiceHealth -------------------------------------------------------------------------
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started_at
+
+    def components(self) -> dict[str, str]:
+        failures = self.supervisor.failures()
+        running = set(self.supervisor.running())
+        out = {"l1": "running" if self.arena is not None and not self.arena.closed else "stopped"}
+        for name in ("dataplane", "lease-reaper", "http"):
+            out[name] = "failed" if name in failures else ("running" if name in running else "stopped")
+        if self.dataplane is not None and out["dataplane"] == "running" and not self.dataplane.running:
+            out["dataplane"] = "starting"
+        if self.http_server is not None and out["http"] == "running" and not self.http_server.started:
+            out["http"] = "starting"
+        return out
+
+    def not_ready(self) -> dict[str, str]:
+        reasons = {name: state for name, state in self.components().items() if state != "running"}
+        reasons.update(self.supervisor.failures())
+        if self._stop.is_set():
+            reasons["service"] = "stopping"
+        return reasons
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def build(self) -> None:
+        s = self.settings
+        try:
+            s.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"data_dir: cannot create {s.data_dir}: {exc.strerror}") from None
+        instance = instance_id(s.data_dir)
+        cleanup_stale(instance)
+        self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
+        try:
+            allocator = ExtentAllocator(self.arena.size, s.l1.alignment)
+            cache = L1Cache(
+                allocator,
+                LRUPolicy(),
+                high_watermark=s.l1.high_watermark,
+                low_watermark=s.l1.low_watermark,
+                write_lease_s=s.l1.write_lease_s,
+            )
+            self.engine = CacheEngine(
+                arena=self.arena, cache=cache, chunk_size=s.l1.chunk_size, read_lease_s=s.l1.read_lease_s
+            )
+            registry = build_registry()
+            registry.register(EngineCollector(self.engine))
+            self.dataplane = DataPlaneServer(
+                self.engine,
+                url=s.data_plane_url,
+                max_frame_bytes=s.data_plane.max_frame_bytes,
+                max_tokens=s.data_plane.max_tokens,
+                metrics=DataPlaneMetrics(registry),
+            )
+            self.dataplane.bind()
+            self.http_socket = bind_http(s.http.host, s.http.port)
+            app = create_app(ControlContext(settings=s, engine=self.engine, health=self, registry=registry))
+            config = uvicorn.Config(
+                app,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
+            )
+            self.http_server = _Uvicorn(config)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def http_port(self) -> int:
+        if self.http_socket is None:
+            raise RuntimeError("build() first")
+        port: int = self.http_socket.getsockname()[1]
+        return port
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        if (
+            self.engine is None
+            or self.dataplane is None
+            or self.http_server is None
+            or self.http_socket is None
+        ):
+            raise RuntimeError("build() first")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        s = self.settings
+        self.supervisor.start("dataplane", self.dataplane.serve())
+        self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
+        self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
+        log.info(
+            "kvdepot_started",
+            version=__version__,
+            http=f"http://{s.http.host}:{self.http_port}",
+            data_plane=s.data_plane_url,
+            l1_bytes=self.engine.cache.allocator.capacity,
+            arena=self.engine.arena.name,
+            chunk_size=s.l1.chunk_size,
+        )
+        try:
+            await self._stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            log.info("kvdepot_stopping", drain_timeout_s=s.shutdown_timeout_s)
+            self.dataplane.stop()
+            self.http_server.should_exit = True
+            await self.supervisor.stop(s.shutdown_timeout_s)
+            self.close()
+            log.info("kvdepot_stopped", uptime_s=round(self.uptime_s(), 3))
+        return 0
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("signal_received", signal=signal.Signals(sig).name)
+        self._stop.set()
+
+    def close(self) -> None:
+        if self.dataplane is not None:
+            self.dataplane.close()
+            self.dataplane = None
+        if self.http_socket is not None:
+            self.http_socket.close()
+            self.http_socket = None
+        if self.arena is not None:
+            self.arena.close()
+
+
+async def serve(settings: Settings) -> int:
+    service = Service(settings)
+    service.build()
+    return await service.run()

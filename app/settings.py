@@ -1,0 +1,286 @@
+"""Settings: one immutable object, built once at start-up, never at import.
+
+Sources, highest precedence first: command-line flags (passed as init values), environment
+variables (`KVDEPOT_` prefix, `__` between nested names, e.g. `KVDEPOT_L1__SIZE_GB=4`), an optional
+TOML file (`--config`), then the defaults below. Every field is documented and bounded; unknown keys
+are errors. Components receive only the part they need (`settings.l1`, `settings.http`, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from app.errors import ConfigError
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class HttpSettings(BaseModel):
+    """The HTTP control plane (FastAPI on uvicorn, same event loop as the data plane)."""
+
+    model_config = _FROZEN
+
+    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token required by mutating endpoints; unset = no token needed."
+    )
+
+
+class DataPlaneSettings(BaseModel):
+    """The ZMQ data plane the engine-side connector talks to."""
+
+    model_config = _FROZEN
+
+    url: str | None = Field(
+        None,
+        max_length=200,
+        description="ZMQ URL (ipc:// or tcp://). Default: ipc://<data_dir>/dataplane.sock.",
+    )
+    max_frame_bytes: int = Field(
+        16 * 1024 * 1024, ge=4096, le=1 << 30, description="Frames larger than this are refused."
+    )
+    max_tokens: int = Field(
+        1 << 20, ge=1, le=1 << 24, description="Largest token sequence accepted in one operation."
+    )
+
+    @model_validator(mode="after")
+    def _check_url(self) -> DataPlaneSettings:
+        if self.url is not None and not self.url.startswith(("ipc://", "tcp://")):
+            raise ValueError("url must start with ipc:// or tcp://")
+        return self
+
+
+class L1Settings(BaseModel):
+    """The CPU-memory tier: one shared-memory arena and the objects in it."""
+
+    model_config = _FROZEN
+
+    size_gb: float = Field(1.0, gt=0, le=4096, description="Arena size in GiB (shared memory).")
+    chunk_size: int = Field(256, ge=16, le=16384, description="Tokens per cached chunk.")
+    alignment: int = Field(4096, ge=64, le=1 << 21, description="Alignment of every object in bytes.")
+    high_watermark: float = Field(
+        0.95, gt=0, le=1, description="Eviction starts when usage would cross this fraction."
+    )
+    low_watermark: float = Field(
+        0.85, gt=0, le=1, description="Eviction frees down to this fraction of the arena."
+    )
+    write_lease_s: float = Field(
+        30.0, gt=0, le=3600, description="A write reservation not committed within this is reclaimed."
+    )
+    read_lease_s: float = Field(
+        60.0, gt=0, le=3600, description="A read lock not released within this is reclaimed."
+    )
+    reap_interval_s: float = Field(0.5, gt=0, le=60, description="How often expired leases are reclaimed.")
+    populate: bool = Field(True, description="Reserve the arena's pages at start (fails early if short).")
+
+    @model_validator(mode="after")
+    def _check(self) -> L1Settings:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError("low_watermark must not exceed high_watermark")
+        if self.alignment & (self.alignment - 1):
+            raise ValueError("alignment must be a power of two")
+        return self
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self.size_gb * (1 << 30))
+
+
+class DiskAdapterConfig(BaseModel):
+    """Local-disk L2: crash-safe files, index rebuilt from the files at start."""
+
+    model_config = _FROZEN
+
+    type: Literal["disk"] = "disk"
+    name: str = Field("disk", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    paths: list[Path] = Field(
+        default_factory=list, max_length=64, description="Directories; empty = <data_dir>/l2-disk."
+    )
+    capacity_gb: float = Field(8.0, gt=0, le=1 << 20, description="LRU eviction keeps usage below this.")
+    fsync: Literal["always", "never"] = Field("always", description="fsync each blob before rename.")
+    o_direct: bool = Field(False, description="Use O_DIRECT where the filesystem allows it.")
+    io_threads: int = Field(4, ge=1, le=64, description="Threads of this adapter's file I/O executor.")
+
+
+class RedisAdapterConfig(BaseModel):
+    """Redis or Valkey L2, shared by many sidecars."""
+
+    model_config = _FROZEN
+
+    type: Literal["redis"] = "redis"
+    name: str = Field("redis", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    url: str = Field("redis://127.0.0.1:6379/0", max_length=1024, description="redis:// or rediss:// URL.")
+    key_prefix: str = Field("kvdepot:", max_length=128, description="Namespace of every key.")
+    ttl_s: int | None = Field(None, ge=1, le=10 * 365 * 86400, description="Expiry of stored blobs.")
+    timeout_s: float = Field(2.0, gt=0, le=300, description="Socket timeout of one command.")
+    max_connections: int = Field(16, ge=1, le=1024, description="Connection pool size.")
+    capacity_gb: float | None = Field(None, gt=0, description="Reported capacity (Redis evicts itself).")
+
+
+class MockAdapterConfig(BaseModel):
+    """In-memory L2 with capacity, simulated bandwidth/latency and fault injection."""
+
+    model_config = _FROZEN
+
+    type: Literal["mock"] = "mock"
+    name: str = Field("mock", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    capacity_gb: float = Field(1.0, gt=0, le=1024)
+    bandwidth_gbps: float | None = Field(None, gt=0, description="Simulated transfer rate.")
+    latency_ms: float = Field(0.0, ge=0, le=60_000, description="Simulated latency per batch.")
+    error_rate: float = Field(0.0, ge=0, le=1, description="Probability an operation fails.")
+    hang: bool = Field(False, description="Operations never complete (until detached).")
+    corrupt_rate: float = Field(0.0, ge=0, le=1, description="Probability a load returns flipped bytes.")
+    seed: int = Field(0, ge=0, description="Seed of the fault injector.")
+
+
+AdapterConfig = Annotated[
+    DiskAdapterConfig | RedisAdapterConfig | MockAdapterConfig, Field(discriminator="type")
+]
+
+
+class L2Settings(BaseModel):
+    """The slower tiers behind L1 and the controllers that feed them."""
+
+    model_config = _FROZEN
+
+    adapters: list[AdapterConfig] = Field(
+        default_factory=lambda: list[AdapterConfig]([DiskAdapterConfig()]),
+        max_length=16,
+        description="Adapters, in order.",
+    )
+    store_policy: Literal["all", "first", "seen_twice"] = Field(
+        "all", description="Which adapters a committed chunk is written to (seen_twice: only reused ones)."
+    )
+    store_queue_depth: int = Field(1024, ge=1, le=1 << 20, description="Pending write-behind chunks.")
+    store_concurrency: int = Field(4, ge=1, le=256, description="Concurrent write-behind batches.")
+    prefetch_deadline_ms: float = Field(
+        500.0, gt=0, le=60_000, description="What has not arrived from L2 by then is a miss."
+    )
+    prefetch_max_inflight: int = Field(64, ge=1, le=1 << 16, description="Chunks being loaded at once.")
+    fp8_values: bool = Field(False, description="Store V quantized to FP8 (e4m3) with scales; K exact.")
+    lz4: bool = Field(False, description="Compress blobs with lz4.")
+
+
+class LoggingSettings(BaseModel):
+    """Structured logs (structlog)."""
+
+    model_config = _FROZEN
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info")
+    format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto: JSON lines unless stdout is a terminal."
+    )
+
+
+class TenantSettings(BaseModel):
+    """Tenants (cache_salt) and quotas."""
+
+    model_config = _FROZEN
+
+    allowlist: bool = Field(False, description="Salts without a quota store nothing.")
+    metrics_top_n: int = Field(20, ge=0, le=1000, description="Tenants labelled by name; the rest 'other'.")
+
+
+class Settings(BaseSettings):
+    """Everything kvdepot can be told. Frozen once built."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVDEPOT_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        case_sensitive=False,
+    )
+
+    data_dir: Path = Field(Path("kvdepot-data"), description="Sockets, disk L2 and persisted state.")
+    shutdown_timeout_s: float = Field(3.0, gt=0, le=600, description="Drain time before cancelling.")
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    data_plane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
+    l1: L1Settings = Field(default_factory=L1Settings)
+    l2: L2Settings = Field(default_factory=L2Settings)
+    tenants: TenantSettings = Field(default_factory=TenantSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+
+    @property
+    def data_plane_url(self) -> str:
+        return self.data_plane.url or f"ipc://{self.data_dir.resolve()}/dataplane.sock"
+
+    def summary(self) -> dict[str, Any]:
+        """The settings without secrets, for /status."""
+        out = self.model_dump(mode="json")
+        out["http"]["admin_token"] = "***" if self.http.admin_token else None
+        out["data_plane"]["url"] = self.data_plane_url
+        return out
+
+
+def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        target = target.setdefault(part, {})
+    target[parts[-1]] = value
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path | None = None) -> Settings:
+    """Build the settings. `overrides` are dotted names from flags (`{"l1.size_gb": 2}`).
+
+    Raises ConfigError with one line naming the offending setting.
+    """
+    init: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _deep_set(init, key, value)
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"config: file {config_file} does not exist")
+
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            if config_file is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+            return tuple(sources)
+
+    try:
+        built = _Sourced(**init)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    except ValueError as exc:  # a TOML syntax error surfaces as ValueError (tomllib.TOMLDecodeError)
+        raise ConfigError(f"config: {config_file}: {exc}") from None
+    # Hand out the plain class so nothing depends on the per-call subclass.
+    return Settings.model_construct(**dict(built))
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line: the setting's dotted name, what is wrong, and the value given."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown setting")
+        else:
+            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid setting " + "; ".join(parts)
+
+
+def env_overrides_present() -> list[str]:
+    """Names of KVDEPOT_ environment variables in effect (for the start-up log line)."""
+    return sorted(k for k in os.environ if k.upper().startswith("KVDEPOT_"))

@@ -1,0 +1,310 @@
+"""CacheEngine: the one entry point api/ calls for everything the data plane and control plane do.
+
+State: engine registrations, the L1 cache, the per-request lock table, counters. Owned by the
+event loop; every method is synchronous and short (no I/O), so handlers run them inline.
+
+Primitives in data-plane call order:
+  register(model, layout, kv_rank, group)           -> Registration (idempotent per identity)
+  lookup(engine, request, tokens, salt)             -> LookupResult; hit objects read-locked
+  retrieve(engine, request, first, count)           -> extents of the locked objects to copy out
+  release(engine, request)                          -> False if the lease had expired (copy unsafe)
+  store(engine, request, tokens, salt, first_chunk) -> per-chunk StoreSlot (reserve; client copies)
+  commit(engine, oids)                              -> per-oid ok / lease expired; visible at once
+  free_lookup_locks / end_request / clear
+  reap(now)                                         -> expired leases reclaimed (run_reaper loop)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
+from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from engine.l1.arena import SharedArena
+from engine.l1.cache import L1Cache
+from engine.l1.lifecycle import L1Object
+from engine.requests import RequestId, RequestLocks, RequestTable
+from engine.results import Extent, LookupResult, Registration, SlotStatus, StoreSlot
+
+MAX_ID_LEN = 256
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    store_requests: int = 0
+    stored_chunks: int = 0
+    existing_chunks: int = 0
+    no_space_chunks: int = 0
+    retrieves: int = 0
+    retrieved_chunks: int = 0
+    expired_locks: int = 0
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        *,
+        arena: SharedArena,
+        cache: L1Cache,
+        chunk_size: int,
+        read_lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self.cache = cache
+        self.chunk_size = chunk_size
+        self.hasher = TokenHasher(chunk_size)
+        self.read_lease_s = read_lease_s
+        self.counters = EngineCounters()
+        self._clock = clock
+        self._registrations: dict[int, Registration] = {}
+        self._by_identity: dict[Namespace, int] = {}
+        self._requests = RequestTable()
+
+    # --- registration --------------------------------------------------------------------------
+
+    def register(self, model: str, layout: KVLayout, kv_rank: int = 0, group: int = 0) -> Registration:
+        if not model or len(model) > MAX_ID_LEN:
+            raise InvalidInput(f"model id must be 1..{MAX_ID_LEN} characters")
+        if layout.chunk_size != self.chunk_size:
+            raise InvalidInput(
+                f"chunk size mismatch: the sidecar uses {self.chunk_size} tokens per chunk, "
+                f"the engine asked for {layout.chunk_size} (set l1.chunk_size or the connector's chunk_size)"
+            )
+        if not 0 <= kv_rank < 1 << 16 or not 0 <= group < 1 << 10:
+            raise InvalidInput("kv_rank must be in 0..65535 and group in 0..1023")
+        capacity = self.cache.allocator.capacity
+        if layout.chunk_bytes > capacity:
+            raise InvalidInput(f"one chunk ({layout.chunk_bytes} bytes) is larger than L1 ({capacity} bytes)")
+        ns = Namespace(model=model, layout_fp=layout.fingerprint, kv_rank=kv_rank, group=group)
+        engine_id = self._by_identity.get(ns)
+        if engine_id is None:
+            # Random per process: an id from before a restart is unknown here, so a client that
+            # reconnects must register again (and re-map the new arena) before touching offsets.
+            engine_id = secrets.randbelow((1 << 31) - 1) + 1
+            while engine_id in self._registrations:
+                engine_id = secrets.randbelow((1 << 31) - 1) + 1
+            self._registrations[engine_id] = Registration(engine_id, ns, layout, layout.chunk_bytes)
+            self._by_identity[ns] = engine_id
+        return self._registrations[engine_id]
+
+    def registration(self, engine_id: int) -> Registration:
+        reg = self._registrations.get(engine_id)
+        if reg is None:
+            raise NotRegistered(f"engine {engine_id} is not registered (REGISTER first)")
+        return reg
+
+    def registrations(self) -> list[Registration]:
+        return list(self._registrations.values())
+
+    # --- lookup and read -----------------------------------------------------------------------
+
+    def lookup(self, engine_id: int, request_id: str, tokens: bytes, salt: str) -> LookupResult:
+        reg = self.registration(engine_id)
+        _check_ids(request_id, salt)
+        now = self._clock()
+        rid = (engine_id, request_id)
+        self._unlock_request(rid)  # a repeated lookup replaces the previous one
+        hashes = self.hasher.chunk_hashes(tokens)
+        locked: list[L1Object] = []
+        cache = self.cache
+        ns = reg.namespace
+        for h in hashes:
+            obj = cache.find(ObjectKey(ns, salt, h), now)
+            if obj is None:
+                break
+            cache.lock(obj, now)
+            locked.append(obj)
+        if locked:
+            self._requests.put(rid, RequestLocks(locked, now + self.read_lease_s))
+        else:
+            self._requests.forget(rid)
+        c = self.counters
+        hit = len(locked)
+        c.lookups += 1
+        c.hit_chunks += hit
+        c.miss_chunks += len(hashes) - hit
+        c.hit_tokens += hit * self.chunk_size
+        c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
+        return LookupResult(hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=len(hashes))
+
+    def query_prefetch(self, engine_id: int, request_id: str) -> LookupResult:
+        """Where a request's lookup stands now (chunks locked and ready, chunks still loading)."""
+        self.registration(engine_id)
+        entry = self._requests.locks.get((engine_id, request_id))
+        hit = len(entry.objects) if entry else 0
+        return LookupResult(hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=hit)
+
+    def retrieve(self, engine_id: int, request_id: str, first_chunk: int, num_chunks: int) -> list[Extent]:
+        self.registration(engine_id)
+        rid = (engine_id, request_id)
+        entry = self._requests.locks.get(rid)
+        if entry is None:
+            if self._requests.was_expired(rid):
+                raise LeaseExpired(f"request {request_id!r}: read locks expired before RETRIEVE")
+            raise NotFound(f"request {request_id!r} holds no read locks (LOOKUP first)")
+        end = first_chunk + num_chunks
+        if first_chunk < 0 or num_chunks < 0 or end > len(entry.objects):
+            raise InvalidInput(
+                f"chunks {first_chunk}..{end} outside the {len(entry.objects)} locked for {request_id!r}"
+            )
+        self.counters.retrieves += 1
+        self.counters.retrieved_chunks += num_chunks
+        return [Extent(o.offset, o.size) for o in entry.objects[first_chunk:end]]
+
+    def release(self, engine_id: int, request_id: str) -> bool:
+        """Drop the request's read locks after it copied. False: a lease had expired, discard the copy."""
+        self.registration(engine_id)
+        rid = (engine_id, request_id)
+        if self._unlock_request(rid):
+            return True
+        expired = self._requests.was_expired(rid)
+        self._requests.forget(rid)
+        return not expired
+
+    def free_lookup_locks(self, engine_id: int, request_id: str) -> int:
+        self.registration(engine_id)
+        return self._unlock_request((engine_id, request_id))
+
+    def end_request(self, engine_id: int, request_id: str) -> int:
+        self.registration(engine_id)
+        rid = (engine_id, request_id)
+        n = self._unlock_request(rid)
+        self._requests.forget(rid)
+        return n
+
+    # --- store ---------------------------------------------------------------------------------
+
+    def store(
+        self, engine_id: int, request_id: str, tokens: bytes, salt: str, first_chunk: int = 0
+    ) -> list[StoreSlot]:
+        """Reserve slots for full chunks `first_chunk..` of `tokens`. The client copies, then commits."""
+        reg = self.registration(engine_id)
+        _check_ids(request_id, salt)
+        n = self.hasher.full_chunks(tokens)
+        if not 0 <= first_chunk <= n:
+            raise InvalidInput(f"first_chunk {first_chunk} outside 0..{n}")
+        hashes = self.hasher.chunk_hashes(tokens)
+        now = self._clock()
+        cache = self.cache
+        size = reg.chunk_bytes
+        slots: list[StoreSlot] = []
+        full = False
+        c = self.counters
+        c.store_requests += 1
+        for i in range(first_chunk, n):
+            key = ObjectKey(reg.namespace, salt, hashes[i])
+            if cache.peek(key) is not None:
+                slots.append(StoreSlot(i, SlotStatus.EXISTS))
+                c.existing_chunks += 1
+                continue
+            obj = None if full else cache.reserve(key, size, now)
+            if obj is None:
+                # Later chunks of a chain are useless without this one: refuse them too, explicitly.
+                full = True
+                slots.append(StoreSlot(i, SlotStatus.NO_SPACE))
+                c.no_space_chunks += 1
+                continue
+            slots.append(StoreSlot(i, SlotStatus.RESERVED, obj.oid, obj.offset, obj.size))
+            c.stored_chunks += 1
+        return slots
+
+    def commit(self, engine_id: int, oids: list[int]) -> list[bool]:
+        """Make reserved chunks ready. Per oid: True, or False when its lease had expired."""
+        self.registration(engine_id)
+        now = self._clock()
+        out: list[bool] = []
+        for oid in oids:
+            try:
+                self.cache.commit(oid, now)
+            except LeaseExpired:
+                out.append(False)
+            else:
+                out.append(True)
+        return out
+
+    def abort(self, engine_id: int, oids: list[int]) -> int:
+        """Drop reservations the client will not fill (a copy failed)."""
+        self.registration(engine_id)
+        n = 0
+        for oid in oids:
+            try:
+                obj = self.cache.reservation(oid)
+            except NotFound:
+                continue
+            self.cache.abort(obj)
+            n += 1
+        return n
+
+    # --- maintenance ---------------------------------------------------------------------------
+
+    def clear(self, salt: str | None = None) -> int:
+        """Delete every object (of one tenant when `salt` is given); locked ones go when unlocked."""
+        pred = None if salt is None else (lambda o: o.key.salt == salt)
+        return self.cache.clear(pred)
+
+    def reap(self) -> tuple[int, int]:
+        """Reclaim expired write reservations and read locks. Returns (reservations, requests)."""
+        now = self._clock()
+        reservations = self.cache.reap(now)
+        due = self._requests.due(now)
+        for rid in due:
+            self._unlock_request(rid)
+            self._requests.mark_expired(rid)
+        self.counters.expired_locks += len(due)
+        return reservations, len(due)
+
+    async def run_reaper(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.reap()
+
+    def status(self) -> dict[str, Any]:
+        alloc = self.cache.allocator
+        return {
+            "arena": self.arena.name,
+            "capacity_bytes": alloc.capacity,
+            "used_bytes": alloc.used,
+            "objects": len(self.cache),
+            "objects_by_state": self.cache.state_counts(),
+            "free_extents": alloc.free_extents,
+            "largest_free_bytes": alloc.largest_free(),
+            "chunk_size": self.chunk_size,
+            "engines": [
+                {
+                    "engine_id": r.engine_id,
+                    "model": r.namespace.model,
+                    "kv_rank": r.namespace.kv_rank,
+                    "layout": r.layout.kind,
+                    "chunk_bytes": r.chunk_bytes,
+                }
+                for r in self._registrations.values()
+            ],
+            "locked_requests": len(self._requests.locks),
+            "counters": asdict(self.counters) | asdict(self.cache.counters),
+        }
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _unlock_request(self, rid: RequestId) -> int:
+        entry = self._requests.take(rid)
+        if entry is None:
+            return 0
+        for obj in entry.objects:
+            self.cache.unlock(obj)
+        return len(entry.objects)
+
+
+def _check_ids(request_id: str, salt: str) -> None:
+    if len(request_id) > MAX_ID_LEN or len(salt) > MAX_ID_LEN:
+        raise InvalidInput(f"request id and cache_salt must be at most {MAX_ID_LEN} characters")

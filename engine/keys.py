@@ -1,0 +1,174 @@
+"""Keys: how a chunk of KV cache is named, identically in every process and after every restart.
+
+- `TokenHasher` cuts a token sequence into chunks of `chunk_size` tokens (only full chunks count)
+  and chains them: h(0) = H(SEED || tokens 0), h(i) = H(h(i-1) || tokens i). H is blake3 (32
+  bytes); tokens are hashed as unsigned 32-bit little-endian integers. No Python `hash()`, no random
+  seed: the same tokens give the same hashes everywhere.
+- `KVLayout` describes one engine's KV memory (dtype, layers, kv heads, head dim, block size, layout
+  kind, chunk size); its `fingerprint` is a stable 8-byte digest of the canonical form.
+- `Namespace` = model id + layout fingerprint + kv rank + object group: everything about a key but
+  the tenant and the chunk.
+- `ObjectKey` = namespace + cache_salt + chunk hash. Keys that differ in any field never alias.
+
+Serialized form (`ObjectKey.serialize`), stable and self-describing, used as the L2 key name::
+
+    kvd1/m=<model, percent-encoded>/l=<layout fingerprint hex>/r=<kv rank>/g=<group>/s=<salt,
+    percent-encoded>/h=<chunk hash hex>
+
+`ObjectKey.parse` is its exact inverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import quote, unquote
+
+import blake3
+
+HASH_BYTES = 32
+TOKEN_BYTES = 4
+SEED = blake3.blake3(b"kvdepot/token-chain/v1").digest()
+KEY_VERSION = "kvd1"
+
+_DTYPE_SIZES = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return _DTYPE_SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; one of {sorted(_DTYPE_SIZES)}") from None
+
+
+class TokenHasher:
+    """Rolling chunk hashes of token sequences. Stateless apart from `chunk_size`."""
+
+    def __init__(self, chunk_size: int) -> None:
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self.chunk_size = chunk_size
+        self._chunk_bytes = chunk_size * TOKEN_BYTES
+
+    def full_chunks(self, token_bytes: bytes | memoryview) -> int:
+        return len(token_bytes) // self._chunk_bytes
+
+    def chunk_hashes(self, token_bytes: bytes | memoryview, limit: int | None = None) -> list[bytes]:
+        """Hashes of the full chunks of `token_bytes` (uint32 LE tokens), at most `limit` of them."""
+        n = self.full_chunks(token_bytes)
+        if limit is not None:
+            n = min(n, limit)
+        view = memoryview(token_bytes)
+        step = self._chunk_bytes
+        prev = SEED
+        out: list[bytes] = []
+        for i in range(n):
+            hasher = blake3.blake3(prev)
+            hasher.update(view[i * step : (i + 1) * step])
+            prev = hasher.digest()
+            out.append(prev)
+        return out
+
+    @staticmethod
+    def encode_tokens(tokens: list[int]) -> bytes:
+        """Tokens as the uint32 little-endian bytes the hasher and the wire protocol use."""
+        import array
+        import sys
+
+        arr = array.array("I", tokens)
+        if sys.byteorder != "little":
+            arr.byteswap()
+        return arr.tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of one engine rank's KV cache, as far as a cached chunk depends on it."""
+
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kind: str
+    chunk_size: int
+    fingerprint: bytes = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        dtype_size(self.dtype)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "chunk_size"):
+            value = getattr(self, name)
+            if not 0 < value <= 1 << 20:
+                raise ValueError(f"{name} must be in 1..{1 << 20}, got {value}")
+        if not self.kind or len(self.kind) > 64:
+            raise ValueError("layout kind must be 1..64 characters")
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size {self.chunk_size} must be a multiple of the engine block size {self.block_size}"
+            )
+        canonical = (
+            f"dtype={self.dtype};layers={self.num_layers};kv_heads={self.num_kv_heads};"
+            f"head_dim={self.head_dim};block={self.block_size};kind={self.kind};chunk={self.chunk_size}"
+        )
+        object.__setattr__(self, "fingerprint", blake3.blake3(canonical.encode()).digest(length=8))
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk: K and V of every layer for `chunk_size` tokens."""
+        return (
+            2 * self.num_layers * self.num_kv_heads * self.head_dim * self.chunk_size * dtype_size(self.dtype)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that names a chunk apart from its tenant and its tokens."""
+
+    model: str
+    layout_fp: bytes
+    kv_rank: int = 0
+    group: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectKey:
+    namespace: Namespace
+    salt: str
+    chunk_hash: bytes
+
+    def serialize(self) -> str:
+        ns = self.namespace
+        return (
+            f"{KEY_VERSION}/m={quote(ns.model, safe='')}/l={ns.layout_fp.hex()}/r={ns.kv_rank}"
+            f"/g={ns.group}/s={quote(self.salt, safe='')}/h={self.chunk_hash.hex()}"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> ObjectKey:
+        parts = text.split("/")
+        if len(parts) != 7 or parts[0] != KEY_VERSION:
+            raise ValueError(f"not a {KEY_VERSION} key: {text[:80]!r}")
+        fields: dict[str, str] = {}
+        for part in parts[1:]:
+            name, sep, value = part.partition("=")
+            if not sep or name in fields:
+                raise ValueError(f"bad key field {part[:40]!r}")
+            fields[name] = value
+        try:
+            ns = Namespace(
+                model=unquote(fields["m"]),
+                layout_fp=bytes.fromhex(fields["l"]),
+                kv_rank=int(fields["r"]),
+                group=int(fields["g"]),
+            )
+            chunk_hash = bytes.fromhex(fields["h"])
+            return cls(ns, unquote(fields["s"]), chunk_hash)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"bad key {text[:80]!r}: {exc}") from None

@@ -1,0 +1,1 @@
+"""The L1 tier: a shared-memory arena, its allocator, object lifecycles, eviction."""

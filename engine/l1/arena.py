@@ -1,0 +1,143 @@
+"""The L1 arena: one shared-memory region, created at start, mapped by engine-side clients by name.
+
+State: the region's file under /dev/shm (POSIX shared memory), its mapping and a uint8 tensor over
+the whole of it. Objects are views (`tensor(offset, size)`, `view(offset, size)`) at offsets the
+allocator hands out; there is no torch allocation per chunk.
+
+Names are `kvdepot-<instance>-<pid>`: the instance is derived from the data directory, so a sidecar
+restarted on the same data dir finds, and unlinks, the regions its dead predecessors left behind
+(`cleanup_stale`). A region whose owner is alive is never touched.
+
+Primitives in call order: `cleanup_stale()`, `SharedArena.create(...)`, views, `close()` (unmaps
+and unlinks; clients that still map it keep their mapping until they unmap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import blake3
+import structlog
+import torch
+
+from app.errors import ConfigError
+
+log = structlog.get_logger("kvdepot.l1.arena")
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "kvdepot-"
+
+
+def instance_id(data_dir: Path) -> str:
+    return blake3.blake3(str(data_dir.resolve()).encode()).hexdigest(length=6)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink regions of this instance whose owning process is gone. Returns their names.
+
+    A region of this instance whose owner is alive means another sidecar runs on the same data
+    directory: that is refused with a ConfigError rather than sharing (and corrupting) it.
+    """
+    removed: list[str] = []
+    prefix = f"{PREFIX}{instance}-"
+    for entry in shm_dir.glob(f"{prefix}*"):
+        pid_text = entry.name[len(prefix) :]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid != os.getpid() and _pid_alive(pid):
+            raise ConfigError(f"data_dir: another kvdepot (pid {pid}) is running on this data directory")
+        if pid == os.getpid():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+            removed.append(entry.name)
+    if removed:
+        log.info("stale_arenas_removed", names=removed)
+    return removed
+
+
+class SharedArena:
+    def __init__(self, name: str, size: int, fd: int, mm: mmap.mmap, path: Path) -> None:
+        self.name = name
+        self.size = size
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self._buf = memoryview(mm)
+        self._tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self.closed = False
+
+    @classmethod
+    def create(
+        cls, size: int, instance: str, *, populate: bool = True, shm_dir: Path = SHM_DIR
+    ) -> SharedArena:
+        name = f"{PREFIX}{instance}-{os.getpid()}"
+        path = shm_dir / name
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+        except OSError as exc:
+            raise ConfigError(f"l1: cannot create shared memory {path}: {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, size)
+            if populate:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                        free = os.statvfs(shm_dir)
+                        raise ConfigError(
+                            f"l1.size_gb: {size / (1 << 30):.2f} GiB do not fit in {shm_dir} "
+                            f"({free.f_bavail * free.f_frsize / (1 << 30):.2f} GiB free; "
+                            "in a container raise --shm-size)"
+                        ) from None
+                    raise
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            raise
+        log.info("arena_created", name=name, size=size, populated=populate)
+        return cls(name, size, fd, mm, path)
+
+    @property
+    def tensor_all(self) -> torch.Tensor:
+        return self._tensor
+
+    def tensor(self, offset: int, size: int) -> torch.Tensor:
+        """A uint8 tensor view of `[offset, offset+size)`; shares memory with the arena."""
+        return self._tensor[offset : offset + size]
+
+    def view(self, offset: int, size: int) -> memoryview:
+        """A writable memoryview of `[offset, offset+size)`."""
+        return self._buf[offset : offset + size]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        del self._tensor
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            # Views still referenced somewhere; the mapping goes with the process.
+            log.warning("arena_views_outstanding", name=self.name)
+        os.close(self._fd)

@@ -1,0 +1,211 @@
+"""L1Cache: the objects in the arena, their lifecycles, leases and eviction.
+
+State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
+object for write reservations, the allocator, the eviction policy and counters.
+
+Primitives in call order:
+  find(key)                      visible object or None (touches LRU)
+  reserve(key, size, now)        -> object in WRITE_RESERVED, or None when no room can be made
+  commit(oid, now)               -> READY (LeaseExpired if the reservation was reclaimed)
+  abort(obj)                     reservation dropped, memory freed
+  lock(obj, now) / unlock(obj)   read locks; the last unlock of a doomed object frees it
+  evict(...) / delete(obj) / clear(...)
+  reap(now)                      reclaims expired write reservations (read locks: the facade)
+
+Room is made on `reserve`: when usage would cross the high watermark, ready objects are evicted in
+policy order down to the low watermark; locked and reserved objects are never evicted. If that is
+not enough (everything pinned, or fragmentation), the answer is None: the caller says "no space".
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from app.errors import LeaseExpired, NotFound
+from engine.keys import ObjectKey
+from engine.l1.allocator import ExtentAllocator
+from engine.l1.eviction import EvictionPolicy
+from engine.l1.lifecycle import Event, L1Object, ObjectState
+
+
+@dataclass(slots=True)
+class L1Counters:
+    reserved: int = 0
+    committed: int = 0
+    aborted: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+    deleted: int = 0
+    no_space: int = 0
+    expired_reservations: int = 0
+
+
+class L1Cache:
+    def __init__(
+        self,
+        allocator: ExtentAllocator,
+        policy: EvictionPolicy,
+        *,
+        high_watermark: float,
+        low_watermark: float,
+        write_lease_s: float,
+        on_remove: Callable[[L1Object, ObjectState], None] | None = None,
+    ) -> None:
+        self.allocator = allocator
+        self.policy = policy
+        self.high = int(allocator.capacity * high_watermark)
+        self.low = int(allocator.capacity * low_watermark)
+        self.write_lease_s = write_lease_s
+        self.counters = L1Counters()
+        self._objects: dict[ObjectKey, L1Object] = {}
+        self._reservations: dict[int, L1Object] = {}
+        self._oids = itertools.count(1)
+        self._on_remove = on_remove
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def objects(self) -> Iterator[L1Object]:
+        return iter(list(self._objects.values()))
+
+    def peek(self, key: ObjectKey) -> L1Object | None:
+        """The object under `key` in any live state, without touching LRU."""
+        return self._objects.get(key)
+
+    def find(self, key: ObjectKey, now: float) -> L1Object | None:
+        obj = self._objects.get(key)
+        if obj is None or not obj.visible or obj.doomed:
+            return None
+        obj.last_access = now
+        self.policy.on_access(obj)
+        return obj
+
+    def state_counts(self) -> dict[str, int]:
+        counts = {
+            s.value: 0 for s in (ObjectState.WRITE_RESERVED, ObjectState.READY, ObjectState.READ_LOCKED)
+        }
+        for obj in self._objects.values():
+            counts[obj.state.value] += 1
+        return counts
+
+    # --- writes --------------------------------------------------------------------------------
+
+    def reserve(self, key: ObjectKey, size: int, now: float) -> L1Object | None:
+        """Reserve room for `key`. None when no room can be made. The key must be absent."""
+        if key in self._objects:
+            raise ValueError("reserve of a key that is present")
+        offset = self._allocate(size)
+        if offset is None:
+            self.counters.no_space += 1
+            return None
+        obj = L1Object(oid=next(self._oids), key=key, offset=offset, size=size, last_access=now)
+        obj.apply(Event.RESERVE)
+        obj.lease_deadline = now + self.write_lease_s
+        self._objects[key] = obj
+        self._reservations[obj.oid] = obj
+        self.counters.reserved += 1
+        return obj
+
+    def commit(self, oid: int, now: float) -> L1Object:
+        obj = self._reservations.pop(oid, None)
+        if obj is None:
+            raise LeaseExpired(f"reservation {oid} is unknown or its lease expired")
+        obj.apply(Event.COMMIT)
+        obj.last_access = now
+        self.policy.on_insert(obj)
+        self.counters.committed += 1
+        if obj.doomed:
+            self.delete(obj)
+        return obj
+
+    def abort(self, obj: L1Object) -> None:
+        self._reservations.pop(obj.oid, None)
+        obj.apply(Event.ABORT)
+        self.counters.aborted += 1
+        self._release(obj, ObjectState.DELETED)
+
+    def reservation(self, oid: int) -> L1Object:
+        obj = self._reservations.get(oid)
+        if obj is None:
+            raise NotFound(f"reservation {oid} is unknown or its lease expired")
+        return obj
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def lock(self, obj: L1Object, now: float) -> None:
+        obj.apply(Event.LOCK)
+        obj.last_access = now
+
+    def unlock(self, obj: L1Object) -> None:
+        if obj.apply(Event.UNLOCK) is ObjectState.DELETED:
+            self.counters.deleted += 1
+            self._release(obj, ObjectState.DELETED)
+
+    # --- removal -------------------------------------------------------------------------------
+
+    def delete(self, obj: L1Object) -> None:
+        """Delete a ready object now, or doom a locked/reserved one (freed on last unlock/commit)."""
+        if obj.state is ObjectState.READY:
+            obj.apply(Event.DELETE)
+            self.counters.deleted += 1
+            self._release(obj, ObjectState.DELETED)
+        else:
+            obj.doomed = True
+
+    def clear(self, predicate: Callable[[L1Object], bool] | None = None) -> int:
+        n = 0
+        for obj in list(self._objects.values()):
+            if predicate is None or predicate(obj):
+                self.delete(obj)
+                n += 1
+        return n
+
+    def evict(self, need: int, salt: str | None = None) -> int:
+        """Evict ready objects in policy order until `need` bytes were freed. Returns bytes freed."""
+        freed = 0
+        for obj in self.policy.candidates(salt):
+            if freed >= need:
+                break
+            if not obj.evictable:
+                continue
+            obj.apply(Event.EVICT)
+            freed += obj.size
+            self.counters.evicted += 1
+            self.counters.evicted_bytes += obj.size
+            self._release(obj, ObjectState.EVICTED)
+        return freed
+
+    def reap(self, now: float) -> int:
+        """Abort write reservations whose lease expired. Returns how many."""
+        expired = [o for o in self._reservations.values() if o.lease_deadline <= now]
+        for obj in expired:
+            self.abort(obj)
+        self.counters.expired_reservations += len(expired)
+        return len(expired)
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _allocate(self, size: int) -> int | None:
+        alloc = self.allocator
+        need = alloc.aligned(size)
+        if alloc.used + need > self.high:
+            self.evict(alloc.used + need - self.low)
+        offset = alloc.allocate(size)
+        while offset is None:
+            # Fragmented or above the low watermark already: free more, one object's worth at a time.
+            if self.evict(need) == 0:
+                return None
+            offset = alloc.allocate(size)
+        return offset
+
+    def _release(self, obj: L1Object, final: ObjectState) -> None:
+        if self._objects.get(obj.key) is obj:
+            del self._objects[obj.key]
+        self.policy.on_remove(obj)
+        self.allocator.free(obj.offset)
+        if self._on_remove is not None:
+            self._on_remove(obj, final)

@@ -1,0 +1,58 @@
+"""Eviction policies for L1: which ready objects go first when room must be made.
+
+A policy only orders objects; the cache decides when to evict (watermarks) and skips anything that
+is not evictable (reserved, read-locked). Policies are told of every insert, access and removal.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Protocol
+
+from engine.l1.lifecycle import L1Object
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def on_insert(self, obj: L1Object) -> None: ...
+
+    def on_access(self, obj: L1Object) -> None: ...
+
+    def on_remove(self, obj: L1Object) -> None: ...
+
+    def candidates(self, salt: str | None = None) -> Iterator[L1Object]:
+        """Objects in eviction order (first = evict first); only those of `salt` when given."""
+        ...
+
+
+class LRUPolicy:
+    """Least recently used first, over all objects, with a per-salt view for tenant quotas."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, L1Object] = OrderedDict()
+        self._by_salt: dict[str, OrderedDict[int, L1Object]] = {}
+
+    def on_insert(self, obj: L1Object) -> None:
+        self._order[obj.oid] = obj
+        self._by_salt.setdefault(obj.key.salt, OrderedDict())[obj.oid] = obj
+
+    def on_access(self, obj: L1Object) -> None:
+        if obj.oid in self._order:
+            self._order.move_to_end(obj.oid)
+            self._by_salt[obj.key.salt].move_to_end(obj.oid)
+
+    def on_remove(self, obj: L1Object) -> None:
+        if self._order.pop(obj.oid, None) is not None:
+            per_salt = self._by_salt[obj.key.salt]
+            per_salt.pop(obj.oid, None)
+            if not per_salt:
+                del self._by_salt[obj.key.salt]
+
+    def candidates(self, salt: str | None = None) -> Iterator[L1Object]:
+        source = self._order if salt is None else self._by_salt.get(salt, OrderedDict())
+        # Copy: the caller removes objects while iterating.
+        yield from list(source.values())

@@ -1,0 +1,47 @@
+"""Small result types the engine facade hands to api/. Frozen, slotted, no behaviour."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.keys import KVLayout, Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    engine_id: int
+    namespace: Namespace
+    layout: KVLayout
+    chunk_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hit_chunks: int
+    hit_tokens: int
+    total_chunks: int
+    pending_chunks: int = 0
+    """Chunks still being loaded from L2; poll with `query_prefetch`."""
+
+
+class SlotStatus(enum.Enum):
+    RESERVED = "reserved"
+    EXISTS = "exists"
+    NO_SPACE = "no_space"
+    QUOTA = "quota"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSlot:
+    chunk: int
+    status: SlotStatus
+    oid: int = 0
+    offset: int = 0
+    size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    offset: int
+    size: int

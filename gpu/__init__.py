@@ -1,0 +1,1 @@
+"""Device abstraction and transfers (CUDA, or a CPU stub that runs the same paths)."""

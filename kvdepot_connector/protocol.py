@@ -1,0 +1,293 @@
+"""The data-plane wire protocol, defined once: message types, error codes, version.
+
+Transport: ZMQ, the sidecar binds a ROUTER, clients connect DEALERs. One frame per message,
+encoded with msgpack (msgspec). Every request carries `id`, a client-chosen integer echoed in the
+reply, so a client may keep several requests in flight. Requests and replies are tagged unions:
+the map's `op` field names the type. No pickle, ever.
+
+Tokens travel as bytes: unsigned 32-bit little-endian integers (4 bytes per token).
+
+Requests, in the order a client uses them:
+
+  Hello(version)                         -> HelloReply: chunk size, arena name and size
+  Register(model, layout, kv_rank, group)-> RegisterReply: engine_id, chunk_bytes
+  Lookup(engine_id, request_id, tokens, cache_salt)
+                                         -> LookupReply: hit_tokens from the start; hits read-locked
+  Retrieve(engine_id, request_id, first_chunk, num_chunks)
+                                         -> RetrieveReply: (offset, size) per locked chunk
+  Release(engine_id, request_id)         -> ReleaseReply: valid=False if a lease expired
+  Store(engine_id, request_id, tokens, cache_salt, first_chunk)
+                                         -> StoreReply: per chunk reserved(offset)/exists/no_space/quota
+  Commit(engine_id, oids)                -> CommitReply: per oid True, False = lease expired
+  Abort(engine_id, oids), FreeLookupLocks, EndRequest, Clear -> CountReply
+  QueryPrefetch(engine_id, request_id)   -> LookupReply (after a Lookup that said pending_chunks > 0)
+  Ping                                   -> Pong
+
+Any request may instead get an ErrorReply(code, message, retryable). A frame that cannot be
+decoded gets ErrorReply(code="malformed_frame") with id -1 when no id could be read.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_ID_LEN = 256
+MAX_LIST = 1 << 16
+
+Id = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]
+EngineId = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Oid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
+Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED_FRAME = "malformed_frame"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    INVALID_INPUT = "invalid_input"
+    NOT_REGISTERED = "not_registered"
+    NOT_FOUND = "not_found"
+    LEASE_EXPIRED = "lease_expired"
+    NO_SPACE = "no_space"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    OVERLOADED = "overloaded"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class SlotStatus(enum.StrEnum):
+    RESERVED = "reserved"
+    EXISTS = "exists"
+    NO_SPACE = "no_space"
+    QUOTA = "quota"
+
+
+class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+    id: Id
+
+
+class Layout(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One engine rank's KV layout. `kind` names the memory arrangement of a chunk's bytes."""
+
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    num_layers: Dim
+    num_kv_heads: Dim
+    head_dim: Dim
+    block_size: Dim
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    chunk_size: Dim
+
+    @property
+    def chunk_bytes(self) -> int:
+        sizes = {
+            "float16": 2,
+            "bfloat16": 2,
+            "float32": 4,
+            "float8_e4m3fn": 1,
+            "float8_e5m2": 1,
+            "uint8": 1,
+            "int8": 1,
+        }
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.chunk_size * sizes[self.dtype]
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    version: Count
+    client: Name = ""
+
+
+class Register(_Msg, tag="register"):
+    model: Name
+    layout: Layout
+    kv_rank: Count = 0
+    group: Count = 0
+
+
+class Lookup(_Msg, tag="lookup"):
+    engine_id: EngineId
+    request_id: Name
+    tokens: bytes
+    cache_salt: Name = ""
+
+
+class QueryPrefetch(_Msg, tag="query_prefetch"):
+    engine_id: EngineId
+    request_id: Name
+
+
+class Retrieve(_Msg, tag="retrieve"):
+    engine_id: EngineId
+    request_id: Name
+    first_chunk: Count = 0
+    num_chunks: Count = 0
+
+
+class Release(_Msg, tag="release"):
+    engine_id: EngineId
+    request_id: Name
+
+
+class Store(_Msg, tag="store"):
+    engine_id: EngineId
+    request_id: Name
+    tokens: bytes
+    cache_salt: Name = ""
+    first_chunk: Count = 0
+
+
+class Commit(_Msg, tag="commit"):
+    engine_id: EngineId
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class Abort(_Msg, tag="abort"):
+    engine_id: EngineId
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class FreeLookupLocks(_Msg, tag="free_lookup_locks"):
+    engine_id: EngineId
+    request_id: Name
+
+
+class EndRequest(_Msg, tag="end_request"):
+    engine_id: EngineId
+    request_id: Name
+
+
+class Ping(_Msg, tag="ping"):
+    pass
+
+
+class Clear(_Msg, tag="clear"):
+    cache_salt: Name | None = None
+
+
+Request = (
+    Hello
+    | Register
+    | Lookup
+    | QueryPrefetch
+    | Retrieve
+    | Release
+    | Store
+    | Commit
+    | Abort
+    | FreeLookupLocks
+    | EndRequest
+    | Ping
+    | Clear
+)
+
+
+# --- replies ----------------------------------------------------------------------------------
+
+
+class HelloReply(_Msg, tag="hello_reply"):
+    version: int
+    server: str
+    chunk_size: int
+    arena_name: str
+    arena_size: int
+    max_frame_bytes: int
+
+
+class RegisterReply(_Msg, tag="register_reply"):
+    engine_id: int
+    chunk_bytes: int
+    layout_fingerprint: bytes
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    hit_tokens: int
+    hit_chunks: int
+    total_chunks: int
+    pending_chunks: int = 0
+
+
+class Slot(msgspec.Struct, array_like=True, frozen=True):
+    chunk: int
+    status: SlotStatus
+    oid: int = 0
+    offset: int = 0
+    size: int = 0
+
+
+class StoreReply(_Msg, tag="store_reply"):
+    slots: list[Slot]
+
+
+class CommitReply(_Msg, tag="commit_reply"):
+    ok: list[bool]
+
+
+class Extent(msgspec.Struct, array_like=True, frozen=True):
+    offset: int
+    size: int
+
+
+class RetrieveReply(_Msg, tag="retrieve_reply"):
+    extents: list[Extent]
+
+
+class ReleaseReply(_Msg, tag="release_reply"):
+    valid: bool
+
+
+class CountReply(_Msg, tag="count_reply"):
+    count: int
+
+
+class Pong(_Msg, tag="pong"):
+    server_time: float
+
+
+class ErrorReply(_Msg, tag="error"):
+    code: str
+    message: str
+    retryable: bool = False
+
+
+Reply = (
+    HelloReply
+    | RegisterReply
+    | LookupReply
+    | StoreReply
+    | CommitReply
+    | RetrieveReply
+    | ReleaseReply
+    | CountReply
+    | Pong
+    | ErrorReply
+)
+
+
+class _IdOnly(msgspec.Struct):
+    id: int = -1
+
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def salvage_id(frame: bytes) -> int:
+    """The `id` of a frame that failed to decode, or -1."""
+    try:
+        value = _id_decoder.decode(frame).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return -1
+    return value if isinstance(value, int) and -1 <= value < 1 << 62 else -1

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up the environment and runs every gate: ruff, mypy --strict, import layering, pytest.
+# Extra arguments go to pytest (e.g. tests/run.sh -k allocator).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# The integration suites need a Redis; start one when none answers.
+if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+fi
+
+echo "== ruff"
+.venv/bin/ruff check .
+echo "== mypy --strict"
+.venv/bin/mypy app api engine storage gpu kvdepot_connector
+echo "== layering"
+.venv/bin/python tests/check_layering.py
+echo "== pytest"
+.venv/bin/python -m pytest "$@"
