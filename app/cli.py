@@ -64,7 +64,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         service.build()
         return await service.run()
 
-    return asyncio.run(main())
+    import uvloop
+
+    # uvloop: a measurably shorter round trip on the data plane than the default loop.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from engine.l1.allocator import AllocatorError
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
@@ -114,17 +115,24 @@ class CacheEngine:
         _check_ids(request_id, salt)
         now = self._clock()
         rid = (engine_id, request_id)
-        self._unlock_request(rid)  # a repeated lookup replaces the previous one
+        # A repeated lookup (the scheduler asks again while a request waits) replaces the previous
+        # one; locks it already holds on the same chunks are kept rather than dropped and retaken.
+        previous = self._requests.take(rid)
+        held = previous.objects if previous is not None else []
         hashes = self.hasher.chunk_hashes(tokens)
         locked: list[L1Object] = []
         cache = self.cache
         ns = reg.namespace
-        for h in hashes:
+        for i, h in enumerate(hashes):
             obj = cache.find(ObjectKey(ns, salt, h), now)
             if obj is None:
                 break
-            cache.lock(obj, now)
+            if i >= len(held) or held[i] is not obj:
+                cache.lock(obj, now)
             locked.append(obj)
+        for i, obj in enumerate(held):
+            if i >= len(locked) or locked[i] is not obj:
+                cache.unlock(obj)
         if locked:
             self._requests.put(rid, RequestLocks(locked, now + self.read_lease_s))
         else:
@@ -271,7 +279,14 @@ class CacheEngine:
 
     def status(self) -> dict[str, Any]:
         alloc = self.cache.allocator
+        try:
+            alloc.check()
+            allocator_ok, allocator_error = True, None
+        except AllocatorError as exc:
+            allocator_ok, allocator_error = False, str(exc)
         return {
+            "allocator_ok": allocator_ok,
+            "allocator_error": allocator_error,
             "arena": self.arena.name,
             "capacity_bytes": alloc.capacity,
             "used_bytes": alloc.used,

@@ -135,6 +135,13 @@ class Namespace:
     layout_fp: bytes
     kv_rank: int = 0
     group: int = 0
+    _hash: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.model, self.layout_fp, self.kv_rank, self.group)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +149,13 @@ class ObjectKey:
     namespace: Namespace
     salt: str
     chunk_hash: bytes
+    _hash: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.namespace._hash, self.salt, self.chunk_hash)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def serialize(self) -> str:
         ns = self.namespace

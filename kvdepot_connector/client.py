@@ -301,6 +301,27 @@ class KVDepotClient:
             lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id), p.ReleaseReply
         ).valid
 
+    def reserve(
+        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", first_chunk: int = 0
+    ) -> p.StoreReply:
+        """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`."""
+        data = encode_tokens(tokens)
+        return self._call(
+            lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
+                                 cache_salt=cache_salt, first_chunk=first_chunk),
+            p.StoreReply,
+        )  # fmt: skip
+
+    def commit(self, oids: Sequence[int]) -> list[bool]:
+        """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""
+        if not oids:
+            return []
+        return self._call(lambda i, e: p.Commit(id=i, engine_id=e, oids=list(oids)), p.CommitReply).ok
+
+    def abort(self, oids: Sequence[int]) -> int:
+        """Give reserved slots back unfilled."""
+        return self._call(lambda i, e: p.Abort(id=i, engine_id=e, oids=list(oids)), p.CountReply).count
+
     def store(
         self,
         tokens: Sequence[int] | bytes,
@@ -310,32 +331,17 @@ class KVDepotClient:
         cache_salt: str = "",
         first_chunk: int = 0,
     ) -> StoreOutcome:
-        """Store `chunks` as the full chunks `first_chunk..` of `tokens`."""
-        data = encode_tokens(tokens)
+        """Store `chunks` as the full chunks `first_chunk..` of `tokens`: reserve, copy, commit."""
         with self._lock:
-            reply = self._call(
-                lambda i, e: p.Store(
-                    id=i,
-                    engine_id=e,
-                    request_id=request_id,
-                    tokens=data,
-                    cache_salt=cache_salt,
-                    first_chunk=first_chunk,
-                ),
-                p.StoreReply,
+            reply = self.reserve(
+                tokens, request_id=request_id, cache_salt=cache_salt, first_chunk=first_chunk
             )
             try:
                 oids = self._session.copy_in(reply, chunks, first_chunk)
             except BaseException:
-                reserved = [s.oid for s in reply.slots if s.status is p.SlotStatus.RESERVED]
-                self._call(lambda i, e: p.Abort(id=i, engine_id=e, oids=reserved), p.CountReply)
+                self.abort([s.oid for s in reply.slots if s.status is p.SlotStatus.RESERVED])
                 raise
-            committed = (
-                self._call(lambda i, e: p.Commit(id=i, engine_id=e, oids=oids), p.CommitReply).ok
-                if oids
-                else []
-            )
-            return self._session.outcome(reply, committed)
+            return self._session.outcome(reply, self.commit(oids))
 
     def free_lookup_locks(self, request_id: str) -> int:
         return self._call(

@@ -14,6 +14,7 @@ Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervis
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -54,9 +55,10 @@ class DataPlaneServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
         self.metrics = metrics
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._closing = False
+        self._receiving: asyncio.Future[list[bytes]] | None = None
         self.running = False
         self._handlers: dict[type, Callable[[Any], p.Reply]] = {
             p.Hello: self._hello,
@@ -77,6 +79,7 @@ class DataPlaneServer:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def bind(self) -> None:
+        self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
@@ -105,9 +108,14 @@ class DataPlaneServer:
         self.running = True
         try:
             while not self._closing:
-                if not await sock.poll(100):
-                    continue
-                frames = await sock.recv_multipart()
+                receiving: asyncio.Future[list[bytes]] = sock.recv_multipart()  # type: ignore[assignment]
+                self._receiving = receiving
+                try:
+                    frames = await receiving
+                except asyncio.CancelledError:
+                    if self.stopping():
+                        return
+                    raise
                 if len(frames) != 2:
                     if frames:
                         await sock.send_multipart(
@@ -121,15 +129,22 @@ class DataPlaneServer:
         finally:
             self.running = False
 
+    def stopping(self) -> bool:
+        return self._closing
+
     def stop(self) -> None:
-        """Stop accepting; `serve` returns within one poll interval."""
+        """Stop accepting: the pending receive is cancelled and `serve` returns."""
         self._closing = True
+        if self._receiving is not None:
+            self._receiving.cancel()
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        self._ctx.term()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
         if self.url.startswith("ipc://"):
             with contextlib.suppress(FileNotFoundError):
                 Path(self.url[len("ipc://") :]).unlink()

@@ -101,7 +101,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             retrieve_s += time.perf_counter() - start
             ok = ok and valid
         for (_, _, chunks), group in zip(requests, outs, strict=True):
-            ok = ok and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(chunks, group))
+            ok = ok and all(
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(chunks, group, strict=True)
+            )
 
         rid, tokens, _ = requests[0]
         samples = []

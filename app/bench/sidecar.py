@@ -72,6 +72,8 @@ class SidecarProcess:
         finally:
             self.kill()
             self._reader.join(timeout=2)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -21,6 +21,10 @@ from engine.keys import ObjectKey
 
 
 class ObjectState(enum.Enum):
+    # Members are singletons: identity hashing (C-level) instead of Enum's hash of the name, which
+    # is measurable on the lookup path (one table lookup per lock/unlock).
+    __hash__ = object.__hash__
+
     ABSENT = "absent"
     WRITE_RESERVED = "write_reserved"
     READY = "ready"
@@ -30,6 +34,8 @@ class ObjectState(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__
+
     RESERVE = "reserve"
     COMMIT = "commit"
     ABORT = "abort"

@@ -1,0 +1,28 @@
+# kvdepot sidecar image: run next to the inference engine, sharing /dev/shm (the L1 arena) and the
+# data directory (the data-plane socket). Give it enough shared memory: --shm-size or --ipc=host.
+FROM python:3.11-slim
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl \
+ && rm -rf /var/lib/apt/lists/*
+
+RUN useradd --create-home --uid 10001 kvdepot
+WORKDIR /opt/kvdepot
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY api ./api
+COPY engine ./engine
+COPY storage ./storage
+COPY gpu ./gpu
+COPY kvdepot_connector ./kvdepot_connector
+# The same install step as the README (CPU torch wheel pinned in pyproject.toml).
+RUN python -m pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu . \
+ && mkdir -p /data && chown kvdepot /data
+
+USER kvdepot
+ENV KVDEPOT_LOGGING__FORMAT=json
+VOLUME ["/data"]
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+  CMD curl -fsS http://127.0.0.1:8080/health || exit 1
+ENTRYPOINT ["kvdepot", "serve", "--http-host", "0.0.0.0", "--data-dir", "/data"]

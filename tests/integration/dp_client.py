@@ -1,0 +1,86 @@
+"""A data-plane client run as its own process by the integration tests.
+
+    python -m tests.integration.dp_client MODE URL CHUNKS [SEED]
+
+MODE reserve-and-hang: STORE (reserve) CHUNKS chunks, print "reserved", then wait to be killed.
+MODE lock-and-hang:    store CHUNKS chunks, LOOKUP them (read locks), print "locked", wait.
+MODE store-retrieve:   4 requests x CHUNKS chunks: store, lookup right after, retrieve, compare;
+                       prints one JSON line with the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import torch
+
+from kvdepot_connector.client import KVDepotClient
+from kvdepot_connector.protocol import Layout
+
+CHUNK_TOKENS = 16
+LAYOUT = Layout(
+    dtype="float16",
+    num_layers=8,
+    num_kv_heads=2,
+    head_dim=64,
+    block_size=16,
+    kind="test",
+    chunk_size=CHUNK_TOKENS,
+)  # fmt: skip  (64 KiB per chunk)
+
+
+def request_tokens(seed: int, chunks: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 60_000, (chunks * CHUNK_TOKENS,), generator=g).tolist()
+
+
+def chunk_data(seed: int, index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100_003 + index)
+    return torch.randn(LAYOUT.chunk_bytes // 2, generator=g).to(torch.float16)
+
+
+def client(url: str) -> KVDepotClient:
+    return KVDepotClient(url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
+
+
+def main() -> None:
+    mode, url, chunks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    c = client(url)
+    toks = request_tokens(seed, chunks)
+    if mode == "reserve-and-hang":
+        from kvdepot_connector.protocol import SlotStatus
+
+        reply = c.reserve(toks, request_id="hang")
+        reserved = sum(s.status is SlotStatus.RESERVED for s in reply.slots)
+        print(f"reserved {reserved}", flush=True)
+        threading.Event().wait()
+    elif mode == "lock-and-hang":
+        outcome = c.store(toks, [chunk_data(seed, i) for i in range(chunks)], request_id="w")
+        hit = c.lookup(toks, request_id="hang")
+        print(f"locked {hit.hit_chunks} stored {outcome.stored}", flush=True)
+        threading.Event().wait()
+    elif mode == "store-retrieve":
+        result = {"hits_after_store": [], "identical": True, "stored": 0}
+        for r in range(4):
+            rs = seed + r
+            toks = request_tokens(rs, chunks)
+            outcome = c.store(toks, [chunk_data(rs, i) for i in range(chunks)], request_id=f"w{r}")
+            result["stored"] += outcome.stored
+            result["hits_after_store"].append(c.lookup(toks, request_id=f"r{r}").hit_chunks)
+        for r in range(4):
+            rs = seed + r
+            outs = [torch.empty(LAYOUT.chunk_bytes // 2, dtype=torch.float16) for _ in range(chunks)]
+            valid = c.retrieve(f"r{r}", outs)
+            same = all(torch.equal(o, chunk_data(rs, i)) for i, o in enumerate(outs))
+            result["identical"] = result["identical"] and valid and same
+        print(json.dumps(result), flush=True)
+        c.close()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

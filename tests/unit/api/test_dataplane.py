@@ -1,0 +1,154 @@
+"""The data-plane server's frame handling, driven in-process through `handle(frame)`."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from api.dataplane.server import DataPlaneServer
+from engine.facade import CacheEngine
+from kvdepot_connector import protocol as p
+from tests.factories import engine, tokens
+
+CHUNK = 16
+LAYOUT = p.Layout(dtype="float16", num_layers=2, num_kv_heads=1, head_dim=32, block_size=16, kind="test",
+                  chunk_size=CHUNK)  # fmt: skip
+
+
+@pytest.fixture
+def server() -> Iterator[DataPlaneServer]:
+    with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
+        yield DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096)
+
+
+def call(server: DataPlaneServer, msg: msgspec.Struct) -> p.Reply:
+    return p.reply_decoder.decode(server.handle(p.encode(msg)))
+
+
+def register(server: DataPlaneServer) -> int:
+    reply = call(server, p.Register(id=1, model="m", layout=LAYOUT))
+    assert isinstance(reply, p.RegisterReply)
+    return reply.engine_id
+
+
+def store_and_check(server: DataPlaneServer, eid: int, seed: int) -> None:
+    eng: CacheEngine = server.engine
+    toks = tokens(3 * CHUNK, start=seed * 1000)
+    reply = call(server, p.Store(id=2, engine_id=eid, request_id=f"w{seed}", tokens=toks))
+    assert isinstance(reply, p.StoreReply)
+    oids = []
+    for slot in reply.slots:
+        if slot.status is p.SlotStatus.RESERVED:
+            eng.arena.tensor(slot.offset, slot.size).fill_((seed + slot.chunk) % 251)
+            oids.append(slot.oid)
+    commit = call(server, p.Commit(id=3, engine_id=eid, oids=oids))
+    assert isinstance(commit, p.CommitReply) and all(commit.ok)
+    look = call(server, p.Lookup(id=4, engine_id=eid, request_id=f"r{seed}", tokens=toks))
+    assert isinstance(look, p.LookupReply) and look.hit_chunks == 3
+    got = call(server, p.Retrieve(id=5, engine_id=eid, request_id=f"r{seed}", num_chunks=3))
+    assert isinstance(got, p.RetrieveReply)
+    for i, ext in enumerate(got.extents):
+        region = eng.arena.tensor(ext.offset, ext.size)
+        assert bool((region == (seed + i) % 251).all())
+    rel = call(server, p.Release(id=6, engine_id=eid, request_id=f"r{seed}"))
+    assert isinstance(rel, p.ReleaseReply) and rel.valid
+
+
+def test_hello_and_version_check(server: DataPlaneServer) -> None:
+    hello = call(server, p.Hello(id=7, version=p.PROTOCOL_VERSION))
+    assert isinstance(hello, p.HelloReply)
+    assert (hello.id, hello.chunk_size, hello.arena_name) == (7, CHUNK, server.engine.arena.name)
+    bad = call(server, p.Hello(id=8, version=99))
+    assert isinstance(bad, p.ErrorReply) and bad.code == "unsupported_version"
+
+
+def test_full_round_trip(server: DataPlaneServer) -> None:
+    store_and_check(server, register(server), seed=1)
+
+
+@pytest.mark.parametrize(
+    ("msg", "code"),
+    [
+        (p.Lookup(id=1, engine_id=424242, request_id="r", tokens=b""), "not_registered"),
+        (p.Retrieve(id=1, engine_id=-1, request_id="r"), "malformed_frame"),  # engine_id bound
+        (p.Register(id=1, model="m", layout=p.Layout("float16", 1, 1, 1, 16, "x", 32)), "invalid_input"),
+        (p.Register(id=1, model="m", layout=p.Layout("complex128", 1, 1, 1, 16, "x", 16)), "invalid_input"),
+        (p.Register(id=1, model="", layout=LAYOUT), "invalid_input"),
+    ],
+)
+def test_invalid_requests_get_coded_errors(server: DataPlaneServer, msg: msgspec.Struct, code: str) -> None:
+    reply = call(server, msg)
+    assert isinstance(reply, p.ErrorReply), reply
+    assert reply.code == code
+    assert reply.id == 1
+
+
+def test_token_bytes_are_validated(server: DataPlaneServer) -> None:
+    eid = register(server)
+    odd = call(server, p.Lookup(id=1, engine_id=eid, request_id="r", tokens=b"\x01\x02\x03"))
+    assert isinstance(odd, p.ErrorReply) and odd.code == "invalid_input"
+    huge = call(server, p.Lookup(id=1, engine_id=eid, request_id="r", tokens=bytes(4 * 5000)))
+    assert isinstance(huge, p.ErrorReply) and "max_tokens" in huge.message
+
+
+def test_undecodable_frames_get_malformed_frame_with_salvaged_id(server: DataPlaneServer) -> None:
+    reply = p.reply_decoder.decode(server.handle(msgspec.msgpack.encode({"id": 42, "op": "nope"})))
+    assert isinstance(reply, p.ErrorReply)
+    assert (reply.id, reply.code) == (42, "malformed_frame")
+    reply = p.reply_decoder.decode(server.handle(b"\xc1garbage"))
+    assert isinstance(reply, p.ErrorReply) and reply.id == -1
+    extra = msgspec.msgpack.encode({"op": "ping", "id": 1, "pickle": b"cos\nsystem\n"})
+    reply = p.reply_decoder.decode(server.handle(extra))
+    assert isinstance(reply, p.ErrorReply) and reply.code == "malformed_frame"
+
+
+def _hostile_frames(rng: random.Random, valid: list[bytes]) -> Iterator[bytes]:
+    values: list[object] = [
+        -1, 0, 1, 2**31, 2**63 - 1, -(2**63), 1.5, float("nan"), "", "x" * 300, b"\x00" * 7, None, True,
+        [], [1, 2, 3], {"a": 1}, [2**62] * 3, ["x"],
+    ]  # fmt: skip
+    fields = ["id", "op", "engine_id", "request_id", "tokens", "cache_salt", "first_chunk", "num_chunks",
+              "oids", "model", "layout", "version", "kv_rank"]  # fmt: skip
+    # CLEAR is left out: a frame that happens to be a valid CLEAR legitimately empties the cache.
+    ops = [cls.__struct_config__.tag for cls in p.Request.__args__ if cls is not p.Clear]
+    for _ in range(6000):
+        kind = rng.randrange(4)
+        if kind == 0:
+            yield rng.randbytes(rng.randrange(0, 64))
+        elif kind == 1:
+            frame = bytearray(rng.choice(valid))
+            for _ in range(rng.randrange(1, 4)):
+                frame[rng.randrange(len(frame))] = rng.randrange(256)
+            yield bytes(frame[: rng.randrange(1, len(frame) + 1)])
+        else:
+            doc: dict[str, object] = {"op": rng.choice(ops), "id": rng.randrange(100)}
+            for name in rng.sample(fields, rng.randrange(1, 6)):
+                doc[name] = rng.choice(values)
+            yield msgspec.msgpack.encode(doc)
+
+
+def test_fuzzed_frames_get_replies_and_change_nothing(server: DataPlaneServer) -> None:
+    eid = register(server)
+    store_and_check(server, eid, seed=1)
+    valid = [
+        p.encode(p.Lookup(id=9, engine_id=eid, request_id="f", tokens=tokens(2 * CHUNK))),
+        p.encode(p.Store(id=9, engine_id=eid, request_id="f", tokens=tokens(CHUNK, start=77))),
+        p.encode(p.Commit(id=9, engine_id=eid, oids=[1, 2, 3])),
+        p.encode(p.Retrieve(id=9, engine_id=eid, request_id="f", first_chunk=0, num_chunks=2)),
+    ]
+    errors = 0
+    for frame in _hostile_frames(random.Random(1234), valid):
+        reply = p.reply_decoder.decode(server.handle(frame))  # always a decodable reply
+        errors += isinstance(reply, p.ErrorReply)
+    assert errors > 5000
+    eng = server.engine
+    eng.cache.allocator.check()
+    # The server still stores and retrieves correct bytes, for old and new data.
+    store_and_check(server, eid, seed=2)
+    look = call(
+        server, p.Lookup(id=1, engine_id=eid, request_id="again", tokens=tokens(3 * CHUNK, start=1000))
+    )
+    assert isinstance(look, p.LookupReply) and look.hit_chunks == 3

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+
+# Pinned: these values must never change, or every cache in every tier silently misses after an
+# upgrade (and sidecars of different versions sharing a Redis would disagree).
+GOLDEN_FIRST = "3215aa71ca0fb548fa93e77eeac24d37f45996aa890265b7576e0aa52a7f818e"
+GOLDEN_FP = "2f3ba29bc2789d78"
+
+
+def test_hashes_are_pinned() -> None:
+    hashes = TokenHasher(256).chunk_hashes(TokenHasher.encode_tokens(list(range(4096))))
+    assert len(hashes) == 16
+    assert hashes[0].hex() == GOLDEN_FIRST
+    layout = KVLayout("bfloat16", 8, 8, 64, 128, "vllm-cpu", 256)
+    assert layout.fingerprint.hex() == GOLDEN_FP
+
+
+def test_hashes_are_equal_in_another_process() -> None:
+    code = (
+        "from engine.keys import TokenHasher;"
+        "print(','.join(h.hex() for h in TokenHasher(256).chunk_hashes("
+        "TokenHasher.encode_tokens(list(range(4096))))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    local = [h.hex() for h in TokenHasher(256).chunk_hashes(TokenHasher.encode_tokens(list(range(4096))))]
+    assert out.stdout.strip().split(",") == local
+
+
+def test_only_full_chunks_and_chaining() -> None:
+    h = TokenHasher(4)
+    a = h.chunk_hashes(TokenHasher.encode_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert len(a) == 2
+    b = h.chunk_hashes(TokenHasher.encode_tokens([0, 2, 3, 4, 5, 6, 7, 8]))
+    assert a[0] != b[0] and a[1] != b[1], "a change in chunk 0 must change every later hash"
+    c = h.chunk_hashes(TokenHasher.encode_tokens([1, 2, 3, 4, 0, 0, 0, 0]))
+    assert c[0] == a[0] and c[1] != a[1]
+
+
+names = st.text(min_size=0, max_size=40)
+
+
+@given(
+    model=names.filter(bool), salt=names, rank=st.integers(0, 65535), group=st.integers(0, 1023),
+    fp=st.binary(min_size=8, max_size=8), h=st.binary(min_size=32, max_size=32),
+)  # fmt: skip
+def test_serialized_key_round_trips(
+    model: str, salt: str, rank: int, group: int, fp: bytes, h: bytes
+) -> None:
+    k = ObjectKey(Namespace(model, fp, rank, group), salt, h)
+    text = k.serialize()
+    assert "\n" not in text and " " not in text
+    assert ObjectKey.parse(text) == k
+
+
+def test_keys_differing_in_any_field_never_alias() -> None:
+    base = ObjectKey(Namespace("m", b"12345678", 0, 0), "", b"\x01" * 32)
+    variants = [
+        ObjectKey(Namespace("m2", b"12345678", 0, 0), "", b"\x01" * 32),
+        ObjectKey(Namespace("m", b"12345679", 0, 0), "", b"\x01" * 32),
+        ObjectKey(Namespace("m", b"12345678", 1, 0), "", b"\x01" * 32),
+        ObjectKey(Namespace("m", b"12345678", 0, 1), "", b"\x01" * 32),
+        ObjectKey(Namespace("m", b"12345678", 0, 0), "tenant", b"\x01" * 32),
+        ObjectKey(Namespace("m", b"12345678", 0, 0), "", b"\x02" * 32),
+    ]
+    serialized = {base.serialize()} | {v.serialize() for v in variants}
+    assert len(serialized) == 7
+    assert all(v != base for v in variants)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "kvd1", "kvd0/m=a/l=00/r=0/g=0/s=/h=00", "kvd1/m=a/l=zz/r=0/g=0/s=/h=00"]
+)
+def test_parse_rejects_malformed_keys(text: str) -> None:
+    with pytest.raises(ValueError, match="key"):
+        ObjectKey.parse(text)
+
+
+def test_layout_refuses_chunk_not_multiple_of_block() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        KVLayout("bfloat16", 8, 8, 64, 128, "vllm-cpu", 200)
