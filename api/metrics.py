@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -114,6 +114,91 @@ class EngineCollector(Collector):
                 "expired_read_leases",
                 "Requests whose read locks were reclaimed after their lease.",
                 c.expired_locks,
+            ),
+        ):
+            yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
+
+
+class L2Collector(Collector):
+    """Per-adapter L2 figures and the write-behind / prefetch counters, read at scrape time."""
+
+    def __init__(self, engine: CacheEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        l2 = self.engine.l2
+        if l2 is None:
+            return
+        gauges = {
+            "bytes": GaugeMetricFamily("kvdepot_l2_bytes", "Bytes held by the adapter.", labels=["adapter"]),
+            "objects": GaugeMetricFamily(
+                "kvdepot_l2_objects", "Objects held by the adapter.", labels=["adapter"]
+            ),
+            "capacity": GaugeMetricFamily(
+                "kvdepot_l2_capacity_bytes", "Adapter capacity (0 = unknown).", labels=["adapter"]
+            ),
+            "healthy": GaugeMetricFamily(
+                "kvdepot_l2_up", "1 when the adapter is healthy, 0.5 degraded, 0 down.", labels=["adapter"]
+            ),
+        }
+        counter_names = (
+            ("stores", "Blobs stored."), ("store_bytes", "Bytes stored."), ("loads", "Blobs loaded."),
+            ("load_bytes", "Bytes loaded."), ("misses", "Loads that found nothing."),
+            ("errors", "Operations that failed."), ("integrity_failures", "Blobs that failed their check."),
+            ("evictions", "Blobs evicted for capacity."), ("no_space", "Stores refused for lack of room."),
+        )  # fmt: skip
+        counters = {
+            name: CounterMetricFamily(f"kvdepot_l2_{name}", doc, labels=["adapter"])
+            for name, doc in counter_names
+        }
+        latency = HistogramMetricFamily(
+            "kvdepot_l2_op_seconds",
+            "L2 operation latency by adapter and operation.",
+            labels=["adapter", "op"],
+        )
+        for tier in l2.tiers.all():
+            adapter = tier.adapter
+            name = adapter.name
+            usage = adapter.usage()
+            gauges["bytes"].add_metric([name], usage.bytes_used)
+            gauges["objects"].add_metric([name], usage.objects)
+            gauges["capacity"].add_metric([name], usage.capacity_bytes)
+            gauges["healthy"].add_metric(
+                [name], {"ok": 1.0, "degraded": 0.5, "down": 0.0}[adapter.health().state]
+            )
+            for cname, _doc in counter_names:
+                counters[cname].add_metric([name], getattr(adapter.stats, cname))
+            for op, hist in adapter.latency.ops.items():
+                cumulative = 0
+                buckets = []
+                for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+                    cumulative += count
+                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+                latency.add_metric([name, op], buckets, sum_value=hist.sum_s)
+        yield from gauges.values()
+        yield from counters.values()
+        yield latency
+        store, prefetch = l2.store.counters, l2.prefetch.counters
+        yield GaugeMetricFamily("kvdepot_l2_store_queue_depth", "Chunks waiting to be written behind.",
+                                value=l2.store.depth)  # fmt: skip
+        for name, doc, value in (
+            ("l2_store_submitted", "Chunks queued for write-behind.", store.submitted),
+            ("l2_store_dropped", "Queued chunks dropped because the queue was full.", store.dropped),
+            ("l2_store_written", "Chunks written to at least one adapter.", store.written),
+            ("l2_store_failed", "Adapter writes that failed.", store.failed),
+            ("l2_prefetch_started", "Prefetches started by lookups.", prefetch.started),
+            ("l2_prefetch_loaded_chunks", "Chunks loaded from L2 into L1.", prefetch.chunks_loaded),
+            ("l2_prefetch_loaded_bytes", "Bytes loaded from L2 into L1.", prefetch.bytes_loaded),
+            (
+                "l2_prefetch_deadline_expired",
+                "Prefetches cut short by the deadline.",
+                prefetch.deadline_expired,
+            ),
+            ("l2_prefetch_load_errors", "Chunk loads that failed.", prefetch.load_errors),
+            (
+                "l2_prefetch_integrity_failures",
+                "Loaded blobs that failed their check.",
+                prefetch.integrity_failures,
             ),
         ):
             yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)

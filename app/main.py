@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import signal
 import socket
 import time
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import uvicorn
@@ -23,16 +25,21 @@ import uvicorn
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
 from api.http.context import ControlContext
-from api.metrics import DataPlaneMetrics, EngineCollector, build_registry
+from api.metrics import DataPlaneMetrics, EngineCollector, L2Collector, build_registry
 from app import __version__
 from app.errors import ConfigError
 from app.settings import Settings
 from app.supervisor import Supervisor
-from engine.facade import CacheEngine
+from engine.facade import CacheEngine, L2Parts
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena, cleanup_stale, instance_id
 from engine.l1.cache import L1Cache
 from engine.l1.eviction import LRUPolicy
+from engine.l2.layouts import codec_options
+from engine.l2.prefetch import PrefetchController
+from engine.l2.store import StoreController
+from engine.l2.tiers import L2Tiers
+from storage.factory import build_adapter
 
 log = structlog.get_logger("kvdepot")
 
@@ -71,6 +78,8 @@ class Service:
         self.dataplane: DataPlaneServer | None = None
         self.http_server: _Uvicorn | None = None
         self.http_socket: socket.socket | None = None
+        self.l2: L2Parts | None = None
+        self._codec_executor: ThreadPoolExecutor | None = None
 
     # --- ServiceHealth -------------------------------------------------------------------------
 
@@ -81,7 +90,9 @@ class Service:
         failures = self.supervisor.failures()
         running = set(self.supervisor.running())
         out = {"l1": "running" if self.arena is not None and not self.arena.closed else "stopped"}
-        for name in ("dataplane", "lease-reaper", "http"):
+        names = ["dataplane", "lease-reaper", "http"]
+        names += [f"l2-store-{i}" for i in range(self.settings.l2.store_concurrency)]
+        for name in names:
             out[name] = "failed" if name in failures else ("running" if name in running else "stopped")
         if self.dataplane is not None and out["dataplane"] == "running" and not self.dataplane.running:
             out["dataplane"] = "starting"
@@ -116,11 +127,14 @@ class Service:
                 low_watermark=s.l1.low_watermark,
                 write_lease_s=s.l1.write_lease_s,
             )
+            self.l2 = self._build_l2(cache)
             self.engine = CacheEngine(
-                arena=self.arena, cache=cache, chunk_size=s.l1.chunk_size, read_lease_s=s.l1.read_lease_s
-            )
+                arena=self.arena, cache=cache, chunk_size=s.l1.chunk_size, read_lease_s=s.l1.read_lease_s,
+                l2=self.l2,
+            )  # fmt: skip
             registry = build_registry()
             registry.register(EngineCollector(self.engine))
+            registry.register(L2Collector(self.engine))
             self.dataplane = DataPlaneServer(
                 self.engine,
                 url=s.data_plane_url,
@@ -142,6 +156,37 @@ class Service:
         except BaseException:
             self.close()
             raise
+
+    def _build_l2(self, cache: L1Cache) -> L2Parts:
+        s = self.settings
+        assert self.arena is not None
+        # Checksums over whole chunks and copies of loaded blobs into the arena run here.
+        self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
+        data_dir = s.data_dir
+        tiers = L2Tiers(
+            lambda config: build_adapter(config, data_dir), drain_timeout_s=s.shutdown_timeout_s * 10
+        )
+        store = StoreController(
+            cache=cache, arena=self.arena, tiers=tiers, policy=s.l2.store_policy,
+            queue_depth=s.l2.store_queue_depth,
+            codec_options=functools.partial(codec_options, fp8_values=s.l2.fp8_values, lz4=s.l2.lz4),
+            executor=self._codec_executor,
+        )  # fmt: skip
+        prefetch = PrefetchController(
+            cache=cache, arena=self.arena, tiers=tiers, deadline_s=s.l2.prefetch_deadline_ms / 1000,
+            max_inflight=s.l2.prefetch_max_inflight, executor=self._codec_executor, clock=time.monotonic,
+        )  # fmt: skip
+        return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
+
+    async def _start_l2(self) -> None:
+        assert self.l2 is not None
+        for config in self.settings.l2.adapters:
+            try:
+                await self.l2.tiers.add(config)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"l2.adapters[{config.name}]: cannot start: {exc}") from None
+        for i in range(self.settings.l2.store_concurrency):
+            self.supervisor.start(f"l2-store-{i}", self.l2.store.run_worker(), drain=False)
 
     @property
     def http_port(self) -> int:
@@ -165,6 +210,12 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         s = self.settings
+        try:
+            await self._start_l2()
+        except BaseException:
+            await self._shutdown_l2(0)
+            self.close()
+            raise
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
@@ -185,10 +236,20 @@ class Service:
             log.info("kvdepot_stopping", drain_timeout_s=s.shutdown_timeout_s)
             self.dataplane.stop()
             self.http_server.should_exit = True
+            await self._shutdown_l2(s.shutdown_timeout_s)
             await self.supervisor.stop(s.shutdown_timeout_s)
             self.close()
             log.info("kvdepot_stopped", uptime_s=round(self.uptime_s(), 3))
         return 0
+
+    async def _shutdown_l2(self, drain_s: float) -> None:
+        """Give write-behind up to `drain_s` to finish, then stop prefetches and close adapters."""
+        if self.l2 is None:
+            return
+        if not await self.l2.store.wait_idle(drain_s):
+            log.warning("l2_writes_abandoned", pending=self.l2.store.depth)
+        await self.l2.prefetch.close()
+        await self.l2.tiers.close()
 
     def _on_signal(self, sig: int) -> None:
         log.info("signal_received", signal=signal.Signals(sig).name)
@@ -201,6 +262,9 @@ class Service:
         if self.http_socket is not None:
             self.http_socket.close()
             self.http_socket = None
+        if self._codec_executor is not None:
+            self._codec_executor.shutdown(wait=True, cancel_futures=True)
+            self._codec_executor = None
         if self.arena is not None:
             self.arena.close()
 

@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -55,11 +63,12 @@ class DataPlaneSettings(BaseModel):
         1 << 20, ge=1, le=1 << 24, description="Largest token sequence accepted in one operation."
     )
 
-    @model_validator(mode="after")
-    def _check_url(self) -> DataPlaneSettings:
-        if self.url is not None and not self.url.startswith(("ipc://", "tcp://")):
-            raise ValueError("url must start with ipc:// or tcp://")
-        return self
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("ipc://", "tcp://")):
+            raise ValueError("must start with ipc:// or tcp://")
+        return url
 
 
 class L1Settings(BaseModel):

@@ -21,14 +21,19 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
+from app.settings import AdapterConfig
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from engine.l1.allocator import AllocatorError
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
+from engine.l2.prefetch import Prefetch, PrefetchController
+from engine.l2.store import StoreController
+from engine.l2.tiers import L2Tiers, RemoveMode
 from engine.requests import RequestId, RequestLocks, RequestTable
 from engine.results import Extent, LookupResult, Registration, SlotStatus, StoreSlot
 
@@ -49,6 +54,16 @@ class EngineCounters:
     retrieves: int = 0
     retrieved_chunks: int = 0
     expired_locks: int = 0
+    l2_hit_chunks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class L2Parts:
+    """The engine's L2 machinery, built by app/main; absent when no L2 is configured at all."""
+
+    tiers: L2Tiers
+    store: StoreController
+    prefetch: PrefetchController
 
 
 class CacheEngine:
@@ -59,6 +74,7 @@ class CacheEngine:
         cache: L1Cache,
         chunk_size: int,
         read_lease_s: float,
+        l2: L2Parts | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.arena = arena
@@ -71,6 +87,8 @@ class CacheEngine:
         self._registrations: dict[int, Registration] = {}
         self._by_identity: dict[Namespace, int] = {}
         self._requests = RequestTable()
+        self.l2 = l2
+        self._prefetches: dict[RequestId, Prefetch] = {}
 
     # --- registration --------------------------------------------------------------------------
 
@@ -133,25 +151,85 @@ class CacheEngine:
         for i, obj in enumerate(held):
             if i >= len(locked) or locked[i] is not obj:
                 cache.unlock(obj)
+        self._cancel_prefetch(rid)
+        hit = len(locked)
+        l2 = self.l2
+        pending = 0
+        entry = RequestLocks(locked, now + self.read_lease_s)
         if locked:
-            self._requests.put(rid, RequestLocks(locked, now + self.read_lease_s))
+            self._requests.put(rid, entry)
         else:
             self._requests.forget(rid)
+        if l2 is not None:
+            if l2.store.policy == "seen_twice":
+                self._note_seen(reg, ns, salt, hashes, locked)
+            if hit < len(hashes) and l2.tiers.active():
+                self._requests.put(rid, entry)
+                keys = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
+                prefetch = l2.prefetch.start(reg, keys, partial(self._attach, rid, entry))
+                self._prefetches[rid] = prefetch
+                pending = len(keys)
         c = self.counters
-        hit = len(locked)
         c.lookups += 1
         c.hit_chunks += hit
         c.miss_chunks += len(hashes) - hit
         c.hit_tokens += hit * self.chunk_size
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
-        return LookupResult(hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=len(hashes))
+        return LookupResult(
+            hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=len(hashes), pending_chunks=pending
+        )
+
+    def _note_seen(
+        self, reg: Registration, ns: Namespace, salt: str, hashes: list[bytes], locked: list[L1Object]
+    ) -> None:
+        assert self.l2 is not None
+        store = self.l2.store
+        for i, h in enumerate(hashes):
+            key = locked[i].key if i < len(locked) else ObjectKey(ns, salt, h)
+            if store.note_seen(key) >= 2 and i < len(locked):
+                store.submit(locked[i], reg)
+
+    def _attach(self, rid: RequestId, entry: RequestLocks, obj: L1Object) -> bool:
+        """A prefetched chunk arrived, in order: read-lock it for the request that asked."""
+        if self._requests.locks.get(rid) is not entry:
+            return False  # the request moved on (new lookup, ended, released)
+        now = self._clock()
+        self.cache.lock(obj, now)
+        entry.objects.append(obj)
+        entry.deadline = now + self.read_lease_s
+        self.counters.l2_hit_chunks += 1
+        return True
+
+    def _cancel_prefetch(self, rid: RequestId) -> None:
+        """The request no longer waits for its prefetch. Loads in flight still land in L1 (as
+        ordinary objects, for whoever asks next) within the deadline; nothing is attached."""
+        prefetch = self._prefetches.pop(rid, None)
+        if prefetch is not None:
+            prefetch.detached = True
+
+    async def wait_prefetch(self, engine_id: int, request_id: str) -> LookupResult:
+        """Wait until the request's prefetch finished (it ends by its deadline), then report."""
+        prefetch = self._prefetches.get((engine_id, request_id))
+        if prefetch is not None:
+            await prefetch.done.wait()
+        return self.query_prefetch(engine_id, request_id)
 
     def query_prefetch(self, engine_id: int, request_id: str) -> LookupResult:
         """Where a request's lookup stands now (chunks locked and ready, chunks still loading)."""
         self.registration(engine_id)
-        entry = self._requests.locks.get((engine_id, request_id))
+        rid = (engine_id, request_id)
+        entry = self._requests.locks.get(rid)
         hit = len(entry.objects) if entry else 0
-        return LookupResult(hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=hit)
+        prefetch = self._prefetches.get(rid)
+        pending = prefetch.pending if prefetch is not None else 0
+        if prefetch is not None and prefetch.finished:
+            del self._prefetches[rid]
+        return LookupResult(
+            hit_chunks=hit,
+            hit_tokens=hit * self.chunk_size,
+            total_chunks=hit + pending,
+            pending_chunks=pending,
+        )
 
     def retrieve(self, engine_id: int, request_id: str, first_chunk: int, num_chunks: int) -> list[Extent]:
         self.registration(engine_id)
@@ -210,8 +288,12 @@ class CacheEngine:
         full = False
         c = self.counters
         c.store_requests += 1
+        seen = self.l2 is not None and self.l2.store.policy == "seen_twice"
         for i in range(first_chunk, n):
             key = ObjectKey(reg.namespace, salt, hashes[i])
+            if seen:
+                assert self.l2 is not None
+                self.l2.store.note_seen(key)
             if cache.peek(key) is not None:
                 slots.append(StoreSlot(i, SlotStatus.EXISTS))
                 c.existing_chunks += 1
@@ -229,16 +311,19 @@ class CacheEngine:
 
     def commit(self, engine_id: int, oids: list[int]) -> list[bool]:
         """Make reserved chunks ready. Per oid: True, or False when its lease had expired."""
-        self.registration(engine_id)
+        reg = self.registration(engine_id)
         now = self._clock()
         out: list[bool] = []
+        store = self.l2.store if self.l2 is not None else None
         for oid in oids:
             try:
-                self.cache.commit(oid, now)
+                obj = self.cache.commit(oid, now)
             except LeaseExpired:
                 out.append(False)
-            else:
-                out.append(True)
+                continue
+            out.append(True)
+            if store is not None and obj.visible:
+                store.submit(obj, reg)
         return out
 
     def abort(self, engine_id: int, oids: list[int]) -> int:
@@ -309,9 +394,56 @@ class CacheEngine:
             "counters": asdict(self.counters) | asdict(self.cache.counters),
         }
 
+    # --- L2 administration ------------------------------------------------------------------
+
+    def _l2(self) -> L2Parts:
+        if self.l2 is None:
+            raise NotFound("this sidecar runs without L2")
+        return self.l2
+
+    def l2_adapters(self) -> list[dict[str, Any]]:
+        return [t.describe() for t in self.l2.tiers.all()] if self.l2 is not None else []
+
+    def l2_status(self) -> dict[str, Any]:
+        if self.l2 is None:
+            return {"adapters": []}
+        return {
+            "adapters": self.l2_adapters(),
+            "policy": self.l2_policy(),
+            "store": asdict(self.l2.store.counters),
+            "prefetch": asdict(self.l2.prefetch.counters),
+        }
+
+    def l2_policy(self) -> dict[str, Any]:
+        if self.l2 is None:
+            return {}
+        return {
+            "store_policy": self.l2.store.policy,
+            "prefetch_deadline_ms": self.l2.prefetch.deadline_s * 1000,
+            "store_queue_depth": self.l2.store.depth,
+        }
+
+    async def add_adapter(self, config: AdapterConfig) -> dict[str, Any]:
+        return (await self._l2().tiers.add(config)).describe()
+
+    async def resize_adapter(self, name: str, capacity_bytes: int) -> dict[str, Any]:
+        return (await self._l2().tiers.resize(name, capacity_bytes)).describe()
+
+    async def remove_adapter(self, name: str, mode: RemoveMode) -> None:
+        await self._l2().tiers.remove(name, mode)
+
+    def set_l2_policy(self, store_policy: str | None, prefetch_deadline_ms: float | None) -> dict[str, Any]:
+        l2 = self._l2()
+        if store_policy is not None:
+            l2.store.policy = store_policy
+        if prefetch_deadline_ms is not None:
+            l2.prefetch.deadline_s = prefetch_deadline_ms / 1000
+        return self.l2_policy()
+
     # --- internals -----------------------------------------------------------------------------
 
     def _unlock_request(self, rid: RequestId) -> int:
+        self._cancel_prefetch(rid)
         entry = self._requests.take(rid)
         if entry is None:
             return 0

@@ -263,12 +263,18 @@ class KVDepotClient:
             return _check(self._raw_call(p.Ping(id=next(self._ids))), p.Pong).server_time
 
     def lookup(
-        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = ""
+        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", wait: bool = False
     ) -> p.LookupReply:
+        """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
+
+        Chunks missing in L1 are fetched from L2 meanwhile: with `wait` the reply comes once they
+        are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
+        many are still coming and `query_prefetch` polls.
+        """
         data = encode_tokens(tokens)
         return self._call(
             lambda i, e: p.Lookup(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt
+                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
             ),
             p.LookupReply,
         )
@@ -459,12 +465,18 @@ class AsyncKVDepotClient:
         return _check(await self._raw_call(p.Ping(id=next(self._ids))), p.Pong).server_time
 
     async def lookup(
-        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = ""
+        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", wait: bool = False
     ) -> p.LookupReply:
+        """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
+
+        Chunks missing in L1 are fetched from L2 meanwhile: with `wait` the reply comes once they
+        are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
+        many are still coming and `query_prefetch` polls.
+        """
         data = encode_tokens(tokens)
         return await self._call(
             lambda i, e: p.Lookup(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt
+                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
             ),
             p.LookupReply,
         )

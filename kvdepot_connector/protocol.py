@@ -112,10 +112,14 @@ class Register(_Msg, tag="register"):
 
 
 class Lookup(_Msg, tag="lookup"):
+    """`wait`: reply only once chunks missing in L1 were loaded from L2 (or the prefetch deadline
+    passed); without it the reply is immediate and `pending_chunks` says what is still coming."""
+
     engine_id: EngineId
     request_id: Name
     tokens: bytes
     cache_salt: Name = ""
+    wait: bool = False
 
 
 class QueryPrefetch(_Msg, tag="query_prefetch"):

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from app import __version__
 from app.errors import ConfigError, InvalidInput, KVDepotError
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
+from engine.results import LookupResult
 from kvdepot_connector import protocol as p
 
 log = structlog.get_logger("kvdepot.dataplane")
@@ -59,8 +60,9 @@ class DataPlaneServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._closing = False
         self._receiving: asyncio.Future[list[bytes]] | None = None
+        self._deferred: set[asyncio.Task[None]] = set()
         self.running = False
-        self._handlers: dict[type, Callable[[Any], p.Reply]] = {
+        self._handlers: dict[type, Callable[[Any], p.Reply | Awaitable[p.Reply]]] = {
             p.Hello: self._hello,
             p.Register: self._register,
             p.Lookup: self._lookup,
@@ -118,16 +120,24 @@ class DataPlaneServer:
                     raise
                 if len(frames) != 2:
                     if frames:
-                        await sock.send_multipart(
-                            [
-                                frames[0],
-                                self._error(-1, p.ErrorCode.MALFORMED_FRAME, "expected exactly one frame"),
-                            ]
-                        )
+                        error = self._error(-1, p.ErrorCode.MALFORMED_FRAME, "expected exactly one frame")
+                        await sock.send_multipart([frames[0], error])
                     continue
-                await sock.send_multipart([frames[0], self.handle(frames[1])])
+                reply = self.handle(frames[1])
+                if isinstance(reply, bytes):
+                    await sock.send_multipart([frames[0], reply])
+                else:  # answered later (a LOOKUP waiting for L2): the loop goes on meanwhile
+                    self._spawn_reply(sock, frames[0], reply)
         finally:
             self.running = False
+
+    def _spawn_reply(self, sock: zmq.asyncio.Socket, ident: bytes, reply: Awaitable[bytes]) -> None:
+        async def send_later() -> None:
+            await sock.send_multipart([ident, await reply])
+
+        task = asyncio.get_running_loop().create_task(send_later(), name="dataplane-deferred-reply")
+        self._deferred.add(task)
+        task.add_done_callback(self._deferred.discard)
 
     def stopping(self) -> bool:
         return self._closing
@@ -151,7 +161,8 @@ class DataPlaneServer:
 
     # --- dispatch ------------------------------------------------------------------------------
 
-    def handle(self, frame: bytes) -> bytes:
+    def handle(self, frame: bytes) -> bytes | Awaitable[bytes]:
+        """The reply to one frame; an awaitable when the answer has to wait (LOOKUP with wait)."""
         start = time.perf_counter()
         op = "malformed"
         rid = -1
@@ -167,7 +178,9 @@ class DataPlaneServer:
             op = _TAGS[type(msg)]
             structlog.contextvars.bind_contextvars(op=op, rid=rid)
             reply = self._handlers[type(msg)](msg)
-            return p.encode(reply)
+            if isinstance(reply, msgspec.Struct):
+                return p.encode(reply)
+            return self._finish_later(rid, op, reply)
         except KVDepotError as exc:
             return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
         except Exception as exc:  # a bug: answer, log, keep serving
@@ -177,6 +190,15 @@ class DataPlaneServer:
             structlog.contextvars.unbind_contextvars("op", "rid")
             if self.metrics is not None:
                 self.metrics.observe(op, time.perf_counter() - start)
+
+    async def _finish_later(self, rid: int, op: str, pending: Awaitable[p.Reply]) -> bytes:
+        try:
+            return p.encode(await pending)
+        except KVDepotError as exc:
+            return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
+        except Exception as exc:
+            log.exception("dataplane_handler_failed", op=op)
+            return self._error(rid, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], op)
 
     def _error(
         self, rid: int, code: p.ErrorCode, message: str, op: str = "malformed", retryable: bool = False
@@ -246,25 +268,17 @@ class DataPlaneServer:
             layout_fingerprint=layout.fingerprint,
         )
 
-    def _lookup(self, m: p.Lookup) -> p.Reply:
+    def _lookup(self, m: p.Lookup) -> p.Reply | Awaitable[p.Reply]:
         r = self.engine.lookup(m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt)
-        return p.LookupReply(
-            id=m.id,
-            hit_tokens=r.hit_tokens,
-            hit_chunks=r.hit_chunks,
-            total_chunks=r.total_chunks,
-            pending_chunks=r.pending_chunks,
-        )
+        if m.wait and r.pending_chunks:
+            return self._lookup_when_loaded(m)
+        return _lookup_reply(m.id, r)
+
+    async def _lookup_when_loaded(self, m: p.Lookup) -> p.Reply:
+        return _lookup_reply(m.id, await self.engine.wait_prefetch(m.engine_id, m.request_id))
 
     def _query_prefetch(self, m: p.QueryPrefetch) -> p.Reply:
-        r = self.engine.query_prefetch(m.engine_id, m.request_id)
-        return p.LookupReply(
-            id=m.id,
-            hit_tokens=r.hit_tokens,
-            hit_chunks=r.hit_chunks,
-            total_chunks=r.total_chunks,
-            pending_chunks=r.pending_chunks,
-        )
+        return _lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id))
 
     def _retrieve(self, m: p.Retrieve) -> p.Reply:
         extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks)
@@ -299,3 +313,10 @@ class DataPlaneServer:
 
     def _clear(self, m: p.Clear) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.clear(m.cache_salt))
+
+
+def _lookup_reply(rid: int, r: LookupResult) -> p.LookupReply:
+    return p.LookupReply(
+        id=rid, hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, total_chunks=r.total_chunks,
+        pending_chunks=r.pending_chunks,
+    )  # fmt: skip

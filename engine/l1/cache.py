@@ -63,6 +63,8 @@ class L1Cache:
         self._reservations: dict[int, L1Object] = {}
         self._oids = itertools.count(1)
         self._on_remove = on_remove
+        #: set by the store controller: release queued write-behind pins worth `bytes`; returns bytes
+        self.shed: Callable[[int], int] | None = None
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -181,7 +183,7 @@ class L1Cache:
 
     def reap(self, now: float) -> int:
         """Abort write reservations whose lease expired. Returns how many."""
-        expired = [o for o in self._reservations.values() if o.lease_deadline <= now]
+        expired = [o for o in self._reservations.values() if o.lease_deadline <= now and not o.io_busy]
         for obj in expired:
             self.abort(obj)
         self.counters.expired_reservations += len(expired)
@@ -197,7 +199,9 @@ class L1Cache:
         offset = alloc.allocate(size)
         while offset is None:
             # Fragmented or above the low watermark already: free more, one object's worth at a time.
-            if self.evict(need) == 0:
+            # When everything left is pinned, chunks pinned only by queued write-behind are let go
+            # (their L2 write is dropped and counted) rather than refusing the engine.
+            if self.evict(need) == 0 and (self.shed is None or self.shed(need) == 0 or self.evict(need) == 0):
                 return None
             offset = alloc.allocate(size)
         return offset

@@ -6,10 +6,10 @@ r"""Object lifecycle: the states of an L1 object and the only moves allowed betw
                              v                      v                      | unlock(last), doomed
                           DELETED          EVICTED/DELETED  <--------------/
 
-A write reservation is invisible to readers. A "doomed" object (a temporary object loaded for one
-request, or one cleared while locked) is deleted when its last reader unlocks instead of going back
-to READY. `L1Object.apply` checks every move against `TRANSITIONS` and raises `IllegalTransition`
-on any other, always (not only in debug builds).
+A write reservation is invisible to readers. A "temporary" object (loaded from L2 for the requests
+that asked for it) and a "doomed" one (cleared while locked; invisible to new readers) are deleted
+when their last reader unlocks instead of going back to READY. `L1Object.apply` checks every move
+against `TRANSITIONS` and raises `IllegalTransition` on any other, always (not only in debug builds).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ class L1Object:
     state: ObjectState = S.ABSENT
     locks: int = 0
     doomed: bool = False
+    temporary: bool = False
+    in_l2: bool = False
+    io_busy: bool = False  # a thread is copying into this reservation: never reap it meanwhile
     lease_deadline: float = 0.0
     last_access: float = 0.0
 
@@ -92,7 +95,7 @@ class L1Object:
             locks = self.locks - 1
             if locks < 0:
                 raise IllegalTransition(f"object {self.oid}: unlock without a lock")
-            target = S.READ_LOCKED if locks else (S.DELETED if self.doomed else S.READY)
+            target = S.READ_LOCKED if locks else (S.DELETED if self.doomed or self.temporary else S.READY)
         else:
             locks = self.locks
             target = next(iter(allowed))

@@ -20,5 +20,6 @@ async def status(ctx: Ctx) -> dict[str, Any]:
         "ready": not ctx.health.not_ready(),
         "components": ctx.health.components(),
         "l1": ctx.engine.status(),
+        "l2": ctx.engine.l2_status(),
         "settings": ctx.settings.summary(),
     }

@@ -1,0 +1,279 @@
+"""PrefetchController: brings chunks a LOOKUP missed in L1 back from L2, within a deadline.
+
+State: one `Prefetch` per request in flight (its task, how many chunks it tries, how many are
+loaded, a done event), a semaphore bounding chunk loads across all requests, counters. Owned by
+the event loop; blob checks and copies into the arena run in the codec executor.
+
+One prefetch, in order:
+  1. locate: ask the active tiers, in order, which of the missing chunks they hold; the run is the
+     contiguous prefix found somewhere (policy: the first tier that has each chunk)
+  2. reserve temporary L1 objects for the run (a chunk being loaded by someone else, or no room,
+     ends the run there)
+  3. load + check (codec.decode_into: key, layout, checksum) into the reservations, at most
+     `max_inflight` chunks at once over all requests
+  4. in chunk order, commit each loaded chunk and hand it to the request (`attach`), which
+     read-locks it; the first failure (miss, error, integrity) ends the run
+At the deadline whatever has not been attached is a miss: the request's hit is the prefix attached
+so far. Reservations are aborted only after any copy into them has finished, so their memory is
+never reused while a thread still writes it. A blob that fails its check is deleted from its tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from app.errors import IntegrityError, LeaseExpired
+from engine.keys import ObjectKey
+from engine.l1.arena import SharedArena
+from engine.l1.cache import L1Cache
+from engine.l1.lifecycle import L1Object, ObjectState
+from engine.l2.tiers import L2Tiers, Tier
+from engine.results import Registration
+from storage import codec
+
+log = structlog.get_logger("kvdepot.l2.prefetch")
+
+Attach = Callable[[L1Object], bool]
+
+
+@dataclass(slots=True)
+class PrefetchCounters:
+    started: int = 0
+    chunks_located: int = 0
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    deadline_expired: int = 0
+    load_errors: int = 0
+    integrity_failures: int = 0
+    no_space: int = 0
+
+
+@dataclass(eq=False)
+class Prefetch:
+    trying: int
+    loaded: int = 0
+    finished: bool = False
+    detached: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.finished or self.detached else self.trying - self.loaded
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    key: ObjectKey
+    name: str
+    tier: Tier
+    obj: L1Object | None = None  # our reservation
+    ready: L1Object | None = None  # already in L1
+    waiting: asyncio.Future[L1Object | None] | None = None  # being loaded by another prefetch
+    task: asyncio.Task[bool] | None = None
+
+
+class PrefetchController:
+    def __init__(
+        self,
+        *,
+        cache: L1Cache,
+        arena: SharedArena,
+        tiers: L2Tiers,
+        deadline_s: float,
+        max_inflight: int,
+        executor: Executor,
+        clock: Callable[[], float],
+    ) -> None:
+        self.cache = cache
+        self.arena = arena
+        self.tiers = tiers
+        self.deadline_s = deadline_s
+        self.counters = PrefetchCounters()
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._executor = executor
+        self._clock = clock
+        self._running: set[asyncio.Task[Any]] = set()
+        self._loading: dict[ObjectKey, asyncio.Future[L1Object | None]] = {}
+
+    def start(self, reg: Registration, keys: list[ObjectKey], attach: Attach) -> Prefetch:
+        p = Prefetch(trying=len(keys))
+        p.task = asyncio.get_running_loop().create_task(self._run(p, reg, keys, attach), name="prefetch")
+        self._running.add(p.task)
+        p.task.add_done_callback(self._on_done)
+        self.counters.started += 1
+        return p
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        self._running.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("prefetch_crashed", error=repr(task.exception()), exc_info=task.exception())
+
+    async def close(self) -> None:
+        for task in list(self._running):
+            task.cancel()
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=5)
+
+    # --- one prefetch --------------------------------------------------------------------------
+
+    async def _run(self, p: Prefetch, reg: Registration, keys: list[ObjectKey], attach: Attach) -> None:
+        slots: list[_Slot] = []
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                slots = await self._locate(keys)
+                self.counters.chunks_located += len(slots)
+                self._reserve(slots, reg)
+                p.trying = len(slots)
+                for slot in slots:
+                    if slot.obj is not None:
+                        slot.task = asyncio.get_running_loop().create_task(self._load(slot, reg))
+                for slot in slots:
+                    obj = await self._arrive(slot)
+                    if obj is None:
+                        break
+                    if p.detached or not attach(obj):
+                        # Nobody waits for it any more: keep it as an ordinary L1 object.
+                        p.detached = True
+                        obj.temporary = False
+                        continue
+                    p.loaded += 1
+        except TimeoutError:
+            self.counters.deadline_expired += 1
+        finally:
+            p.finished = True
+            p.done.set()
+            await self._cleanup(slots)
+
+    async def _arrive(self, slot: _Slot) -> L1Object | None:
+        """The slot's chunk, ready in L1 (committed if we loaded it), or None."""
+        if slot.ready is not None:
+            return slot.ready if slot.ready.visible else None
+        if slot.waiting is not None:
+            obj = await asyncio.shield(slot.waiting)
+            return obj if obj is not None and obj.visible else None
+        assert slot.task is not None
+        assert slot.obj is not None
+        if not await slot.task:
+            return None
+        try:
+            obj = self.cache.commit(slot.obj.oid, self._clock())
+        except LeaseExpired:
+            return None
+        finally:
+            slot.obj = None
+        obj.temporary = True
+        self._resolve(slot.key, obj)
+        self.counters.chunks_loaded += 1
+        self.counters.bytes_loaded += obj.size
+        slot.ready = obj
+        return obj
+
+    def _resolve(self, key: ObjectKey, obj: L1Object | None) -> None:
+        fut = self._loading.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(obj)
+
+    async def _locate(self, keys: list[ObjectKey]) -> list[_Slot]:
+        names = [k.serialize() for k in keys]
+        where: list[Tier | None] = [None] * len(keys)
+        for tier in self.tiers.active():
+            todo = [i for i, t in enumerate(where) if t is None]
+            if not todo:
+                break
+            with tier.use():
+                results = await tier.adapter.contains([names[i] for i in todo])
+            for i, result in zip(todo, results, strict=True):
+                if result.ok:
+                    where[i] = tier
+        slots = []
+        for key, name, found in zip(keys, names, where, strict=True):
+            if found is None:
+                break
+            slots.append(_Slot(key, name, found))
+        return slots
+
+    def _reserve(self, slots: list[_Slot], reg: Registration) -> None:
+        now = self._clock()
+        for i, slot in enumerate(slots):
+            present = self.cache.peek(slot.key)
+            if present is not None:
+                ready = self.cache.find(slot.key, now)
+                if ready is not None:
+                    slot.ready = ready
+                    continue
+                loading = self._loading.get(slot.key)
+                if loading is None:  # being written by a client: the run ends here
+                    del slots[i:]
+                    return
+                slot.waiting = loading
+                continue
+            obj = self.cache.reserve(slot.key, reg.chunk_bytes, now)
+            if obj is None:
+                self.counters.no_space += 1
+                del slots[i:]
+                return
+            slot.obj = obj
+            self._loading[slot.key] = asyncio.get_running_loop().create_future()
+
+    async def _load(self, slot: _Slot, reg: Registration) -> bool:
+        assert slot.obj is not None
+        async with self._slots:
+            with slot.tier.use():
+                result = (await slot.tier.adapter.load([slot.name]))[0]
+            if not result.ok or result.data is None:
+                if result.status.value == "error":
+                    self.counters.load_errors += 1
+                return False
+            obj = slot.obj
+            if obj.state is not ObjectState.WRITE_RESERVED:
+                return False
+            out = self.arena.view(obj.offset, obj.size)
+            loop = asyncio.get_running_loop()
+            obj.io_busy = True
+            fut = loop.run_in_executor(
+                self._executor, codec.decode_into, result.data, slot.name, reg.namespace.layout_fp, out
+            )
+            fut.add_done_callback(lambda _: setattr(obj, "io_busy", False))
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                # The copy into the reservation may be running in a thread: let it finish before
+                # the reservation can be aborted and its memory handed to someone else.
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait([fut])
+                raise
+            except IntegrityError as exc:
+                self.counters.integrity_failures += 1
+                slot.tier.adapter.stats.integrity_failures += 1
+                log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
+                self._spawn_delete(slot.tier, slot.name)
+                return False
+            return True
+
+    def _spawn_delete(self, tier: Tier, name: str) -> None:
+        async def delete() -> None:
+            with tier.use():
+                await tier.adapter.delete([name])
+
+        task = asyncio.get_running_loop().create_task(delete(), name="l2-delete-corrupt")
+        self._running.add(task)
+        task.add_done_callback(self._on_done)
+
+    async def _cleanup(self, slots: list[_Slot]) -> None:
+        pending = [s.task for s in slots if s.task is not None and not s.task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for slot in slots:
+            if slot.obj is not None and slot.obj.state is ObjectState.WRITE_RESERVED:
+                self.cache.abort(slot.obj)
+                self._resolve(slot.key, None)

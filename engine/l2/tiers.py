@@ -1,0 +1,147 @@
+"""L2Tiers: the ordered set of attached L2 adapters, changed at runtime without a restart.
+
+State: name -> Tier (adapter, its config, active/draining, operations in flight). Owned by the
+event loop. Controllers take `active()` at the moment they start an operation and wrap it in
+`tier.use()`, so a tier being detached is never chosen again and in-flight work is counted.
+
+Primitives in call order:
+  add(config)               build and start an adapter; Conflict on a duplicate name
+  active()                  the tiers new work may use, in order
+  tier.use()                context manager counting an operation in flight
+  resize(name, bytes)       runtime capacity change (the adapter evicts when shrinking)
+  remove(name, mode)        drain: no new work, wait for in-flight work (bounded), then close;
+                            drop: close at once (in-flight operations end as errors = misses)
+  close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+
+from app.errors import Conflict, NotFound
+from app.settings import AdapterConfig
+from storage.base import L2Adapter
+
+log = structlog.get_logger("kvdepot.l2")
+
+RemoveMode = Literal["drain", "drop"]
+
+
+@dataclass(eq=False)
+class Tier:
+    adapter: L2Adapter
+    config: AdapterConfig
+    draining: bool = False
+    inflight: int = 0
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        usage = self.adapter.usage()
+        health = self.adapter.health()
+        stats = self.adapter.stats
+        return {
+            "name": self.name,
+            "type": self.adapter.kind,
+            "state": "draining" if self.draining else "active",
+            "config": self.config.model_dump(mode="json"),
+            "usage": {"bytes_used": usage.bytes_used, "objects": usage.objects,
+                      "capacity_bytes": usage.capacity_bytes},
+            "health": {"state": health.state, "last_error": health.last_error,
+                       "errors_total": health.errors_total},
+            "inflight": self.inflight,
+            "stats": {name: getattr(stats, name) for name in stats.__slots__},
+        }  # fmt: skip
+
+
+class L2Tiers:
+    def __init__(self, build: Callable[[AdapterConfig], L2Adapter], drain_timeout_s: float = 30.0) -> None:
+        self._build = build
+        self._tiers: dict[str, Tier] = {}
+        self.drain_timeout_s = drain_timeout_s
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def active(self) -> list[Tier]:
+        return [t for t in self._tiers.values() if not t.draining]
+
+    def all(self) -> list[Tier]:
+        return list(self._tiers.values())
+
+    def get(self, name: str) -> Tier:
+        tier = self._tiers.get(name)
+        if tier is None:
+            raise NotFound(f"no L2 adapter named {name!r}")
+        return tier
+
+    async def add(self, config: AdapterConfig) -> Tier:
+        if config.name in self._tiers:
+            raise Conflict(f"an L2 adapter named {config.name!r} exists already")
+        adapter = self._build(config)
+        tier = Tier(adapter, config)
+        self._tiers[config.name] = tier  # reserve the name before awaiting
+        try:
+            await adapter.start()
+        except BaseException:
+            del self._tiers[config.name]
+            await adapter.close()
+            raise
+        log.info("l2_adapter_added", name=config.name, type=adapter.kind)
+        return tier
+
+    async def resize(self, name: str, capacity_bytes: int) -> Tier:
+        tier = self.get(name)
+        await tier.adapter.set_capacity(capacity_bytes)
+        tier.config = tier.config.model_copy(update={"capacity_gb": capacity_bytes / (1 << 30)})
+        return tier
+
+    async def remove(self, name: str, mode: RemoveMode) -> None:
+        tier = self.get(name)
+        if tier.draining:
+            raise Conflict(f"L2 adapter {name!r} is already being removed")
+        tier.draining = True
+        if mode == "drain" and not await tier.wait_idle(self.drain_timeout_s):
+            log.warning("l2_drain_timeout", name=name, inflight=tier.inflight)
+        self._tiers.pop(name, None)
+        await tier.adapter.close()
+        log.info("l2_adapter_removed", name=name, mode=mode)
+
+    async def close(self) -> None:
+        for tier in list(self._tiers.values()):
+            tier.draining = True
+        for tier in list(self._tiers.values()):
+            await tier.wait_idle(1.0)
+            await tier.adapter.close()
+        self._tiers.clear()

@@ -1,0 +1,192 @@
+"""The L2 adapter interface and the small values it returns. Imports nothing else from storage/
+but the codec's EncodedBlob.
+
+Every adapter is driven from the one event loop. Its batch operations take string keys (serialized
+ObjectKeys) and answer with exactly one result per key, in order: never None, never a shorter list,
+never an exception. A failed backend shows up as ERROR results and in `health()`.
+
+Primitives in call order:
+  start()                  ready the adapter (the disk adapter rebuilds its index); idempotent, and
+                           the first operation calls it when the owner did not
+  store(items)             write blobs: OK, NO_SPACE (no room can be made), ERROR
+  contains(keys)           OK = present, MISS = absent, ERROR = could not tell
+  load(keys)               OK with the blob bytes, MISS, ERROR; integrity is the caller's check
+                           (codec.decode_into); a failed check counts in `stats.integrity_failures`
+  delete(keys)             OK = removed, MISS = was not there, ERROR
+  usage() / health()       cheap snapshots for /status and metrics
+  set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)
+  close()                  operations in flight end with ERROR results; later calls answer ERROR
+
+`stats` (counters) and `latency` (a tiny histogram per operation) are read by the metrics exporter.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from storage.codec import EncodedBlob
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    MISS = "miss"
+    ERROR = "error"
+    NO_SPACE = "no_space"
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    """The outcome of one key of a store, contains or delete."""
+
+    status: Status
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @classmethod
+    def error(cls, message: str) -> OpResult:
+        return cls(Status.ERROR, message)
+
+
+OK = OpResult(Status.OK)
+MISS = OpResult(Status.MISS)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """The outcome of one key of a load. `data` is the whole blob, set only when status is OK."""
+
+    status: Status
+    data: bytes | memoryview | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @classmethod
+    def hit(cls, data: bytes | memoryview) -> LoadResult:
+        return cls(Status.OK, data)
+
+    @classmethod
+    def error(cls, message: str) -> LoadResult:
+        return cls(Status.ERROR, None, message)
+
+
+LOAD_MISS = LoadResult(Status.MISS)
+
+HealthState = Literal["ok", "degraded", "down"]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Bytes and objects held; `capacity_bytes` 0 means unknown (e.g. Redis without a set capacity)."""
+
+    bytes_used: int
+    objects: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """ok: working; degraded: recent errors; down: unreachable or closed."""
+
+    state: HealthState
+    last_error: str | None
+    errors_total: int
+
+
+@dataclass(slots=True)
+class AdapterStats:
+    """Counters since start, exported as metrics. Mutated only on the event loop."""
+
+    stores: int = 0
+    store_bytes: int = 0
+    loads: int = 0
+    load_bytes: int = 0
+    misses: int = 0
+    deletes: int = 0
+    no_space: int = 0
+    errors: int = 0
+    integrity_failures: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Per-bucket counts (not cumulative); the last slot counts what exceeds every bound."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    count: int = 0
+    sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        index = len(self.bounds)
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                index = i
+                break
+        self.counts[index] += 1
+        self.count += 1
+        self.sum_s += seconds
+
+
+@dataclass(slots=True)
+class LatencyRecorder:
+    """One histogram per operation kind ("store", "load", ...), created on first use."""
+
+    ops: dict[str, Histogram] = field(default_factory=dict)
+
+    def observe(self, op: str, seconds: float) -> None:
+        hist = self.ops.get(op)
+        if hist is None:
+            hist = self.ops[op] = Histogram()
+        hist.observe(seconds)
+
+
+class L2Adapter(Protocol):
+    """One L2 tier. See the module docstring for the contract of each operation."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str:
+        """The adapter kind: disk, redis or mock."""
+        ...
+
+    @property
+    def stats(self) -> AdapterStats: ...
+
+    @property
+    def latency(self) -> LatencyRecorder: ...
+
+    async def start(self) -> None: ...
+
+    async def store(self, items: Sequence[tuple[str, EncodedBlob]]) -> list[OpResult]: ...
+
+    async def contains(self, keys: Sequence[str]) -> list[OpResult]: ...
+
+    async def load(self, keys: Sequence[str]) -> list[LoadResult]: ...
+
+    async def delete(self, keys: Sequence[str]) -> list[OpResult]: ...
+
+    def usage(self) -> Usage: ...
+
+    def health(self) -> Health: ...
+
+    async def set_capacity(self, capacity_bytes: int) -> None: ...
+
+    async def close(self) -> None: ...

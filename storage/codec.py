@@ -1,0 +1,345 @@
+"""Codec: how one chunk of KV cache is laid out as an L2 blob, and how it is checked on the way back.
+
+Stateless: pure functions, safe from any thread. They are CPU-bound on large payloads (checksum,
+lz4, FP8 math), so callers run them in an executor for big chunks, never on the event loop.
+
+A blob is a header followed by the encoded payload. The header (little-endian) is::
+
+    fixed part   magic b"KVD2" | version u16 | flags u16 | layout fingerprint 8s | dtype u8 | pad |
+                 key length u16 | run_elems u32 | original length u64 | encoded length u64 |
+                 xxh3_128 of the encoded payload 16s                                    (56 bytes)
+    key          the serialized key, utf-8                                    (key length bytes)
+    checksum     xxh3_64 of the fixed part and the key                                    (8 bytes)
+
+Payload encodings (flags):
+  - none: the original bytes, byte-exact; `EncodedBlob.segments` then references the caller's buffer,
+    so writers send it without a copy (the caller keeps the buffer unchanged until the write ends).
+  - fp8_values: the original bytes are alternating K and V runs of `run_elems` elements of `dtype`.
+    K runs are kept exactly; each V run becomes float8_e4m3fn with one float32 scale per run
+    (scale = absmax / 448, 1.0 for an all-zero run). Encoded as [scales | K runs | V fp8 runs].
+    LOSSY by design: a decoded V element differs from the original by at most ~1/16 of its
+    magnitude plus scale * 2**-10 (e4m3 rounding), plus the rounding to `dtype`; non-finite V values
+    are not preserved. Everything else is byte-exact.
+  - lz4: the (possibly FP8-encoded) payload compressed with lz4 block format; kept only when it
+    actually shrinks the payload, otherwise the flag is dropped and the bytes are stored as they are.
+
+Primitives in call order:
+  encode(key, layout_fp, payload, options)      -> EncodedBlob (segments = [header, payload])
+  header_length(prefix)                         bytes of header, from its first HEADER_FIXED_SIZE bytes
+  read_header(buf)                              -> BlobHeader; validates magic, version, header checksum
+  decode_into(blob, expect_key, expect_fp, out) checks everything, writes the original bytes into out
+
+Every check failure raises app.errors.IntegrityError; such a blob must be treated as a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import lz4.block
+import numpy as np
+import xxhash
+
+from app.errors import IntegrityError
+
+if TYPE_CHECKING:
+    import torch
+
+MAGIC = b"KVD2"
+VERSION = 1
+FLAG_FP8_VALUES = 0x1
+FLAG_LZ4 = 0x2
+_KNOWN_FLAGS = FLAG_FP8_VALUES | FLAG_LZ4
+LAYOUT_FP_SIZE = 8
+MAX_KEY_BYTES = 0xFFFF
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+_FIXED = struct.Struct("<4sHH8sBxHIQQ16s")
+_CHECKSUM = struct.Struct("<Q")
+_KEY_LEN_AT = struct.calcsize("<4sHH8sBx")
+HEADER_FIXED_SIZE = _FIXED.size
+MAX_HEADER_SIZE = _FIXED.size + MAX_KEY_BYTES + _CHECKSUM.size
+
+ValueDtype = Literal["float16", "bfloat16", "float32"]
+_DTYPE_CODES: dict[str, int] = {"float16": 1, "bfloat16": 2, "float32": 3}
+_DTYPE_NAMES: dict[int, ValueDtype] = {1: "float16", 2: "bfloat16", 3: "float32"}
+_DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class CodecOptions:
+    """How payloads are encoded. `dtype` and `run_elems` describe the K/V run layout for FP8."""
+
+    lz4: bool = False
+    fp8_values: bool = False
+    dtype: ValueDtype = "float16"
+    run_elems: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_CODES:
+            raise ValueError(f"unsupported value dtype {self.dtype!r}; one of {sorted(_DTYPE_CODES)}")
+        if self.fp8_values and not 0 < self.run_elems <= 0xFFFFFFFF:
+            raise ValueError("fp8_values needs run_elems > 0 (elements per K or V run)")
+
+    @property
+    def pair_bytes(self) -> int:
+        """Bytes of one K run plus one V run in the original payload."""
+        return 2 * self.run_elems * _DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class BlobHeader:
+    """A validated header. `header_len + enc_len` is the length of the whole blob."""
+
+    version: int
+    flags: int
+    layout_fp: bytes
+    key: str
+    dtype: ValueDtype | None
+    run_elems: int
+    orig_len: int
+    enc_len: int
+    payload_checksum: bytes
+    header_len: int
+
+    @property
+    def fp8_values(self) -> bool:
+        return bool(self.flags & FLAG_FP8_VALUES)
+
+    @property
+    def lz4(self) -> bool:
+        return bool(self.flags & FLAG_LZ4)
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.enc_len
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBlob:
+    """A blob ready to write: `segments` are written back to back; nothing else is needed."""
+
+    key: str
+    header: bytes
+    payload: memoryview
+
+    @property
+    def segments(self) -> tuple[bytes, memoryview]:
+        return (self.header, self.payload)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+    def to_bytes(self) -> bytes:
+        """The blob as one buffer (one copy of the payload)."""
+        return b"".join(self.segments)
+
+
+def _as_bytes_view(buf: Buffer) -> memoryview:
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def encode(key: str, layout_fp: bytes, payload: Buffer, options: CodecOptions) -> EncodedBlob:
+    """Encode `payload` (C-contiguous) under `key`. Raises ValueError for unusable arguments."""
+    key_bytes = key.encode("utf-8")
+    if len(key_bytes) > MAX_KEY_BYTES:
+        raise ValueError(f"serialized key is {len(key_bytes)} bytes; at most {MAX_KEY_BYTES}")
+    if len(layout_fp) != LAYOUT_FP_SIZE:
+        raise ValueError(f"layout fingerprint must be {LAYOUT_FP_SIZE} bytes, got {len(layout_fp)}")
+    raw = _as_bytes_view(payload)
+    flags = 0
+    dtype_code = 0
+    run_elems = 0
+    body: memoryview = raw
+    if options.fp8_values:
+        if raw.nbytes % options.pair_bytes:
+            raise ValueError(
+                f"payload of {raw.nbytes} bytes is not a whole number of K/V run pairs "
+                f"({options.pair_bytes} bytes each)"
+            )
+        body = _fp8_encode(raw, options.dtype, options.run_elems)
+        flags |= FLAG_FP8_VALUES
+        dtype_code = _DTYPE_CODES[options.dtype]
+        run_elems = options.run_elems
+    if options.lz4 and body.nbytes:
+        packed = lz4.block.compress(body, store_size=False)
+        if len(packed) < body.nbytes:
+            body = memoryview(packed)
+            flags |= FLAG_LZ4
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        flags,
+        bytes(layout_fp),
+        dtype_code,
+        len(key_bytes),
+        run_elems,
+        raw.nbytes,
+        body.nbytes,
+        xxhash.xxh3_128_digest(body),
+    )
+    head = fixed + key_bytes
+    return EncodedBlob(key=key, header=head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head)), payload=body)
+
+
+def header_length(prefix: Buffer) -> int:
+    """Total header length, from at least the first HEADER_FIXED_SIZE bytes of a blob."""
+    view = _as_bytes_view(prefix)
+    if view.nbytes < _FIXED.size:
+        raise IntegrityError(f"blob truncated: {view.nbytes} bytes, header needs {_FIXED.size}")
+    if bytes(view[:4]) != MAGIC:
+        raise IntegrityError("bad magic: not a kvdepot blob")
+    key_len = int.from_bytes(view[_KEY_LEN_AT : _KEY_LEN_AT + 2], "little")
+    return _FIXED.size + key_len + _CHECKSUM.size
+
+
+def read_header(buf: Buffer) -> BlobHeader:
+    """Parse and validate the header at the start of `buf` (which may hold more than the header)."""
+    view = _as_bytes_view(buf)
+    header_len = header_length(view)
+    if view.nbytes < header_len:
+        raise IntegrityError(f"blob truncated: {view.nbytes} bytes, header needs {header_len}")
+    _magic, version, flags, layout_fp, dtype_code, key_len, run_elems, orig_len, enc_len, digest = (
+        _FIXED.unpack_from(view)
+    )
+    body_end = _FIXED.size + key_len
+    (stored_checksum,) = _CHECKSUM.unpack_from(view, body_end)
+    if xxhash.xxh3_64_intdigest(view[:body_end]) != stored_checksum:
+        raise IntegrityError("header checksum mismatch")
+    if version != VERSION:
+        raise IntegrityError(f"unsupported blob version {version}; this build reads {VERSION}")
+    if flags & ~_KNOWN_FLAGS:
+        raise IntegrityError(f"unknown blob flags {flags:#x}")
+    try:
+        key = bytes(view[_FIXED.size : body_end]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise IntegrityError("blob key is not utf-8") from None
+    dtype: ValueDtype | None = None
+    if flags & FLAG_FP8_VALUES:
+        dtype = _DTYPE_NAMES.get(dtype_code)
+        if dtype is None or run_elems == 0:
+            raise IntegrityError("fp8 blob without a valid value dtype and run length")
+        if orig_len % (2 * run_elems * _DTYPE_SIZES[dtype]):
+            raise IntegrityError("fp8 blob length is not a whole number of K/V run pairs")
+    return BlobHeader(
+        version=version,
+        flags=flags,
+        layout_fp=bytes(layout_fp),
+        key=key,
+        dtype=dtype,
+        run_elems=run_elems,
+        orig_len=orig_len,
+        enc_len=enc_len,
+        payload_checksum=bytes(digest),
+        header_len=header_len,
+    )
+
+
+def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) -> None:
+    """Check `blob` completely and write its original payload into `out` (exactly that size).
+
+    Raises IntegrityError on any mismatch: magic, version, header checksum, key, layout
+    fingerprint, lengths, payload checksum, size of `out`. ValueError if `out` is read-only.
+    """
+    view = _as_bytes_view(blob)
+    header = read_header(view)
+    if header.key != expect_key:
+        raise IntegrityError(f"blob holds key {header.key!r}, expected {expect_key!r}")
+    if header.layout_fp != bytes(expect_fp):
+        raise IntegrityError(
+            f"layout fingerprint {header.layout_fp.hex()} differs from expected {bytes(expect_fp).hex()}"
+        )
+    if view.nbytes != header.total_len:
+        raise IntegrityError(f"blob is {view.nbytes} bytes, header says {header.total_len}")
+    dest = _as_bytes_view(out)
+    if dest.readonly:
+        raise ValueError("decode_into needs a writable output buffer")
+    if dest.nbytes != header.orig_len:
+        raise IntegrityError(f"blob decodes to {header.orig_len} bytes, output holds {dest.nbytes}")
+    body = view[header.header_len :]
+    if xxhash.xxh3_128_digest(body) != header.payload_checksum:
+        raise IntegrityError("payload checksum mismatch")
+    if header.lz4:
+        expected = _fp8_encoded_len(header) if header.fp8_values else header.orig_len
+        try:
+            body = memoryview(lz4.block.decompress(body, uncompressed_size=expected))
+        except lz4.block.LZ4BlockError as exc:
+            raise IntegrityError(f"lz4 payload does not decompress: {exc}") from None
+        if body.nbytes != expected:
+            raise IntegrityError(f"lz4 payload decompressed to {body.nbytes} bytes, expected {expected}")
+    if header.fp8_values:
+        assert header.dtype is not None  # read_header guarantees it
+        if body.nbytes != _fp8_encoded_len(header):
+            raise IntegrityError("fp8 payload length does not match its run layout")
+        _fp8_decode(body, header.dtype, header.run_elems, dest)
+    else:
+        if body.nbytes != dest.nbytes:
+            raise IntegrityError(f"payload is {body.nbytes} bytes, header says {dest.nbytes}")
+        dest[:] = body
+
+
+# --- FP8 (e4m3) quantization of V runs ----------------------------------------------------------
+
+
+def _fp8_encoded_len(header: BlobHeader) -> int:
+    assert header.dtype is not None
+    esize = _DTYPE_SIZES[header.dtype]
+    pairs = header.orig_len // (2 * header.run_elems * esize)
+    return pairs * (4 + header.run_elems * esize + header.run_elems)
+
+
+def _torch_dtype(name: ValueDtype) -> torch.dtype:
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _fp8_encode(raw: memoryview, dtype: ValueDtype, run_elems: int) -> memoryview:
+    """[scales f32 x pairs | K runs | V runs as e4m3] from alternating K and V runs."""
+    import torch
+
+    esize = _DTYPE_SIZES[dtype]
+    run_bytes = run_elems * esize
+    pairs = raw.nbytes // (2 * run_bytes)
+    out = np.empty(pairs * (4 + run_bytes + run_elems), dtype=np.uint8)
+    if pairs == 0:
+        return out.data
+    src = np.frombuffer(raw, dtype=np.uint8).reshape(pairs, 2, run_bytes)
+    k_end = pairs * (4 + run_bytes)
+    out[pairs * 4 : k_end].reshape(pairs, run_bytes)[:] = src[:, 0, :]
+    # V gathered into a tensor this function owns (the input may be read-only memory).
+    v_bytes = torch.empty((pairs, run_bytes), dtype=torch.uint8)
+    v_bytes.numpy()[:] = src[:, 1, :]
+    values = v_bytes.view(_torch_dtype(dtype)).to(torch.float32)
+    scales = values.abs().amax(dim=1) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quant = (values / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out[: pairs * 4] = scales.numpy().view(np.uint8)
+    out[k_end:] = quant.view(torch.uint8).reshape(-1).numpy()
+    return out.data
+
+
+def _fp8_decode(body: memoryview, dtype: ValueDtype, run_elems: int, dest: memoryview) -> None:
+    import torch
+
+    esize = _DTYPE_SIZES[dtype]
+    run_bytes = run_elems * esize
+    pairs = dest.nbytes // (2 * run_bytes)
+    if pairs == 0:
+        return
+    src = np.frombuffer(body, dtype=np.uint8)
+    k_end = pairs * (4 + run_bytes)
+    dst = np.frombuffer(dest, dtype=np.uint8).reshape(pairs, 2, run_bytes)
+    dst[:, 0, :] = src[pairs * 4 : k_end].reshape(pairs, run_bytes)
+    scales = torch.from_numpy(src[: pairs * 4].view(np.float32).copy())
+    quant = torch.from_numpy(src[k_end:].reshape(pairs, run_elems).copy()).view(torch.float8_e4m3fn)
+    values = (quant.to(torch.float32) * scales[:, None]).to(_torch_dtype(dtype))
+    dst[:, 1, :] = values.view(torch.uint8).numpy()

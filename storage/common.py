@@ -1,0 +1,289 @@
+"""AdapterCore: what every L2 adapter shares, so each adapter only says how it talks to its backend.
+
+State (event loop only): the adapter's counters, latency histograms, health tracker and the set of
+operations in flight. Subclasses implement `_store`, `_contains`, `_load`, `_delete` (batch in, one
+result per key out), `_usage`, `_set_capacity`, and optionally `_start` and `_close`.
+
+Primitives in call order:
+  start()                       runs `_start` once (the first operation calls it when nobody did)
+  store/contains/load/delete    each batch runs inside the OpGate, is timed, counted and turned into
+                                ERROR results if anything escapes: callers never see an exception
+  usage() / health()            snapshots
+  set_capacity(bytes)           runtime resize
+  close()                       gate closes (in-flight batches end with ERROR), then `_close`
+
+A subclass raises app.errors.BackendError when the backend as a whole failed (unreachable, timed
+out): every key of the batch becomes ERROR and health turns "down" until a batch succeeds again.
+ERROR results it returns itself make health "degraded" for DEGRADED_WINDOW_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import structlog
+
+from app.errors import BackendError
+from storage.base import (
+    AdapterStats,
+    Health,
+    HealthState,
+    LatencyRecorder,
+    LoadResult,
+    OpResult,
+    Status,
+    Usage,
+)
+from storage.codec import EncodedBlob
+
+log = structlog.get_logger("kvdepot.storage")
+
+T = TypeVar("T")
+R = TypeVar("R", OpResult, LoadResult)
+
+DEGRADED_WINDOW_S = 30.0
+CLOSE_WAIT_S = 5.0
+CLOSED_MESSAGE = "adapter closed"
+
+
+class GateClosed(Exception):
+    """The adapter closed before the operation finished."""
+
+
+class OpGate:
+    """Operations in flight, so that `close()` can end them. Event loop only."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """The coroutine's result, or GateClosed when the gate closes first."""
+        if self._closed:
+            coro.close()
+            raise GateClosed
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.is_closed() and task.cancelled() and (current is None or not current.cancelling()):
+                raise GateClosed from None
+            raise
+
+    async def close(self) -> None:
+        """Cancel what is in flight and wait (bounded) for it to unwind."""
+        self._closed = True
+        pending = list(self._tasks)
+        for task in pending:
+            task.cancel(CLOSED_MESSAGE)
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=CLOSE_WAIT_S)
+            if still:
+                log.warning("l2_close_left_tasks", count=len(still))
+
+
+class HealthTracker:
+    """ok / degraded (an error within DEGRADED_WINDOW_S) / down (backend failed, or closed)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._down = False
+        self._last_error: str | None = None
+        self._last_error_at = float("-inf")
+        self.errors_total = 0
+
+    def success(self) -> None:
+        self._down = False
+
+    def failure(self, message: str, count: int = 1, *, down: bool = False) -> None:
+        self.errors_total += count
+        self._last_error = message
+        self._last_error_at = self._clock()
+        self._down = self._down or down
+
+    def snapshot(self, closed: bool) -> Health:
+        state: HealthState
+        if closed or self._down:
+            state = "down"
+        elif self._clock() - self._last_error_at < DEGRADED_WINDOW_S:
+            state = "degraded"
+        else:
+            state = "ok"
+        return Health(state=state, last_error=self._last_error, errors_total=self.errors_total)
+
+
+class AdapterCore(ABC):
+    """Base of every adapter: the public L2Adapter operations around the subclass's primitives."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._stats = AdapterStats()
+        self._latency = LatencyRecorder()
+        self._health = HealthTracker()
+        self._gate = OpGate()
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._closed = False
+
+    # --- identity and snapshots ----------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def stats(self) -> AdapterStats:
+        return self._stats
+
+    @property
+    def latency(self) -> LatencyRecorder:
+        return self._latency
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def usage(self) -> Usage:
+        return self._usage()
+
+    def health(self) -> Health:
+        return self._health.snapshot(self._closed)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        async with self._start_lock:
+            if not self._started and not self._closed:
+                await self._start()
+                self._started = True
+
+    async def set_capacity(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity must be positive")
+        await self._set_capacity(capacity_bytes)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._gate.close()
+        try:
+            await self._close()
+        except Exception as exc:
+            log.warning("l2_close_failed", adapter=self._name, error=repr(exc))
+
+    # --- batch operations ----------------------------------------------------------------------
+
+    async def store(self, items: Sequence[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        items = list(items)
+        results = await self._batch("store", len(items), lambda: self._store(items), OpResult.error)
+        for (_, blob), result in zip(items, results, strict=True):
+            if result.status is Status.OK:
+                self._stats.stores += 1
+                self._stats.store_bytes += blob.nbytes
+            elif result.status is Status.NO_SPACE:
+                self._stats.no_space += 1
+        return results
+
+    async def contains(self, keys: Sequence[str]) -> list[OpResult]:
+        keys = list(keys)
+        return await self._batch("contains", len(keys), lambda: self._contains(keys), OpResult.error)
+
+    async def load(self, keys: Sequence[str]) -> list[LoadResult]:
+        keys = list(keys)
+        results = await self._batch("load", len(keys), lambda: self._load(keys), LoadResult.error)
+        for result in results:
+            if result.status is Status.OK and result.data is not None:
+                self._stats.loads += 1
+                self._stats.load_bytes += len(result.data)
+            elif result.status is Status.MISS:
+                self._stats.misses += 1
+        return results
+
+    async def delete(self, keys: Sequence[str]) -> list[OpResult]:
+        keys = list(keys)
+        results = await self._batch("delete", len(keys), lambda: self._delete(keys), OpResult.error)
+        self._stats.deletes += sum(1 for r in results if r.status is Status.OK)
+        return results
+
+    async def _batch(
+        self,
+        op: str,
+        count: int,
+        call: Callable[[], Awaitable[list[R]]],
+        error: Callable[[str], R],
+    ) -> list[R]:
+        if count == 0:
+            return []
+        if self._closed:
+            return [error(CLOSED_MESSAGE)] * count
+        started = time.perf_counter()
+        try:
+            results = await self._gate.run(self._started_then(call))
+            if len(results) != count:
+                raise RuntimeError(f"{op} answered {len(results)} results for {count} keys")
+        except GateClosed:
+            return [error(CLOSED_MESSAGE)] * count
+        except BackendError as exc:
+            self._stats.errors += count
+            self._health.failure(f"{op}: {exc}", count, down=True)
+            results = [error(f"{op}: {exc}")] * count
+        except Exception as exc:
+            log.exception("l2_batch_failed", adapter=self._name, op=op)
+            message = f"{op}: {type(exc).__name__}: {exc}"
+            self._stats.errors += count
+            self._health.failure(message, count)
+            results = [error(message)] * count
+        else:
+            failed = [r for r in results if r.status is Status.ERROR]
+            if failed:
+                self._stats.errors += len(failed)
+                self._health.failure(f"{op}: {failed[0].message}", len(failed))
+            else:
+                self._health.success()
+        self._latency.observe(op, time.perf_counter() - started)
+        return results
+
+    async def _started_then(self, call: Callable[[], Awaitable[T]]) -> T:
+        await self.start()
+        return await call()
+
+    # --- what a subclass provides --------------------------------------------------------------
+
+    async def _start(self) -> None:  # noqa: B027  (optional hook)
+        """Ready the backend. Default: nothing to do."""
+
+    async def _close(self) -> None:  # noqa: B027  (optional hook)
+        """Release the backend's resources. Default: nothing to release."""
+
+    @abstractmethod
+    async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]: ...
+
+    @abstractmethod
+    async def _contains(self, keys: list[str]) -> list[OpResult]: ...
+
+    @abstractmethod
+    async def _load(self, keys: list[str]) -> list[LoadResult]: ...
+
+    @abstractmethod
+    async def _delete(self, keys: list[str]) -> list[OpResult]: ...
+
+    @abstractmethod
+    def _usage(self) -> Usage: ...
+
+    @abstractmethod
+    async def _set_capacity(self, capacity_bytes: int) -> None: ...

@@ -1,0 +1,302 @@
+"""DiskAdapter: the local-disk L2. Crash-safe files, an in-memory index rebuilt from them at start.
+
+State (event loop only): the index key -> (file, size) in least-recently-used order, bytes used,
+bytes reserved by writes in flight, the capacity, and the store in flight per key. Every file
+operation runs in the I/O executor passed in (storage/diskio.py); the loop never touches a file.
+
+Placement: a key's blake3 digest picks one of the directories (config.paths, or the default
+directory) and one of its 256 two-hex-digit subdirectories. Each write gets a fresh file name, so
+a write never races an unlink of an older file of the same key; the index says which file is
+current, and at start the newest file of a key wins and the others are deleted.
+
+Primitives in call order:
+  start()          per directory: create it, flock it (one adapter per directory), then scan every
+                   subdirectory in parallel: temp files (a crash mid-write) are removed, each blob's
+                   header is read and checked (no payload reads), files whose header or length is
+                   wrong are deleted and counted; the index is ordered by file mtime. `startup`
+                   reports what was found.
+  store(items)     room is made first (LRU eviction, files unlinked), then the blob is written to a
+                   temp file, fsync-ed (config.fsync) and renamed into place; the index is updated
+                   when the rename is done. A store of a key already being written waits for that
+                   write and shares its result. NO_SPACE: larger than the capacity, no room left
+                   by writes in flight, or the filesystem is full.
+  contains(keys)   the index alone (no file access, no recency change)
+  load(keys)       reads the file (recency refreshed). A file that vanished or whose size differs
+                   from the index is a MISS, dropped from the index (and deleted when wrong).
+                   The bytes are not checked here: the caller runs codec.decode_into.
+  delete(keys)     drops index entries and unlinks their files
+  set_capacity(n)  evicts down to n
+  close()          waits (bounded) for file operations already running, releases the directory
+                   locks, and shuts the executor down when this adapter owns it
+
+Recency survives a restart only as file mtimes (write times): loads do not touch files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import os
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import blake3
+import structlog
+
+from app.settings import DiskAdapterConfig
+from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.codec import EncodedBlob
+from storage.common import CLOSE_WAIT_S, AdapterCore
+from storage.diskio import BLOB_SUFFIX, SUBDIRS, BadFile, BlobFiles, ScanReport
+
+log = structlog.get_logger("kvdepot.storage.disk")
+
+T = TypeVar("T")
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(slots=True)
+class _Entry:
+    path: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStartup:
+    """What start() found on disk."""
+
+    blobs: int
+    bytes: int
+    temp_removed: int
+    corrupt_removed: int
+    duplicates_removed: int
+    seconds: float
+
+
+class DiskAdapter(AdapterCore):
+    kind = "disk"
+
+    def __init__(
+        self,
+        config: DiskAdapterConfig,
+        default_dir: Path,
+        executor: ThreadPoolExecutor,
+        *,
+        owns_executor: bool = False,
+    ) -> None:
+        super().__init__(config.name)
+        self.config = config
+        self.dirs = [str(p) for p in config.paths] or [str(default_dir)]
+        self.startup: DiskStartup | None = None
+        self._executor = executor
+        self._owns_executor = owns_executor
+        self._files = BlobFiles(fsync=config.fsync == "always", direct=config.o_direct)
+        self._capacity = int(config.capacity_gb * (1 << 30))
+        self._index: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._reserved = 0
+        self._writes: dict[str, asyncio.Future[OpResult]] = {}
+        self._jobs: set[concurrent.futures.Future[Any]] = set()
+        self._lock_fds: list[int] = []
+
+    @property
+    def direct_fallback(self) -> str | None:
+        """Why O_DIRECT was turned off (the filesystem refused it), or None."""
+        return self._files.direct_fallback
+
+    def path_for(self, key: str) -> str:
+        """A fresh file name for a new blob of `key`."""
+        digest = blake3.blake3(key.encode("utf-8")).hexdigest()
+        root = self.dirs[int(digest[-16:], 16) % len(self.dirs)]
+        return os.path.join(root, digest[:2], f"{digest[:40]}-{secrets.token_hex(6)}{BLOB_SUFFIX}")
+
+    def keys_lru(self) -> list[str]:
+        """Keys from least to most recently used."""
+        return list(self._index)
+
+    # --- executor ------------------------------------------------------------------------------
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        job = self._executor.submit(fn, *args)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return await asyncio.wrap_future(job)
+
+    # --- start and close -----------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        started = time.perf_counter()
+        try:
+            for root in self.dirs:
+                self._lock_fds.append(await self._io(self._files.prepare, root))
+            reports = await asyncio.gather(
+                *(
+                    self._io(self._files.scan, os.path.join(root, sub))
+                    for root in self.dirs
+                    for sub in SUBDIRS
+                )
+            )
+        except BaseException:
+            await self._release_locks()
+            raise
+        merged = ScanReport()
+        for report in reports:
+            merged.blobs.extend(report.blobs)
+            merged.temp_removed += report.temp_removed
+            merged.corrupt_removed += report.corrupt_removed
+        merged.blobs.sort(key=lambda blob: blob.mtime)
+        stale: list[str] = []
+        for blob in merged.blobs:  # oldest first: a later file of the same key replaces it
+            previous = self._index.pop(blob.key, None)
+            if previous is not None:
+                self._bytes -= previous.size
+                stale.append(previous.path)
+            self._index[blob.key] = _Entry(blob.path, blob.size)
+            self._bytes += blob.size
+        if stale:
+            await self._io(self._files.remove, stale)
+        await self._evict_to(self._capacity)
+        self._stats.integrity_failures += merged.corrupt_removed
+        self.startup = DiskStartup(
+            blobs=len(self._index),
+            bytes=self._bytes,
+            temp_removed=merged.temp_removed,
+            corrupt_removed=merged.corrupt_removed,
+            duplicates_removed=len(stale),
+            seconds=time.perf_counter() - started,
+        )
+        log.info("disk_l2_started", adapter=self.name, dirs=self.dirs, **asdict(self.startup))
+
+    async def _close(self) -> None:
+        running = [asyncio.wrap_future(job) for job in list(self._jobs)]
+        if running:
+            await asyncio.wait(running, timeout=CLOSE_WAIT_S)
+        await self._release_locks()
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _release_locks(self) -> None:
+        while self._lock_fds:
+            self._files.release(self._lock_fds.pop())  # close(2) of a lock file: never blocks
+
+    # --- operations ----------------------------------------------------------------------------
+
+    async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        return list(await asyncio.gather(*(self._store_one(key, blob) for key, blob in items)))
+
+    async def _store_one(self, key: str, blob: EncodedBlob) -> OpResult:
+        in_flight = self._writes.get(key)
+        if in_flight is not None:
+            return await asyncio.shield(in_flight)
+        done = asyncio.get_running_loop().create_future()
+        self._writes[key] = done
+        result = OpResult.error("store interrupted")
+        try:
+            result = await self._write(key, blob)
+            return result
+        finally:
+            del self._writes[key]
+            done.set_result(result)
+
+    async def _write(self, key: str, blob: EncodedBlob) -> OpResult:
+        size = blob.nbytes
+        if size > self._capacity:
+            return OpResult(Status.NO_SPACE, f"blob of {size} bytes exceeds capacity {self._capacity}")
+        await self._evict_to(self._capacity - self._reserved - size)
+        if self._bytes + self._reserved + size > self._capacity:
+            return OpResult(Status.NO_SPACE, "no room: capacity held by writes in flight")
+        path = self.path_for(key)
+        self._reserved += size
+        try:
+            await self._io(self._files.write_atomic, path, blob.segments)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE_ERRNOS:
+                return OpResult(Status.NO_SPACE, f"filesystem full: {exc}")
+            return OpResult.error(f"write failed: {exc}")
+        finally:
+            self._reserved -= size
+        previous = self._index.pop(key, None)
+        if previous is not None:
+            self._bytes -= previous.size
+        self._index[key] = _Entry(path, size)
+        self._bytes += size
+        if previous is not None:
+            await self._io(self._files.remove, [previous.path])
+        return OK
+
+    async def _contains(self, keys: list[str]) -> list[OpResult]:
+        return [OK if key in self._index else MISS for key in keys]
+
+    async def _load(self, keys: list[str]) -> list[LoadResult]:
+        return list(await asyncio.gather(*(self._load_one(key) for key in keys)))
+
+    async def _load_one(self, key: str) -> LoadResult:
+        entry = self._index.get(key)
+        if entry is None:
+            return LoadResult(Status.MISS)
+        self._index.move_to_end(key)
+        try:
+            data = await self._io(self._files.read, entry.path, entry.size)
+        except BadFile as exc:
+            self._stats.integrity_failures += 1
+            log.warning("disk_l2_bad_file", adapter=self.name, error=str(exc))
+            if self._drop(key, entry):
+                await self._io(self._files.remove, [entry.path])
+            return LoadResult(Status.MISS)
+        except OSError as exc:
+            return LoadResult.error(f"read failed: {exc}")
+        if data is None:
+            self._drop(key, entry)
+            return LoadResult(Status.MISS)
+        return LoadResult.hit(data)
+
+    async def _delete(self, keys: list[str]) -> list[OpResult]:
+        results: list[OpResult] = []
+        paths: list[str] = []
+        for key in keys:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                results.append(MISS)
+            else:
+                self._bytes -= entry.size
+                paths.append(entry.path)
+                results.append(OK)
+        if paths:
+            await self._io(self._files.remove, paths)
+        return results
+
+    def _usage(self) -> Usage:
+        return Usage(bytes_used=self._bytes, objects=len(self._index), capacity_bytes=self._capacity)
+
+    async def _set_capacity(self, capacity_bytes: int) -> None:
+        self._capacity = capacity_bytes
+        if not self.closed:
+            await self._evict_to(capacity_bytes - self._reserved)
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _drop(self, key: str, entry: _Entry) -> bool:
+        """Remove `key` from the index if `entry` is still its current file."""
+        if self._index.get(key) is not entry:
+            return False
+        del self._index[key]
+        self._bytes -= entry.size
+        return True
+
+    async def _evict_to(self, limit: int) -> None:
+        paths: list[str] = []
+        while self._bytes > limit and self._index:
+            _, entry = self._index.popitem(last=False)
+            self._bytes -= entry.size
+            self._stats.evictions += 1
+            self._stats.evicted_bytes += entry.size
+            paths.append(entry.path)
+        if paths:
+            await self._io(self._files.remove, paths)

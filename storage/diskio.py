@@ -1,0 +1,320 @@
+"""BlobFiles: the blocking file operations of the disk adapter. Called only from its I/O executor.
+
+State: the write policy (fsync, O_DIRECT) and, once O_DIRECT was refused by a filesystem, the
+reason it is no longer used. Threads share it; the only mutation is that one-way switch.
+
+On-disk layout of one directory::
+
+    <root>/.lock                 flock-ed while an adapter owns the directory
+    <root>/<2 hex>/<name>.kvd    one blob (codec header + payload), exactly the blob's bytes
+    <root>/<2 hex>/<name>.tmp    a write in progress; a leftover after a crash, removed at start
+
+Primitives in call order:
+  prepare(root)                     create root and its 256 subdirectories, take the lock -> fd
+  scan(subdir)                      remove temp files, validate each blob's header (never the
+                                    payload), delete files that fail -> ScanReport
+  write_atomic(path, segments)      temp file in the same directory, write, fsync (per policy),
+                                    rename: readers see the whole blob or nothing
+  read(path, size)                  the blob's bytes; None if the file is gone; BadFile if its size
+                                    differs from what the index recorded (truncated, replaced)
+  remove(paths)                     unlink, ignoring files already gone
+  release(fd)                       drop the directory lock
+
+O_DIRECT: writes go through a page-aligned bounce buffer, padded to ALIGN and truncated back;
+reads land in an aligned buffer. When a filesystem answers EINVAL, the file is redone without
+O_DIRECT and O_DIRECT stays off (`direct_fallback` says why).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from app.errors import ConfigError, IntegrityError
+from storage import codec
+
+ALIGN = 4096
+BOUNCE_BYTES = 8 << 20
+BLOB_SUFFIX = ".kvd"
+TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
+SUBDIRS = tuple(f"{i:02x}" for i in range(256))
+_HEADER_PROBE = 4096
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class BadFile(Exception):
+    """The file exists but is not the blob the index expects."""
+
+
+class _DirectRefused(Exception):
+    """The filesystem refused an O_DIRECT transfer (EINVAL)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedBlob:
+    key: str
+    path: str
+    size: int
+    mtime: float
+
+
+@dataclass(slots=True)
+class ScanReport:
+    blobs: list[ScannedBlob] = field(default_factory=list)
+    temp_removed: int = 0
+    corrupt_removed: int = 0
+
+
+def _fresh_buffer(size: int) -> mmap.mmap:
+    """Page-aligned anonymous memory, faulted in up front (one syscall, not one fault per page)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _write_all(fd: int, segments: Sequence[codec.Buffer]) -> None:
+    views = [memoryview(s).cast("B") for s in segments]
+    views = [v for v in views if v.nbytes]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+class BlobFiles:
+    """File I/O of one disk adapter, safe to call from several executor threads at once."""
+
+    def __init__(self, *, fsync: bool, direct: bool) -> None:
+        self.fsync = fsync
+        self.direct = direct
+        self.direct_fallback: str | None = None
+        self._names = itertools.count()
+        self._local = threading.local()
+
+    # --- directories ---------------------------------------------------------------------------
+
+    def prepare(self, root: str) -> int:
+        os.makedirs(root, exist_ok=True)
+        for sub in SUBDIRS:
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"disk L2 directory {root} is in use by another adapter") from None
+        return fd
+
+    def release(self, fd: int) -> None:
+        os.close(fd)  # closing the descriptor drops the flock
+
+    def scan(self, subdir: str) -> ScanReport:
+        report = ScanReport()
+        try:
+            entries = list(os.scandir(subdir))
+        except FileNotFoundError:
+            return report
+        for entry in entries:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if entry.name.endswith(TMP_SUFFIX):
+                self._unlink(entry.path)
+                report.temp_removed += 1
+            elif entry.name.endswith(BLOB_SUFFIX):
+                blob = self._probe(entry.path)
+                if blob is None:
+                    self._unlink(entry.path)
+                    report.corrupt_removed += 1
+                else:
+                    report.blobs.append(blob)
+        return report
+
+    def _probe(self, path: str) -> ScannedBlob | None:
+        """The blob's key and size from its header alone, or None when the file is not whole."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, _HEADER_PROBE, 0)
+            need = codec.header_length(head)
+            if need > len(head):
+                head = os.pread(fd, need, 0)
+            header = codec.read_header(head)
+        except (IntegrityError, OSError):
+            return None
+        finally:
+            os.close(fd)
+        if st.st_size != header.total_len:
+            return None
+        return ScannedBlob(key=header.key, path=path, size=st.st_size, mtime=st.st_mtime)
+
+    # --- blobs ---------------------------------------------------------------------------------
+
+    def write_atomic(self, path: str, segments: Sequence[codec.Buffer]) -> None:
+        tmp = f"{path}.{os.getpid()}-{next(self._names)}{TMP_SUFFIX}"
+        if self.direct:
+            try:
+                self._write_file(tmp, segments, direct=True)
+            except _DirectRefused:
+                self._disable_direct("write")
+                self._write_file(tmp, segments, direct=False)
+        else:
+            self._write_file(tmp, segments, direct=False)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+
+    def _write_file(self, tmp: str, segments: Sequence[codec.Buffer], *, direct: bool) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o644)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                raise _DirectRefused from None
+            raise
+        try:
+            if direct:
+                self._write_direct(fd, segments)
+            else:
+                _write_all(fd, segments)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            self._unlink(tmp)
+            raise
+        os.close(fd)
+
+    def _write_direct(self, fd: int, segments: Sequence[codec.Buffer]) -> None:
+        bounce = self._bounce()
+        filled = 0
+        total = 0
+        try:
+            for segment in segments:
+                view = memoryview(segment).cast("B")
+                while view.nbytes:
+                    take = min(view.nbytes, BOUNCE_BYTES - filled)
+                    bounce[filled : filled + take] = view[:take]
+                    filled += take
+                    view = view[take:]
+                    if filled == BOUNCE_BYTES:
+                        total += self._direct_out(fd, bounce, filled, total)
+                        filled = 0
+            if filled:
+                total += self._direct_out(fd, bounce, filled, total)
+                os.ftruncate(fd, total - _round_up(filled) + filled)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise _DirectRefused from None
+            raise
+
+    @staticmethod
+    def _direct_out(fd: int, bounce: mmap.mmap, filled: int, offset: int) -> int:
+        length = _round_up(filled)
+        if length > filled:
+            bounce[filled:length] = bytes(length - filled)
+        view = memoryview(bounce)[:length]
+        try:
+            done = 0
+            while done < length:
+                done += os.pwrite(fd, view[done:], offset + done)
+        finally:
+            view.release()
+        return length
+
+    def _bounce(self) -> mmap.mmap:
+        buf: mmap.mmap | None = getattr(self._local, "bounce", None)
+        if buf is None:
+            buf = _fresh_buffer(BOUNCE_BYTES)
+            self._local.bounce = buf
+        return buf
+
+    def read(self, path: str, size: int) -> bytes | memoryview | None:
+        if self.direct:
+            try:
+                return self._read_direct(path, size)
+            except _DirectRefused:
+                self._disable_direct("read")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                raise BadFile(f"{path}: size differs from the index")
+            data = os.read(fd, size)
+            if len(data) < size:  # a short read: keep going, then join
+                parts = [data]
+                got = len(data)
+                while got < size:
+                    more = os.read(fd, size - got)
+                    if not more:
+                        raise BadFile(f"{path}: shorter than the index says")
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+            return data
+        finally:
+            os.close(fd)
+
+    def _read_direct(self, path: str, size: int) -> memoryview | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise _DirectRefused from None
+            raise
+        try:
+            if os.fstat(fd).st_size != size:
+                raise BadFile(f"{path}: size differs from the index")
+            buf = _fresh_buffer(max(_round_up(size), ALIGN))
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                try:
+                    n = os.preadv(fd, [view[got:]], got)
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        raise _DirectRefused from None
+                    raise
+                if n == 0:
+                    raise BadFile(f"{path}: shorter than the index says")
+                got += n
+            return view[:size]
+        finally:
+            os.close(fd)
+
+    def _disable_direct(self, where: str) -> None:
+        self.direct = False
+        self.direct_fallback = f"O_DIRECT refused (EINVAL) on {where}; using buffered I/O"
+
+    # --- removal -------------------------------------------------------------------------------
+
+    def remove(self, paths: Sequence[str]) -> int:
+        return sum(1 for path in paths if self._unlink(path))
+
+    @staticmethod
+    def _unlink(path: str) -> bool:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True

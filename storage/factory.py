@@ -1,0 +1,44 @@
+"""build_adapter: one L2 adapter from its config, with the executor it needs.
+
+Owns nothing after it returns: each adapter owns its executor (named threads
+`kvdepot-l2-<adapter name>`, bounded) and shuts it down in `close()`. Building starts no I/O;
+`await adapter.start()` readies it (the disk adapter rebuilds its index then), or the first
+operation does.
+
+Where each kind keeps its bytes:
+  disk   config.paths, or <data_dir>/l2-disk (<data_dir>/l2-disk-<name> for a name other than
+         "disk", so that two disk adapters never share a directory by default);
+         io_threads threads for file I/O
+  redis  config.url; two threads for joining large blobs into one value
+  mock   memory; no executor
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from app.settings import AdapterConfig, DiskAdapterConfig, MockAdapterConfig, RedisAdapterConfig
+from storage.base import L2Adapter
+from storage.disk import DiskAdapter
+from storage.mock import MockAdapter
+from storage.redis_adapter import RedisAdapter
+
+REDIS_COPY_THREADS = 2
+
+
+def default_disk_dir(config: DiskAdapterConfig, data_dir: Path) -> Path:
+    return data_dir / ("l2-disk" if config.name == "disk" else f"l2-disk-{config.name}")
+
+
+def build_adapter(config: AdapterConfig, data_dir: Path) -> L2Adapter:
+    """A new adapter for `config`; call `await adapter.close()` to release everything it holds."""
+    if isinstance(config, DiskAdapterConfig):
+        executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
+        return DiskAdapter(config, default_disk_dir(config, data_dir), executor, owns_executor=True)
+    if isinstance(config, RedisAdapterConfig):
+        executor = ThreadPoolExecutor(REDIS_COPY_THREADS, thread_name_prefix=f"kvdepot-l2-{config.name}")
+        return RedisAdapter(config, executor, owns_executor=True)
+    if isinstance(config, MockAdapterConfig):
+        return MockAdapter(config)
+    raise TypeError(f"unknown adapter config {type(config).__name__}")

@@ -1,0 +1,149 @@
+"""MockAdapter: an in-memory L2 with capacity, simulated bandwidth and latency, and injected faults.
+
+For tests and benchmarks of everything above storage/. State (event loop only): key -> blob bytes
+in least-recently-used order, bytes used, capacity, and a seeded RNG, so a given seed and call
+sequence always injects the same faults.
+
+Simulation, per batch: sleep `latency_ms`, plus bytes moved / `bandwidth_gbps` (read as 10**9
+bytes per second) when set. Faults, per key, drawn in key order:
+  - error_rate    the key's result is ERROR (nothing is stored, loaded or deleted for it)
+  - corrupt_rate  a load returns the blob with one byte flipped, which codec.decode_into rejects
+  - hang          every operation waits forever; close() ends them with ERROR results
+
+Primitives in call order: store, contains, load, delete, usage, set_capacity, close (AdapterCore).
+Room is made on store by evicting least-recently-used blobs; a blob larger than the whole capacity
+is NO_SPACE. Loads refresh recency; contains does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import OrderedDict
+
+from app.settings import MockAdapterConfig
+from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.codec import EncodedBlob
+from storage.common import AdapterCore
+
+INJECTED = "injected fault"
+
+
+class MockAdapter(AdapterCore):
+    kind = "mock"
+
+    def __init__(self, config: MockAdapterConfig) -> None:
+        super().__init__(config.name)
+        self.config = config
+        self._capacity = int(config.capacity_gb * (1 << 30))
+        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._rng = random.Random(config.seed)
+
+    # --- simulation ----------------------------------------------------------------------------
+
+    async def _simulate(self, nbytes: int) -> None:
+        if self.config.hang:
+            await asyncio.Event().wait()  # until close() cancels it
+        delay = self.config.latency_ms / 1000.0
+        if self.config.bandwidth_gbps:
+            delay += nbytes / (self.config.bandwidth_gbps * 1e9)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _fails(self) -> bool:
+        return self.config.error_rate > 0 and self._rng.random() < self.config.error_rate
+
+    def _corrupts(self) -> bool:
+        return self.config.corrupt_rate > 0 and self._rng.random() < self.config.corrupt_rate
+
+    # --- primitives ----------------------------------------------------------------------------
+
+    async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        await self._simulate(sum(blob.nbytes for _, blob in items))
+        results: list[OpResult] = []
+        for key, blob in items:
+            if self._fails():
+                results.append(OpResult.error(INJECTED))
+                continue
+            self._remove(key)
+            if blob.nbytes > self._capacity:
+                results.append(OpResult(Status.NO_SPACE, f"blob of {blob.nbytes} bytes exceeds capacity"))
+                continue
+            self._evict_to(self._capacity - blob.nbytes)
+            self._blobs[key] = blob.to_bytes()
+            self._bytes += blob.nbytes
+            results.append(OK)
+        return results
+
+    async def _contains(self, keys: list[str]) -> list[OpResult]:
+        await self._simulate(0)
+        results: list[OpResult] = []
+        for key in keys:
+            if self._fails():
+                results.append(OpResult.error(INJECTED))
+            elif key in self._blobs:
+                results.append(OK)
+            else:
+                results.append(MISS)
+        return results
+
+    async def _load(self, keys: list[str]) -> list[LoadResult]:
+        await self._simulate(sum(len(self._blobs.get(key, b"")) for key in keys))
+        results: list[LoadResult] = []
+        for key in keys:
+            if self._fails():
+                results.append(LoadResult.error(INJECTED))
+                continue
+            data = self._blobs.get(key)
+            if data is None:
+                results.append(LoadResult(Status.MISS))
+                continue
+            self._blobs.move_to_end(key)
+            if data and self._corrupts():
+                flipped = bytearray(data)
+                flipped[self._rng.randrange(len(flipped))] ^= 0xFF
+                data = bytes(flipped)
+            results.append(LoadResult.hit(data))
+        return results
+
+    async def _delete(self, keys: list[str]) -> list[OpResult]:
+        await self._simulate(0)
+        results: list[OpResult] = []
+        for key in keys:
+            if self._fails():
+                results.append(OpResult.error(INJECTED))
+            else:
+                results.append(OK if self._remove(key) else MISS)
+        return results
+
+    def _usage(self) -> Usage:
+        return Usage(bytes_used=self._bytes, objects=len(self._blobs), capacity_bytes=self._capacity)
+
+    async def _set_capacity(self, capacity_bytes: int) -> None:
+        self._capacity = capacity_bytes
+        self._evict_to(capacity_bytes)
+
+    async def _close(self) -> None:
+        self._blobs.clear()
+        self._bytes = 0
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def keys_lru(self) -> list[str]:
+        """Keys from least to most recently used (tests assert eviction order with it)."""
+        return list(self._blobs)
+
+    def _remove(self, key: str) -> bool:
+        data = self._blobs.pop(key, None)
+        if data is None:
+            return False
+        self._bytes -= len(data)
+        return True
+
+    def _evict_to(self, limit: int) -> None:
+        while self._bytes > limit and self._blobs:
+            _, data = self._blobs.popitem(last=False)
+            self._bytes -= len(data)
+            self._stats.evictions += 1
+            self._stats.evicted_bytes += len(data)

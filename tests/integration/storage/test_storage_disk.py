@@ -1,0 +1,305 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from app.errors import ConfigError, IntegrityError
+from app.settings import DiskAdapterConfig
+from storage import codec, diskio
+from storage.base import Status
+from storage.codec import CodecOptions, EncodedBlob
+from storage.disk import DiskAdapter
+from storage.diskio import BlobFiles
+
+pytestmark = pytest.mark.anyio
+
+FP = b"layoutfp"
+MiB = 1 << 20
+
+MakeDisk = Callable[..., DiskAdapter]
+
+
+def payload_for(key: str, size: int) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
+def blob(key: str, size: int = 4000) -> EncodedBlob:
+    return codec.encode(key, FP, payload_for(key, size), CodecOptions())
+
+
+def decoded(data: bytes | memoryview | None, key: str, size: int) -> bytes:
+    assert data is not None
+    out = bytearray(size)
+    codec.decode_into(data, key, FP, out)
+    return bytes(out)
+
+
+def blob_files(root: Path) -> list[Path]:
+    return sorted(root.rglob(f"*{diskio.BLOB_SUFFIX}"))
+
+
+def exists(path: str | Path) -> bool:
+    return os.path.exists(path)
+
+
+@pytest.fixture
+async def make_disk(tmp_path: Path) -> AsyncIterator[MakeDisk]:
+    """Disk adapters over real directories under tmp_path; each gets its own executor."""
+    made: list[DiskAdapter] = []
+
+    def make(
+        *, default_dir: Path | None = None, executor: ThreadPoolExecutor | None = None, **fields: Any
+    ) -> DiskAdapter:
+        config = DiskAdapterConfig.model_validate({"fsync": "never", **fields})
+        executor = executor or ThreadPoolExecutor(config.io_threads, thread_name_prefix="test-disk-io")
+        adapter = DiskAdapter(config, default_dir or tmp_path / "l2", executor, owns_executor=True)
+        made.append(adapter)
+        return adapter
+
+    yield make
+    for adapter in made:
+        await adapter.close()
+
+
+async def test_store_load_contains_delete_round_trip(make_disk: MakeDisk, tmp_path: Path) -> None:
+    disk = make_disk(fsync="always")
+    await disk.start()
+    blobs = {f"key-{i}": blob(f"key-{i}", 1000 + i) for i in range(8)}
+    results = await disk.store(list(blobs.items()))
+    assert all(r.ok for r in results)
+    assert len(blob_files(tmp_path / "l2")) == 8
+    assert [r.status for r in await disk.contains(["key-3", "nope"])] == [Status.OK, Status.MISS]
+    loaded = await disk.load(["key-7", "nope", "key-0"])
+    assert [r.status for r in loaded] == [Status.OK, Status.MISS, Status.OK]
+    assert decoded(loaded[0].data, "key-7", 1007) == payload_for("key-7", 1007)
+    assert [r.status for r in await disk.delete(["key-7", "key-7"])] == [Status.OK, Status.MISS]
+    assert len(blob_files(tmp_path / "l2")) == 7
+    assert (await disk.load(["key-7"]))[0].status is Status.MISS
+    usage = disk.usage()
+    assert usage.objects == 7
+    assert usage.bytes_used == sum(b.nbytes for k, b in blobs.items() if k != "key-7")
+    assert disk.health().state == "ok"
+    assert (disk.stats.stores, disk.stats.loads, disk.stats.misses) == (8, 2, 2)
+
+
+async def test_overwrite_keeps_one_file_and_counts_once(make_disk: MakeDisk, tmp_path: Path) -> None:
+    disk = make_disk()
+    await disk.store([("k", blob("k", 100))])
+    await disk.store([("k", blob("k", 300))])
+    assert len(blob_files(tmp_path / "l2")) == 1
+    assert disk.usage().bytes_used == blob("k", 300).nbytes
+    (result,) = await disk.load(["k"])
+    assert decoded(result.data, "k", 300) == payload_for("k", 300)
+
+
+async def test_concurrent_stores_of_one_key_share_one_write(make_disk: MakeDisk, tmp_path: Path) -> None:
+    disk = make_disk()
+    answers = await asyncio.gather(*(disk.store([("same", blob("same"))]) for _ in range(5)))
+    assert all(a[0].ok for a in answers)
+    assert len(blob_files(tmp_path / "l2")) == 1
+
+
+async def test_capacity_evicts_in_lru_order_and_deletes_files(make_disk: MakeDisk, tmp_path: Path) -> None:
+    disk = make_disk()
+    one = blob("k0").nbytes
+    await disk.set_capacity(3 * one)
+    for key in ("k0", "k1", "k2"):
+        await disk.store([(key, blob(key))])
+    await disk.load(["k0"])
+    await disk.contains(["k1"])  # a lookup is not a use
+    await disk.store([("k3", blob("k3"))])
+    assert disk.keys_lru() == ["k2", "k0", "k3"]
+    assert (await disk.contains(["k1"]))[0].status is Status.MISS
+    assert len(blob_files(tmp_path / "l2")) == 3
+    await disk.set_capacity(one)
+    assert disk.keys_lru() == ["k3"]
+    assert len(blob_files(tmp_path / "l2")) == 1
+    assert (disk.stats.evictions, disk.stats.evicted_bytes) == (3, 3 * one)
+    too_big = blob("big", 2 * 4000)
+    assert (await disk.store([("big", too_big)]))[0].status is Status.NO_SPACE
+    assert disk.stats.no_space == 1
+
+
+async def test_index_is_rebuilt_from_the_files(make_disk: MakeDisk, tmp_path: Path) -> None:
+    first = make_disk()
+    keys = [f"key-{i}" for i in range(20)]
+    for key in keys:  # one at a time, so file mtimes follow the store order
+        await first.store([(key, blob(key))])
+    usage = first.usage()
+    await first.close()
+
+    second = make_disk()
+    await second.start()
+    assert second.startup is not None
+    assert second.startup.blobs == 20
+    assert second.usage() == usage
+    assert sorted(second.keys_lru()) == sorted(keys)
+    loaded = await second.load(keys)
+    assert all(decoded(r.data, k, 4000) == payload_for(k, 4000) for k, r in zip(keys, loaded, strict=True))
+
+
+async def test_start_removes_temp_files_and_deletes_bad_files(make_disk: MakeDisk, tmp_path: Path) -> None:
+    first = make_disk()
+    for key in ("good", "truncated", "bad-header", "bad-payload"):
+        await first.store([(key, blob(key))])
+    paths = {key: Path(first._index[key].path) for key in first.keys_lru()}
+    await first.close()
+
+    leftover = paths["good"].with_name("crashed-mid-write" + diskio.TMP_SUFFIX)
+    leftover.write_bytes(b"half a blob")
+    os.truncate(paths["truncated"], paths["truncated"].stat().st_size - 1)
+    with paths["bad-header"].open("r+b") as f:
+        f.seek(10)
+        f.write(b"\xff")
+    with paths["bad-payload"].open("r+b") as f:  # only the payload: the header still checks out
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\x00\x01\x02\x03\x04")
+
+    second = make_disk()
+    await second.start()
+    assert second.startup is not None
+    assert (second.startup.temp_removed, second.startup.corrupt_removed) == (1, 2)
+    assert second.stats.integrity_failures == 2
+    assert not leftover.exists()
+    assert not paths["truncated"].exists()
+    assert not paths["bad-header"].exists()
+    statuses = [r.status for r in await second.load(["good", "truncated", "bad-header"])]
+    assert statuses == [Status.OK, Status.MISS, Status.MISS]
+    (damaged,) = await second.load(["bad-payload"])  # header-only scan: the codec catches the rest
+    with pytest.raises(IntegrityError):
+        decoded(damaged.data, "bad-payload", 4000)
+
+
+async def test_newest_file_of_a_key_wins_at_start(make_disk: MakeDisk, tmp_path: Path) -> None:
+    first = make_disk()
+    await first.store([("k", blob("k", 100))])
+    old_path = Path(first._index["k"].path)
+    old_copy = old_path.with_suffix(".copy")
+    os.link(old_path, old_copy)
+    await first.store([("k", blob("k", 200))])
+    await first.close()
+    os.rename(old_copy, old_path)  # an older file of the same key, as after a crash
+    os.utime(old_path, (1_000_000, 1_000_000))
+
+    second = make_disk()
+    await second.start()
+    assert second.startup is not None
+    assert second.startup.duplicates_removed == 1
+    assert not exists(old_path)
+    (result,) = await second.load(["k"])
+    assert decoded(result.data, "k", 200) == payload_for("k", 200)
+
+
+async def test_files_changed_behind_the_adapters_back_are_misses(make_disk: MakeDisk) -> None:
+    disk = make_disk()
+    await disk.store([("gone", blob("gone")), ("short", blob("short"))])
+    os.unlink(disk._index["gone"].path)
+    short_path = disk._index["short"].path
+    os.truncate(short_path, 100)
+    results = await disk.load(["gone", "short"])
+    assert [r.status for r in results] == [Status.MISS, Status.MISS]
+    assert disk.usage().objects == 0
+    assert not exists(short_path)
+    assert disk.stats.integrity_failures == 1
+
+
+async def test_keys_spread_over_several_directories(make_disk: MakeDisk, tmp_path: Path) -> None:
+    roots = [tmp_path / f"d{i}" for i in range(3)]
+    disk = make_disk(paths=roots)
+    keys = [f"key-{i}" for i in range(60)]
+    assert all(r.ok for r in await disk.store([(k, blob(k, 200)) for k in keys]))
+    counts = [len(blob_files(root)) for root in roots]
+    assert sum(counts) == 60
+    assert min(counts) > 5
+    await disk.close()
+
+    again = make_disk(paths=roots)
+    loaded = await again.load(keys)
+    assert all(decoded(r.data, k, 200) == payload_for(k, 200) for k, r in zip(keys, loaded, strict=True))
+
+
+async def test_a_directory_has_one_owner(make_disk: MakeDisk) -> None:
+    first = make_disk()
+    await first.start()
+    second = make_disk()
+    with pytest.raises(ConfigError, match="in use"):
+        await second.start()
+    assert (await second.load(["k"]))[0].status is Status.ERROR
+    await first.close()
+    await second.start()  # free again
+
+
+@pytest.mark.parametrize("size", [1, 4096, 9 * MiB + 123])
+async def test_o_direct_round_trip(make_disk: MakeDisk, size: int) -> None:
+    disk = make_disk(o_direct=True, fsync="always")
+    assert (await disk.store([("k", blob("k", size))]))[0].ok
+    (result,) = await disk.load(["k"])
+    assert decoded(result.data, "k", size) == payload_for("k", size)
+    assert disk.direct_fallback is None  # this filesystem accepts O_DIRECT
+
+
+class RefusingDirectIO(BlobFiles):
+    """A filesystem that answers EINVAL to O_DIRECT (as some do) at open time."""
+
+    def _write_file(self, tmp: str, segments: Any, *, direct: bool) -> None:
+        if direct:
+            raise diskio._DirectRefused
+        super()._write_file(tmp, segments, direct=direct)
+
+
+def test_o_direct_falls_back_silently_and_says_why(tmp_path: Path) -> None:
+    files = RefusingDirectIO(fsync=False, direct=True)
+    target = tmp_path / "blob.kvd"
+    files.write_atomic(str(target), [b"header", memoryview(b"payload")])
+    assert target.read_bytes() == b"headerpayload"
+    assert files.direct_fallback is not None
+    assert not files.direct
+    assert list(tmp_path.iterdir()) == [target]
+
+
+async def test_close_with_operations_in_flight(make_disk: MakeDisk) -> None:
+    executor = ThreadPoolExecutor(1, thread_name_prefix="test-disk-io")
+    disk = make_disk(executor=executor)
+    await disk.store([("old", blob("old"))])
+    stuck = threading.Event()
+    executor.submit(stuck.wait, 10)  # a slow disk: every file operation now queues behind this
+    answers: list[list[Status]] = []
+
+    async def store(i: int) -> None:
+        answers.append([r.status for r in await disk.store([(f"k{i}", blob(f"k{i}", 2 * MiB))])])
+
+    async def load() -> None:
+        answers.append([r.status for r in await disk.load(["old", "old"])])
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(store, i)
+            tg.start_soon(load)
+            await anyio.wait_all_tasks_blocked()
+            await disk.close()
+    stuck.set()
+    assert len(answers) == 7
+    assert {s for a in answers for s in a} == {Status.ERROR}
+    assert (await disk.store([("late", blob("late"))]))[0].status is Status.ERROR
+
+
+async def test_large_blobs(make_disk: MakeDisk) -> None:
+    disk = make_disk()
+    big = blob("big", 32 * MiB)
+    assert (await disk.store([("big", big)]))[0].ok
+    (result,) = await disk.load(["big"])
+    assert result.data is not None
+    assert len(result.data) == big.nbytes
+    out = bytearray(32 * MiB)
+    codec.decode_into(result.data, "big", FP, out)
+    assert out == big.payload

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import pytest
+
+from app.errors import IntegrityError
+from app.settings import MockAdapterConfig
+from storage import codec
+from storage.base import L2Adapter, Status
+from storage.codec import CodecOptions, EncodedBlob
+from storage.mock import MockAdapter
+
+pytestmark = pytest.mark.anyio
+
+FP = b"layoutfp"
+
+
+def blob(key: str, size: int = 1000) -> EncodedBlob:
+    return codec.encode(key, FP, bytes([len(key) % 256]) * size, CodecOptions())
+
+
+def mock(**fields: object) -> MockAdapter:
+    return MockAdapter(MockAdapterConfig.model_validate(fields))
+
+
+async def test_store_contains_load_delete_answer_per_key_in_order() -> None:
+    adapter: L2Adapter = mock()
+    a, b = blob("a"), blob("bb")
+    assert [r.status for r in await adapter.store([("a", a), ("bb", b)])] == [Status.OK, Status.OK]
+    assert [r.status for r in await adapter.contains(["bb", "zz", "a"])] == [
+        Status.OK,
+        Status.MISS,
+        Status.OK,
+    ]
+    loaded = await adapter.load(["zz", "a"])
+    assert [r.status for r in loaded] == [Status.MISS, Status.OK]
+    assert loaded[1].data == a.to_bytes()
+    assert [r.status for r in await adapter.delete(["a", "a"])] == [Status.OK, Status.MISS]
+    assert await adapter.load([]) == []
+    usage = adapter.usage()
+    assert (usage.objects, usage.bytes_used) == (1, b.nbytes)
+    assert adapter.stats.stores == 2
+    assert adapter.stats.loads == 1
+    assert adapter.stats.misses == 1
+    assert adapter.latency.ops["load"].count == 1  # empty batches are not timed
+    assert adapter.health().state == "ok"
+    await adapter.close()
+
+
+async def test_capacity_evicts_least_recently_used_first() -> None:
+    adapter = mock()
+    one = blob("k0").nbytes
+    await adapter.set_capacity(3 * one)
+    for key in ("k0", "k1", "k2"):
+        await adapter.store([(key, blob(key))])
+    await adapter.load(["k0"])  # k0 becomes the most recently used
+    await adapter.store([("k3", blob("k3"))])
+    assert adapter.keys_lru() == ["k2", "k0", "k3"]
+    assert adapter.stats.evictions == 1
+    await adapter.set_capacity(2 * one)
+    assert adapter.keys_lru() == ["k0", "k3"]
+    too_big = codec.encode("big", FP, bytes(3 * one), CodecOptions())
+    assert (await adapter.store([("big", too_big)]))[0].status is Status.NO_SPACE
+    assert adapter.usage() == type(adapter.usage())(2 * one, 2, 2 * one)
+    await adapter.close()
+
+
+async def test_error_rate_is_deterministic_for_a_seed() -> None:
+    keys = [f"k{i}" for i in range(64)]
+
+    async def pattern(seed: int) -> list[Status]:
+        adapter = mock(error_rate=0.5, seed=seed)
+        results = await adapter.store([(k, blob(k, 10)) for k in keys])
+        await adapter.close()
+        return [r.status for r in results]
+
+    first = await pattern(7)
+    assert first == await pattern(7)
+    assert {Status.OK, Status.ERROR} == set(first)
+
+
+async def test_errors_show_in_health_and_stats() -> None:
+    adapter = mock(error_rate=1.0)
+    results = await adapter.load(["a", "b"])
+    assert [r.status for r in results] == [Status.ERROR, Status.ERROR]
+    assert results[0].message == "injected fault"
+    health = adapter.health()
+    assert health.state == "degraded"
+    assert health.errors_total == 2
+    assert adapter.stats.errors == 2
+    await adapter.close()
+    assert adapter.health().state == "down"
+
+
+async def test_corrupt_loads_are_caught_by_the_codec() -> None:
+    adapter = mock(corrupt_rate=1.0)
+    original = blob("a")
+    await adapter.store([("a", original)])
+    for _ in range(20):
+        (result,) = await adapter.load(["a"])
+        assert result.data is not None
+        assert result.data != original.to_bytes()
+        with pytest.raises(IntegrityError):
+            codec.decode_into(result.data, "a", FP, bytearray(1000))
+    await adapter.close()
+
+
+async def test_hanging_operations_end_with_errors_when_closed() -> None:
+    adapter = mock(hang=True)
+    results: dict[str, list[Status]] = {}
+
+    async def run(op: str) -> None:
+        if op == "store":
+            answer = await adapter.store([("a", blob("a")), ("b", blob("b"))])
+        elif op == "load":
+            answer = await adapter.load(["a", "b", "c"])
+        else:
+            answer = await adapter.contains(["a"])
+        results[op] = [r.status for r in answer]
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for op in ("store", "load", "contains"):
+                tg.start_soon(run, op)
+            await anyio.wait_all_tasks_blocked()
+            assert results == {}  # all three are stuck
+            await adapter.close()
+    assert results == {
+        "store": [Status.ERROR] * 2,
+        "load": [Status.ERROR] * 3,
+        "contains": [Status.ERROR],
+    }
+    assert [r.message for r in await adapter.delete(["a"])] == ["adapter closed"]
+
+
+async def test_a_cancelled_caller_is_cancelled_not_answered() -> None:
+    adapter = mock(hang=True)
+    task = asyncio.create_task(adapter.load(["a"]))
+    await anyio.wait_all_tasks_blocked()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await adapter.close()
+
+
+async def test_latency_and_bandwidth_are_simulated() -> None:
+    adapter = mock(latency_ms=30.0, bandwidth_gbps=0.001)  # 1 MB/s
+    started = time.perf_counter()
+    await adapter.store([("a", blob("a", 20_000))])  # 20 KB -> 20 ms, plus 30 ms
+    assert time.perf_counter() - started >= 0.05
+    await adapter.close()
