@@ -206,9 +206,6 @@ class Service:
             or self.http_socket is None
         ):
             raise RuntimeError("build() first")
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
         s = self.settings
         try:
             await self._start_l2()
@@ -216,6 +213,9 @@ class Service:
             await self._shutdown_l2(0)
             self.close()
             raise
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))

@@ -19,8 +19,8 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -94,13 +94,20 @@ class L1Settings(BaseModel):
     reap_interval_s: float = Field(0.5, gt=0, le=60, description="How often expired leases are reclaimed.")
     populate: bool = Field(True, description="Reserve the arena's pages at start (fails early if short).")
 
-    @model_validator(mode="after")
-    def _check(self) -> L1Settings:
-        if self.low_watermark > self.high_watermark:
-            raise ValueError("low_watermark must not exceed high_watermark")
-        if self.alignment & (self.alignment - 1):
-            raise ValueError("alignment must be a power of two")
-        return self
+    @field_validator("low_watermark")
+    @classmethod
+    def _check_low(cls, low: float, info: ValidationInfo) -> float:
+        high = info.data.get("high_watermark")
+        if high is not None and low > high:
+            raise ValueError(f"must not exceed high_watermark ({high})")
+        return low
+
+    @field_validator("alignment")
+    @classmethod
+    def _check_alignment(cls, alignment: int) -> int:
+        if alignment & (alignment - 1):
+            raise ValueError("must be a power of two")
+        return alignment
 
     @property
     def size_bytes(self) -> int:
@@ -252,6 +259,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path 
             _deep_set(init, key, value)
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"config: file {config_file} does not exist")
+    _check_env_names(os.environ)
 
     class _Sourced(Settings):
         @classmethod
@@ -288,6 +296,20 @@ def describe_validation_error(exc: ValidationError) -> str:
         else:
             parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
     return "invalid setting " + "; ".join(parts)
+
+
+def _check_env_names(environ: Mapping[str, str]) -> None:
+    """An unknown KVDEPOT_ variable is an error, like an unknown key in the file (a typo such as
+    KVDEPOT_L1_SIZE_GB for KVDEPOT_L1__SIZE_GB must not be silently ignored)."""
+    fields = set(Settings.model_fields)
+    for name in environ:
+        if not name.upper().startswith("KVDEPOT_"):
+            continue
+        top = name[len("KVDEPOT_") :].split("__", 1)[0].lower()
+        if top not in fields:
+            raise ConfigError(
+                f"unknown setting {name} (environment); settings are {', '.join(sorted(fields))}"
+            )
 
 
 def env_overrides_present() -> list[str]:

@@ -41,6 +41,12 @@ class Supervisor:
         self._tasks.discard(task)
         self._no_drain.discard(task)
         if task.cancelled():
+            if not self._stopping:
+                # Nobody here cancelled it: something it awaited was cancelled under it (a closed
+                # socket does that). A dead task all the same.
+                self._failures[task.get_name()] = "cancelled unexpectedly"
+                log.error("task_cancelled", task=task.get_name())
+                self.crashed.set()
             return
         exc = task.exception()
         if exc is not None:

@@ -117,7 +117,10 @@ class DataPlaneServer:
                 except asyncio.CancelledError:
                     if self.stopping():
                         return
-                    raise
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # this task itself is being cancelled
+                    raise RuntimeError("the data-plane socket was closed under the receive loop") from None
                 if len(frames) != 2:
                     if frames:
                         error = self._error(-1, p.ErrorCode.MALFORMED_FRAME, "expected exactly one frame")

@@ -24,6 +24,9 @@ _STATUS: dict[type[e.KVDepotError], int] = {
     e.Overloaded: 503,
     e.ShuttingDown: 503,
     e.BackendError: 502,
+    e.TransferError: 503,
+    e.NotRegistered: 404,
+    e.LeaseExpired: 410,
 }
 
 

@@ -45,7 +45,7 @@ class SidecarProcess:
     def url(self) -> str:
         return str(self.started["data_plane"])
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 60.0) -> None:
         if not self._ready.wait(timeout) or not self.started:
             self.kill()
             raise RuntimeError("sidecar did not start:\n" + "\n".join(self.lines[-30:]))

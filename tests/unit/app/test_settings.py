@@ -98,7 +98,7 @@ def test_nested_env_names(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_settings_are_immutable() -> None:
     s = load_settings({"l1.size_gb": 2})
     with pytest.raises(ValidationError):
-        s.l1.size_gb = 3  # type: ignore[misc]
+        s.l1.size_gb = 3
     with pytest.raises(ValidationError):
         s.data_dir = Path("/elsewhere")  # type: ignore[misc]
     assert s.l1.size_gb == 2.0
@@ -167,13 +167,9 @@ def test_unknown_nested_env_name(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bad_data_plane_url_scheme() -> None:
     message = config_error({"data_plane.url": "http://127.0.0.1:5555"})
-    assert "data_plane" in message
-    assert "url" in message
+    assert "data_plane.url" in message
     assert "ipc://" in message and "tcp://" in message
-
-
-def test_bad_data_plane_url_names_the_dotted_setting() -> None:
-    assert "data_plane.url" in config_error({"data_plane.url": "http://127.0.0.1:5555"})
+    assert "http://127.0.0.1:5555" in message
 
 
 def test_good_data_plane_urls_are_accepted() -> None:
@@ -184,8 +180,8 @@ def test_good_data_plane_urls_are_accepted() -> None:
 def test_low_watermark_above_high_watermark(tmp_path: Path) -> None:
     config = write_toml(tmp_path, "[l1]\nlow_watermark = 0.9\nhigh_watermark = 0.5\n")
     message = config_error(config_file=config)
-    assert "l1" in message
-    assert "low_watermark" in message and "high_watermark" in message
+    assert "l1.low_watermark" in message
+    assert "high_watermark" in message
 
 
 def test_low_watermark_above_default_high_watermark() -> None:
@@ -214,3 +210,13 @@ def test_several_errors_stay_on_one_line() -> None:
     message = config_error({"l1.size_gb": -1, "http.port": -5})
     assert "l1.size_gb" in message
     assert "http.port" in message
+
+
+def test_unknown_environment_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDEPOT_L1_SIZE_GB", "4")  # single underscore: a typo, not a setting
+    message = config_error()
+    assert "KVDEPOT_L1_SIZE_GB" in message
+
+
+def test_alignment_must_be_a_power_of_two() -> None:
+    assert "l1.alignment" in config_error({"l1.alignment": 3000})

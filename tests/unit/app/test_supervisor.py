@@ -77,12 +77,6 @@ async def test_task_that_returns_while_running_is_a_failure() -> None:
     assert sup.running() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Supervisor._on_done ignores every cancelled task, so a task that dies because a future "
-    "it awaited was cancelled under it (what pyzmq does when its socket is closed) is neither "
-    "recorded in failures() nor sets crashed",
-)
 async def test_task_cancelled_from_inside_is_a_failure() -> None:
     sup = Supervisor()
     loop = asyncio.get_running_loop()
@@ -95,7 +89,7 @@ async def test_task_cancelled_from_inside_is_a_failure() -> None:
 
     task = sup.start("poller", awaits_a_future())
     await waiting.wait()
-    pending.cancel()  # as pyzmq does to pending polls when the socket is closed
+    pending.cancel()  # as pyzmq does to pending receives when its socket is closed
     with anyio.fail_after(5):
         await asyncio.wait([task])
     assert task.cancelled()

@@ -18,7 +18,7 @@ FP = bytes.fromhex("0011223344556677")
 ORIG_LEN_AT = struct.calcsize("<4sHH8sBxHI")  # offset of the original length in the header
 
 
-def _decode(blob: bytes | memoryview, size: int, key: str = KEY, fp: bytes = FP) -> bytes:
+def _decode(blob: codec.Buffer, size: int, key: str = KEY, fp: bytes = FP) -> bytes:
     out = bytearray(size)
     codec.decode_into(blob, key, fp, out)
     return bytes(out)

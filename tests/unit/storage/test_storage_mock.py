@@ -114,12 +114,11 @@ async def test_hanging_operations_end_with_errors_when_closed() -> None:
 
     async def run(op: str) -> None:
         if op == "store":
-            answer = await adapter.store([("a", blob("a")), ("b", blob("b"))])
+            results[op] = [r.status for r in await adapter.store([("a", blob("a")), ("b", blob("b"))])]
         elif op == "load":
-            answer = await adapter.load(["a", "b", "c"])
+            results[op] = [r.status for r in await adapter.load(["a", "b", "c"])]
         else:
-            answer = await adapter.contains(["a"])
-        results[op] = [r.status for r in answer]
+            results[op] = [r.status for r in await adapter.contains(["a"])]
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:

@@ -1,0 +1,296 @@
+"""The HTTP control plane of a real, in-process service: endpoints, readiness, errors, admin token."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from fastapi import APIRouter, FastAPI
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.http.app import create_app
+from api.http.context import ControlContext
+from api.http.deps import Admin
+from api.http.errors import http_status
+from app import __version__
+from app import errors as e
+from app.main import Service
+from tests.unit.api.conftest import BuildService, RunningService, ServeService
+
+pytestmark = pytest.mark.anyio
+
+TOKEN = "s3cret-admin-token"
+
+
+def asgi_client(app: FastAPI, *, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+    return httpx.AsyncClient(transport=transport, base_url="http://kvdepot.test")
+
+
+def app_with_test_routes(service: Service) -> FastAPI:
+    """The real app factory, plus test-only routes: a mutating one behind the admin token, and
+    routes that raise, to see how errors reach the client."""
+    assert service.engine is not None
+    app = create_app(
+        ControlContext(
+            settings=service.settings, engine=service.engine, health=service, registry=CollectorRegistry()
+        )
+    )
+    router = APIRouter(prefix="/test")
+
+    @router.post("/mutate")
+    async def mutate(_: Admin) -> dict[str, bool]:
+        return {"mutated": True}
+
+    @router.get("/raise/{name}")
+    async def raise_error(name: str) -> None:
+        raise getattr(e, name)(f"{name} was raised")
+
+    @router.get("/crash")
+    async def crash() -> None:
+        raise RuntimeError("internal detail that must not leak")
+
+    @router.get("/count")
+    async def count(n: int) -> dict[str, int]:
+        return {"n": n}
+
+    app.include_router(router)
+    return app
+
+
+# --- endpoints of a running service ------------------------------------------------------------
+
+
+async def test_health_is_plain_ok(running: RunningService) -> None:
+    r = await running.client.get("/health")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    assert r.text == "OK"
+
+
+async def test_ready_when_running(running: RunningService) -> None:
+    r = await running.client.get("/ready")
+    assert r.status_code == 200
+    assert r.json() == {"ready": True}
+
+
+async def test_status_reports_version_uptime_components_settings_and_l1(running: RunningService) -> None:
+    service = running.service
+    assert service.engine is not None and service.arena is not None
+    r = await running.client.get("/status")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["version"] == __version__
+    assert 0 <= body["uptime_s"] < 60
+    assert body["ready"] is True
+    for component in ("l1", "dataplane", "http"):
+        assert body["components"][component] == "running"
+    settings = body["settings"]
+    assert settings["l1"]["size_gb"] == 0.01
+    assert settings["http"]["admin_token"] is None
+    assert settings["data_plane"]["url"] == service.settings.data_plane_url
+    assert settings["data_dir"] == str(service.settings.data_dir)
+    l1 = body["l1"]
+    assert l1["arena"] == service.arena.name
+    assert (Path("/dev/shm") / l1["arena"]).exists()
+    assert 0 < l1["capacity_bytes"] <= int(0.01 * (1 << 30))
+    assert l1["capacity_bytes"] == service.engine.cache.allocator.capacity
+    assert l1["used_bytes"] == 0
+    later = (await running.client.get("/status")).json()
+    assert later["uptime_s"] >= body["uptime_s"]
+
+
+async def test_status_masks_the_admin_token(serve: ServeService) -> None:
+    async with serve({"http.admin_token": TOKEN}) as running:
+        r = await running.client.get("/status")  # reading needs no token
+        assert r.status_code == 200
+        assert r.json()["settings"]["http"]["admin_token"] == "***"
+        assert TOKEN not in r.text
+
+
+async def test_metrics_are_prometheus_text_with_l1_and_process_figures(running: RunningService) -> None:
+    assert running.service.engine is not None
+    r = await running.client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    capacity = families["kvdepot_l1_capacity_bytes"]
+    assert capacity.type == "gauge"
+    assert [s.value for s in capacity.samples] == [running.service.engine.cache.allocator.capacity]
+    assert families["kvdepot_l1_used_bytes"].samples[0].value == 0
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
+    assert families["process_cpu_seconds"].type == "counter"
+    assert "python_info" in families
+
+
+async def test_ready_turns_503_naming_a_component_whose_task_died(running: RunningService) -> None:
+    service = running.service
+    assert service.dataplane is not None and service.dataplane._sock is not None
+    dataplane_task = next(t for t in asyncio.all_tasks() if t.get_name() == "dataplane")
+    service.dataplane._sock.close()  # the data plane's serve loop ends under it
+    with anyio.fail_after(5):
+        await asyncio.wait([dataplane_task])
+    r = await running.client.get("/ready")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["ready"] is False
+    assert list(body["reasons"]) == ["dataplane"]  # only the dead component, nothing else
+    assert body["reasons"]["dataplane"] not in ("stopped", "starting")  # why it died
+    status = (await running.client.get("/status")).json()
+    assert status["ready"] is False
+    assert status["components"]["dataplane"] == "failed"
+    assert status["components"]["http"] == "running"
+    assert (await running.client.get("/health")).status_code == 200  # alive, but not ready
+
+
+async def test_unknown_path_is_a_json_404(running: RunningService) -> None:
+    r = await running.client.get("/no/such/thing")
+    assert r.status_code == 404
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"code": "not_found", "message": "Not Found"}}
+
+
+async def test_wrong_method_is_a_json_405(running: RunningService) -> None:
+    r = await running.client.post("/health")
+    assert r.status_code == 405
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_docs_and_openapi_list_the_endpoints(running: RunningService) -> None:
+    docs = await running.client.get("/docs")
+    assert docs.status_code == 200
+    assert docs.headers["content-type"].startswith("text/html")
+    spec = (await running.client.get("/openapi.json")).json()
+    assert spec["info"]["version"] == __version__
+    assert {"/health", "/ready", "/status", "/metrics"} <= set(spec["paths"])
+
+
+async def test_request_id_is_echoed_or_made_up(running: RunningService) -> None:
+    r = await running.client.get("/status", headers={"x-request-id": "req-42"})
+    assert r.headers["x-request-id"] == "req-42"
+    a = (await running.client.get("/status")).headers["x-request-id"]
+    b = (await running.client.get("/status")).headers["x-request-id"]
+    assert a and b and a != b
+
+
+# --- readiness before serving ------------------------------------------------------------------
+
+
+async def test_not_ready_before_the_service_runs(build_service: BuildService) -> None:
+    service = build_service()
+    assert service.http_server is not None
+    app = service.http_server.config.app
+    assert isinstance(app, FastAPI)
+    async with asgi_client(app) as client:
+        r = await client.get("/ready")
+        assert r.status_code == 503
+        reasons = r.json()["reasons"]
+        assert {"dataplane", "http"} <= set(reasons)
+        assert "l1" not in reasons  # the arena exists from build() on
+        assert (await client.get("/health")).text == "OK"
+
+
+# --- error mapping -----------------------------------------------------------------------------
+
+
+class ChunkNotFound(e.NotFound):
+    """A subclass maps like its base."""
+
+
+@pytest.mark.parametrize(
+    ("cls", "status"),
+    [
+        (e.NotFound, 404),
+        (ChunkNotFound, 404),
+        (e.Conflict, 409),
+        (e.QuotaExceeded, 409),
+        (e.InvalidInput, 422),
+        (e.ConfigError, 422),
+        (e.ProtocolError, 400),
+        (e.Unauthorized, 401),
+        (e.Overloaded, 503),
+        (e.ShuttingDown, 503),
+        (e.CapacityError, 507),
+        (e.BackendError, 502),
+        (e.TransferError, 503),
+        (e.NotRegistered, 404),
+        (e.LeaseExpired, 410),
+        (e.KVDepotError, 500),
+    ],
+)
+def test_http_status_of_each_error_class(cls: type[e.KVDepotError], status: int) -> None:
+    assert http_status(cls("x")) == status
+
+
+@pytest.mark.parametrize(
+    ("name", "status"),
+    [
+        ("NotFound", 404),
+        ("Conflict", 409),
+        ("InvalidInput", 422),
+        ("Overloaded", 503),
+        ("CapacityError", 507),
+        ("KVDepotError", 500),
+    ],
+)
+async def test_errors_reach_the_client_as_json(build_service: BuildService, name: str, status: int) -> None:
+    async with asgi_client(app_with_test_routes(build_service())) as client:
+        r = await client.get(f"/test/raise/{name}")
+    assert r.status_code == status
+    assert r.json() == {"error": {"code": getattr(e, name).code, "message": f"{name} was raised"}}
+
+
+async def test_unexpected_exception_is_a_json_500_without_details(build_service: BuildService) -> None:
+    app = app_with_test_routes(build_service())
+    async with asgi_client(app, raise_app_exceptions=False) as client:
+        r = await client.get("/test/crash")
+    assert r.status_code == 500
+    assert r.json() == {"error": {"code": "internal", "message": "RuntimeError"}}
+    assert "must not leak" not in r.text
+
+
+async def test_request_validation_error_names_the_parameter(build_service: BuildService) -> None:
+    async with asgi_client(app_with_test_routes(build_service())) as client:
+        r = await client.get("/test/count", params={"n": "many"})
+        assert r.status_code == 422
+        error = r.json()["error"]
+        assert error["code"] == "invalid_input"
+        assert "query.n" in error["message"]
+        assert (await client.get("/test/count", params={"n": "3"})).json() == {"n": 3}
+
+
+# --- the admin token ---------------------------------------------------------------------------
+
+
+async def test_mutating_route_needs_the_admin_token(build_service: BuildService) -> None:
+    app = app_with_test_routes(build_service({"http.admin_token": TOKEN}))
+    async with asgi_client(app) as client:
+        missing = await client.post("/test/mutate")
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "unauthorized"
+        assert missing.headers["www-authenticate"] == "Bearer"
+
+        wrong = await client.post("/test/mutate", headers={"Authorization": "Bearer not-the-token"})
+        assert wrong.status_code == 401
+        assert TOKEN not in wrong.text
+
+        prefix = await client.post("/test/mutate", headers={"Authorization": f"Bearer {TOKEN[:-1]}"})
+        assert prefix.status_code == 401
+
+        basic = await client.post("/test/mutate", headers={"Authorization": f"Basic {TOKEN}"})
+        assert basic.status_code == 401
+
+        right = await client.post("/test/mutate", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert right.status_code == 200
+        assert right.json() == {"mutated": True}
+
+
+async def test_without_a_configured_token_mutating_routes_are_open(build_service: BuildService) -> None:
+    async with asgi_client(app_with_test_routes(build_service())) as client:
+        r = await client.post("/test/mutate")
+    assert r.status_code == 200
+    assert r.json() == {"mutated": True}
