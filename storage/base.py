@@ -10,8 +10,9 @@ Primitives in call order:
                            the first operation calls it when the owner did not
   store(items)             write blobs: OK, NO_SPACE (no room can be made), ERROR
   contains(keys)           OK = present, MISS = absent, ERROR = could not tell
-  load(keys)               OK with the blob bytes, MISS, ERROR; integrity is the caller's check
-                           (codec.decode_into); a failed check counts in `stats.integrity_failures`
+  load(keys)               OK with the blob bytes, MISS, ERROR. Integrity is the caller's check
+                           (codec.decode_into); on a failed check the caller counts it in
+                           `stats.integrity_failures` and deletes the key (it is a miss)
   delete(keys)             OK = removed, MISS = was not there, ERROR
   usage() / health()       cheap snapshots for /status and metrics
   set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)

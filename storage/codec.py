@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import lz4.block
 import numpy as np
+import torch
 import xxhash
 
 from app.errors import IntegrityError
-
-if TYPE_CHECKING:
-    import torch
 
 MAGIC = b"KVD2"
 VERSION = 1
@@ -287,6 +285,18 @@ def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) ->
 
 
 # --- FP8 (e4m3) quantization of V runs ----------------------------------------------------------
+#
+# Written to touch as little fresh memory as possible (on CPU, new pages cost more than the math):
+# V is widened to float32 once, scaled in place, narrowed to e4m3; decoding looks each e4m3 byte
+# up in a 256-entry table, scales in place, and narrows straight into the output buffer.
+
+F32Array = np.ndarray[tuple[int, ...], np.dtype[np.float32]]
+_E4M3_TABLE: list[F32Array] = []
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
 
 
 def _fp8_encoded_len(header: BlobHeader) -> int:
@@ -296,16 +306,27 @@ def _fp8_encoded_len(header: BlobHeader) -> int:
     return pairs * (4 + header.run_elems * esize + header.run_elems)
 
 
-def _torch_dtype(name: ValueDtype) -> torch.dtype:
-    import torch
+def _e4m3_table() -> F32Array:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns."""
+    if not _E4M3_TABLE:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _E4M3_TABLE.append(codes.view(torch.float8_e4m3fn).to(torch.float32).numpy())
+    return _E4M3_TABLE[0]
 
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+def _widen(runs: np.ndarray[Any, np.dtype[np.uint8]], dtype: ValueDtype) -> F32Array:
+    """A new float32 array of the values in `runs` (pairs x run bytes, read-only is fine)."""
+    if dtype == "float16":  # torch's conversion is vectorized; it needs memory it may write
+        return torch.from_numpy(np.ascontiguousarray(runs)).view(torch.float16).float().numpy()
+    if dtype == "float32":
+        return runs.view(np.float32).astype(np.float32)
+    wide = runs.view(np.uint16).astype(np.uint32)  # bfloat16 is the top half of a float32
+    wide <<= 16
+    return wide.view(np.float32)
 
 
 def _fp8_encode(raw: memoryview, dtype: ValueDtype, run_elems: int) -> memoryview:
     """[scales f32 x pairs | K runs | V runs as e4m3] from alternating K and V runs."""
-    import torch
-
     esize = _DTYPE_SIZES[dtype]
     run_bytes = run_elems * esize
     pairs = raw.nbytes // (2 * run_bytes)
@@ -315,21 +336,17 @@ def _fp8_encode(raw: memoryview, dtype: ValueDtype, run_elems: int) -> memoryvie
     src = np.frombuffer(raw, dtype=np.uint8).reshape(pairs, 2, run_bytes)
     k_end = pairs * (4 + run_bytes)
     out[pairs * 4 : k_end].reshape(pairs, run_bytes)[:] = src[:, 0, :]
-    # V gathered into a tensor this function owns (the input may be read-only memory).
-    v_bytes = torch.empty((pairs, run_bytes), dtype=torch.uint8)
-    v_bytes.numpy()[:] = src[:, 1, :]
-    values = v_bytes.view(_torch_dtype(dtype)).to(torch.float32)
-    scales = values.abs().amax(dim=1) / FP8_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    quant = (values / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out[: pairs * 4] = scales.numpy().view(np.uint8)
-    out[k_end:] = quant.view(torch.uint8).reshape(-1).numpy()
+    values = _widen(src[:, 1, :], dtype)
+    scales = np.maximum(values.max(axis=1), -values.min(axis=1)) / np.float32(FP8_MAX)
+    scales[~(scales > 0)] = 1.0  # all-zero (or non-finite) runs
+    values /= scales[:, None]
+    np.clip(values, -FP8_MAX, FP8_MAX, out=values)
+    out[: pairs * 4] = scales.view(np.uint8)
+    out[k_end:] = torch.from_numpy(values).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
     return out.data
 
 
 def _fp8_decode(body: memoryview, dtype: ValueDtype, run_elems: int, dest: memoryview) -> None:
-    import torch
-
     esize = _DTYPE_SIZES[dtype]
     run_bytes = run_elems * esize
     pairs = dest.nbytes // (2 * run_bytes)
@@ -339,7 +356,8 @@ def _fp8_decode(body: memoryview, dtype: ValueDtype, run_elems: int, dest: memor
     k_end = pairs * (4 + run_bytes)
     dst = np.frombuffer(dest, dtype=np.uint8).reshape(pairs, 2, run_bytes)
     dst[:, 0, :] = src[pairs * 4 : k_end].reshape(pairs, run_bytes)
-    scales = torch.from_numpy(src[: pairs * 4].view(np.float32).copy())
-    quant = torch.from_numpy(src[k_end:].reshape(pairs, run_elems).copy()).view(torch.float8_e4m3fn)
-    values = (quant.to(torch.float32) * scales[:, None]).to(_torch_dtype(dtype))
-    dst[:, 1, :] = values.view(torch.uint8).numpy()
+    scales = src[: pairs * 4].view(np.float32)
+    values = _e4m3_table()[src[k_end:].reshape(pairs, run_elems)]
+    values *= scales[:, None]
+    out = torch.frombuffer(dest, dtype=torch.uint8).view(pairs, 2, run_bytes).view(_TORCH_DTYPES[dtype])
+    out[:, 1, :].copy_(torch.from_numpy(values))  # narrows to dtype (round to nearest even)

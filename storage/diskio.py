@@ -181,9 +181,13 @@ class BlobFiles:
             raise
 
     def _write_file(self, tmp: str, segments: Sequence[codec.Buffer], *, direct: bool) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
-            fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o644)
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:  # its subdirectory was removed behind our back
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 raise _DirectRefused from None

@@ -4,10 +4,11 @@
 
 Prints one JSON object. For each mode (buffered, O_DIRECT) and each direction: GB/s of the disk
 adapter (store with fsync; load) and of a plain baseline over the same bytes (open, write, fsync,
-close; open, read, close), and their ratio. `plain_read_fresh` reads each file into new memory,
-as a load must (it hands the bytes out); with O_DIRECT that memory is the main cost of a load. Each figure is the best of a few rounds, alternating
-adapter and baseline, because this machine is noisy. Reads are from the page cache in buffered
-mode (both sides alike) and from the device with O_DIRECT.
+close; open, read, close), and their ratio. `plain_read_fresh` reads each file into new memory, as
+a load must (it hands the bytes out); with O_DIRECT that memory is the main cost of a load. Each
+figure is the best of a few rounds, alternating adapter and baseline, because this machine is
+noisy. Reads are from the page cache in buffered mode (both sides alike), from the device with
+O_DIRECT.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from storage import codec
 from storage.codec import CodecOptions
 from storage.disk import DiskAdapter
 
-ROUNDS = 3
+ROUNDS = 5
 
 
 def _aligned(data: bytes) -> mmap.mmap:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -210,6 +211,14 @@ async def test_files_changed_behind_the_adapters_back_are_misses(make_disk: Make
     assert disk.usage().objects == 0
     assert not exists(short_path)
     assert disk.stats.integrity_failures == 1
+
+
+async def test_a_removed_subdirectory_is_recreated(make_disk: MakeDisk, tmp_path: Path) -> None:
+    disk = make_disk()
+    await disk.start()
+    shutil.rmtree(Path(disk.path_for("k")).parent)
+    assert (await disk.store([("k", blob("k"))]))[0].ok
+    assert (await disk.load(["k"]))[0].ok
 
 
 async def test_keys_spread_over_several_directories(make_disk: MakeDisk, tmp_path: Path) -> None:

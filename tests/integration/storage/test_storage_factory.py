@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import DiskAdapterConfig, L2Settings, MockAdapterConfig, RedisAdapterConfig
+from app.settings import AdapterConfig, DiskAdapterConfig, L2Settings, MockAdapterConfig, RedisAdapterConfig
 from storage import codec
 from storage.codec import CodecOptions
 from storage.factory import build_adapter
@@ -18,7 +18,7 @@ def _io_threads(name: str) -> list[threading.Thread]:
 
 
 async def test_every_kind_is_built_started_used_and_closed(tmp_path: Path) -> None:
-    configs = [
+    configs: list[AdapterConfig] = [
         DiskAdapterConfig(fsync="never", io_threads=2),
         DiskAdapterConfig(name="scratch", fsync="never"),
         RedisAdapterConfig(key_prefix="kvdepot-test-factory:"),

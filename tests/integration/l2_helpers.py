@@ -1,0 +1,85 @@
+"""Helpers shared by the L2 integration tests: keys as the sidecar names them, blob files on disk,
+and a private redis-server that a test may stop and restart."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from storage import codec
+from storage.diskio import BLOB_SUFFIX
+from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, request_tokens
+
+MODEL = "test-model"
+
+
+def engine_layout() -> KVLayout:
+    lay = LAYOUT
+    return KVLayout(lay.dtype, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.kind,
+                    lay.chunk_size)  # fmt: skip
+
+
+def request_keys(seed: int, chunks: int, salt: str = "") -> list[str]:
+    ns = Namespace(MODEL, engine_layout().fingerprint, 0, 0)
+    toks = TokenHasher.encode_tokens(request_tokens(seed, chunks))
+    return [ObjectKey(ns, salt, h).serialize() for h in TokenHasher(CHUNK_TOKENS).chunk_hashes(toks)]
+
+
+def blob_files(l2_dir: Path) -> dict[str, Path]:
+    """key -> file, for every complete blob file under `l2_dir` (header valid, length right)."""
+    found: dict[str, Path] = {}
+    for path in l2_dir.rglob(f"*{BLOB_SUFFIX}"):
+        data = path.read_bytes()
+        try:
+            header = codec.read_header(data)
+        except Exception:
+            continue
+        if len(data) == header.total_len:
+            found[header.key] = path
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class PrivateRedis:
+    """A redis-server of the test's own on a free port (never the shared one on 6379)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis(port=self.port, socket_timeout=0.5) as r:
+                    r.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
