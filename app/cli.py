@@ -31,6 +31,9 @@ def _bench_parser(sub: Any) -> None:
     from app.bench import server as bench_server
 
     bench_server.add_arguments(bsub.add_parser("server", help="data-plane store/retrieve/lookup vs memcpy"))
+    from app.bench import l2 as bench_l2
+
+    bench_l2.add_arguments(bsub.add_parser("l2", help="write-behind and prefetch through an L2 adapter"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,4 +11,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.server import run
 
         return run(args)
+    if args.bench == "l2":
+        from app.bench.l2 import run as run_l2
+
+        return run_l2(args)
     raise SystemExit(f"unknown benchmark {args.bench}")

@@ -1,0 +1,234 @@
+"""`kvdepot bench l2 --adapter disk|redis|mock`: write-behind and prefetch through the controllers,
+against a plain baseline of the same bytes measured in the same run. Prints one JSON object.
+
+The sidecar's own wiring is built in-process (no data plane traffic): chunks are reserved and
+filled in L1, committed (which queues them for write-behind), and the store figure is the time
+until the store controller is idle. Then L1 is cleared and every request is looked up again: the
+load figure is the time until the prefetches have put every chunk back into L1, checked byte for
+byte afterwards (outside the timing).
+
+Baselines, on the same bytes in the same block size:
+  disk   open + write + fsync + close per chunk file; read each file into fresh memory
+  redis  a plain redis-py loop: SET of each chunk, then GET of each
+  mock   the same bytes copied into fresh memory (what an in-memory tier cannot beat)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.main import Service
+from app.settings import load_settings
+from engine.facade import CacheEngine
+from engine.keys import KVLayout, TokenHasher
+from engine.results import SlotStatus
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", choices=["disk", "redis", "mock"], default="disk")
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--chunks-per-request", type=int, default=8)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--dir", type=Path, help="directory for the disk adapter and its baseline (default: a temp dir)"
+    )
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _disk_baseline(root: Path, chunks: list[bytes]) -> tuple[float, float]:
+    root.mkdir(parents=True, exist_ok=True)
+    paths = [root / f"baseline-{i}" for i in range(len(chunks))]
+    start = time.perf_counter()
+    for path, data in zip(paths, chunks, strict=True):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    store_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for path, data in zip(paths, chunks, strict=True):
+        buf = bytearray(len(data))
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+    load_s = time.perf_counter() - start
+    for path in paths:
+        path.unlink()
+    return store_s, load_s
+
+
+def _redis_baseline(url: str, chunks: list[bytes]) -> tuple[float, float]:
+    import redis
+
+    prefix = f"kvdepot-bench-baseline-{uuid.uuid4().hex[:8]}:"
+    r = redis.Redis.from_url(url)
+    try:
+        start = time.perf_counter()
+        for i, data in enumerate(chunks):
+            r.set(f"{prefix}{i}", data)
+        store_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(len(chunks)):
+            r.get(f"{prefix}{i}")
+        load_s = time.perf_counter() - start
+        for i in range(len(chunks)):
+            r.unlink(f"{prefix}{i}")
+    finally:
+        r.close()
+    return store_s, load_s
+
+
+def _memory_baseline(chunks: list[bytes]) -> tuple[float, float]:
+    start = time.perf_counter()
+    copies = [bytearray(c) for c in chunks]
+    store_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for c in copies:
+        bytearray(c)
+    return store_s, time.perf_counter() - start
+
+
+async def _through_controllers(
+    args: argparse.Namespace, workdir: Path, adapter: dict[str, Any]
+) -> dict[str, Any]:
+    layout = KVLayout("float16", args.layers, args.kv_heads, args.head_dim, args.chunk_tokens, "layer-kv",
+                      args.chunk_tokens)  # fmt: skip
+    n_chunks = args.requests * args.chunks_per_request
+    settings = load_settings(
+        {
+            "data_dir": workdir / "data", "http.port": 0, "l1.chunk_size": args.chunk_tokens,
+            "l1.size_gb": layout.chunk_bytes * n_chunks * 1.3 / (1 << 30) + 0.05,
+            "l2.adapters": [adapter], "l2.prefetch_deadline_ms": 60_000, "l2.store_queue_depth": n_chunks,
+            "data_plane.url": f"ipc://{workdir}/bench.sock",
+        }
+    )  # fmt: skip
+    service = Service(settings)
+    service.build()
+    runner = asyncio.get_running_loop().create_task(service.run())
+    try:
+        await _wait_ready(service)
+        engine = service.engine
+        assert engine is not None
+        assert engine.l2 is not None
+        eid = engine.register("bench-model", layout).engine_id
+        gen = torch.Generator().manual_seed(0)
+        requests = []
+        for r in range(args.requests):
+            tokens = TokenHasher.encode_tokens(
+                torch.randint(
+                    0, 50_000, (args.chunks_per_request * args.chunk_tokens,), generator=gen
+                ).tolist()
+            )
+            slots = engine.store(eid, f"w{r}", tokens, "")
+            if any(s.status is not SlotStatus.RESERVED for s in slots):
+                raise RuntimeError("L1 too small for the benchmark")
+            for s in slots:
+                engine.arena.tensor(s.offset, s.size).copy_(
+                    torch.randint(0, 256, (s.size,), dtype=torch.uint8, generator=gen)
+                )
+            requests.append((tokens, slots, [bytes(engine.arena.view(s.offset, s.size)) for s in slots]))
+
+        start = time.perf_counter()
+        for _, slots, _ in requests:
+            engine.commit(eid, [s.oid for s in slots])
+        if not await engine.l2.store.wait_idle(600):
+            raise RuntimeError("write-behind did not finish")
+        store_s = time.perf_counter() - start
+        written = engine.l2.store.counters.written
+
+        engine.clear()
+        start = time.perf_counter()
+        for r, (tokens, _, _) in enumerate(requests):
+            engine.lookup(eid, f"r{r}", tokens, "")
+        hits = [(await engine.wait_prefetch(eid, f"r{r}")).hit_chunks for r in range(len(requests))]
+        load_s = time.perf_counter() - start
+        ok = written == n_chunks and all(h == args.chunks_per_request for h in hits)
+        ok = ok and _identical(engine, eid, requests)
+        payloads = [p for _, _, ps in requests for p in ps]
+        return {"store_s": store_s, "load_s": load_s, "ok": ok, "chunks": n_chunks,
+                "chunk_bytes": layout.chunk_bytes, "payloads": payloads}  # fmt: skip
+    finally:
+        service.request_stop()
+        await runner
+
+
+def _identical(engine: CacheEngine, eid: int, requests: list[tuple[bytes, Any, list[bytes]]]) -> bool:
+    for r, (_, _, payloads) in enumerate(requests):
+        extents = engine.retrieve(eid, f"r{r}", 0, len(payloads))
+        if any(
+            bytes(engine.arena.view(e.offset, e.size)) != p for e, p in zip(extents, payloads, strict=True)
+        ):
+            return False
+        engine.release(eid, f"r{r}")
+    return True
+
+
+async def _wait_ready(service: Service) -> None:
+    for _ in range(600):
+        if not service.not_ready():
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"service not ready: {service.not_ready()}")
+
+
+def run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="kvdepot-bench-l2-", dir=args.dir))
+    prefix = f"kvdepot-bench-{uuid.uuid4().hex[:8]}:"
+    adapter: dict[str, Any] = {
+        "disk": {"type": "disk", "name": "disk", "paths": [str(workdir / "l2")], "capacity_gb": 64},
+        "redis": {"type": "redis", "name": "redis", "url": args.redis_url, "key_prefix": prefix},
+        "mock": {"type": "mock", "name": "mock", "capacity_gb": 64},
+    }[args.adapter]
+    try:
+        got = asyncio.run(_through_controllers(args, workdir, adapter))
+        payloads: list[bytes] = got.pop("payloads")
+        if args.adapter == "disk":
+            base_store_s, base_load_s = _disk_baseline(workdir / "baseline", payloads)
+        elif args.adapter == "redis":
+            base_store_s, base_load_s = _redis_baseline(args.redis_url, payloads)
+        else:
+            base_store_s, base_load_s = _memory_baseline(payloads)
+    finally:
+        if args.adapter == "redis":
+            import redis
+
+            with redis.Redis.from_url(args.redis_url) as r:
+                for key in r.scan_iter(match=prefix + "*"):
+                    r.unlink(key)
+        shutil.rmtree(workdir, ignore_errors=True)
+    total = got["chunks"] * got["chunk_bytes"]
+    result = {
+        "adapter": args.adapter,
+        "store_gbps": _gbps(total, got["store_s"]),
+        "load_gbps": _gbps(total, got["load_s"]),
+        "baseline_store_gbps": _gbps(total, base_store_s),
+        "baseline_load_gbps": _gbps(total, base_load_s),
+        "store_vs_baseline": round(base_store_s / got["store_s"], 3),
+        "load_vs_baseline": round(base_load_s / got["load_s"], 3),
+        "chunks": got["chunks"],
+        "chunk_bytes": got["chunk_bytes"],
+        "ok": got["ok"],
+    }
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
