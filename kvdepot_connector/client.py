@@ -101,7 +101,7 @@ class _Session:
             id=rid, model=self.model, layout=self.layout, kv_rank=self.kv_rank, group=self.group
         )
 
-    def _region(self, offset: int, size: int) -> torch.Tensor:
+    def region(self, offset: int, size: int) -> torch.Tensor:
         if self.arena is None:
             raise SidecarUnavailable("the arena is not mapped")
         return self.arena.region(offset, size)
@@ -114,7 +114,7 @@ class _Session:
             src = _as_u8(chunks[slot.chunk - first_chunk])
             if src.numel() != slot.size:
                 raise ValueError(f"chunk {slot.chunk} has {src.numel()} bytes, the slot {slot.size}")
-            self._region(slot.offset, slot.size).copy_(src)
+            self.region(slot.offset, slot.size).copy_(src)
             oids.append(slot.oid)
         return oids
 
@@ -123,7 +123,7 @@ class _Session:
             view = _as_u8(dst)
             if view.numel() != ext.size:
                 raise ValueError(f"output of {view.numel()} bytes for a chunk of {ext.size}")
-            view.copy_(self._region(ext.offset, ext.size))
+            view.copy_(self.region(ext.offset, ext.size))
 
     @staticmethod
     def outcome(reply: p.StoreReply, committed: Sequence[bool]) -> StoreOutcome:
@@ -306,6 +306,22 @@ class KVDepotClient:
         return self._call(
             lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id), p.ReleaseReply
         ).valid
+
+    def locked_views(self, request_id: str, *, first_chunk: int, num_chunks: int) -> list[torch.Tensor]:
+        """Arena views (uint8) of the request's locked chunks `first_chunk..`, for callers that copy
+        themselves (e.g. scattering into paged KV blocks). Call `release` afterwards: its answer
+        says whether the copies are valid."""
+        reply = self._call(
+            lambda i, e: p.Retrieve(
+                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks
+            ),
+            p.RetrieveReply,
+        )
+        return [self._session.region(ext.offset, ext.size) for ext in reply.extents]
+
+    def slot_view(self, slot: p.Slot) -> torch.Tensor:
+        """The arena view (uint8) of a reserved slot, for callers that fill it themselves."""
+        return self._session.region(slot.offset, slot.size)
 
     def reserve(
         self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", first_chunk: int = 0

@@ -1,0 +1,248 @@
+"""KVDepotConnector: vLLM's KVConnectorBase_V1 on top of the kvdepot sidecar.
+
+A thin shell: it reads vLLM's config, builds the scheduler-side or worker-side logic
+(`scheduler.SchedulerSide`, `worker.WorkerSide`) and translates vLLM's objects for them. vLLM
+imports this module in its API server, engine core and worker processes; it connects to the
+sidecar lazily, so importing it costs nothing and a sidecar that is not there yet is only a miss.
+
+Settings (`kv_connector_extra_config`):
+  kvdepot_url          the sidecar's data-plane URL (required), e.g. ipc:///data/dataplane.sock
+  kvdepot_chunk_size   tokens per cached chunk, a multiple of vLLM's block size (default 256);
+                       must equal the sidecar's l1.chunk_size
+  kvdepot_load         "async" (default: the whole prompt may hit; vLLM recomputes only the last
+                       token) or "sync" (loads before the forward; at least one chunk computed)
+  kvdepot_timeout_s    per data-plane call (default 2.0); a sidecar that does not answer in time
+                       is skipped (misses) with a warning and retried with backoff
+  kvdepot_model_id     the model name used in cache keys (default: the served model name); set it
+                       when engines that share an L2 load the same model from different paths
+
+A load that fails is reported to vLLM as failed blocks, which vLLM recomputes: the connector sets
+the failure policy to "recompute" (a cache must never fail a request), and `requires_kv_delivery`
+is False (a dropped save is a future miss, nothing more).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvdepot_connector.client import KVDepotClient
+from kvdepot_connector.protocol import Layout
+from kvdepot_connector.vllm.guard import SidecarGuard
+from kvdepot_connector.vllm.plan import StepPlan
+from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
+from kvdepot_connector.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvdepot.connector")
+
+_CACHE_DTYPES = {
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+    "bfloat16": "bfloat16", "half": "float16", "float16": "float16", "float": "float32", "float32": "float32",
+}  # fmt: skip
+
+
+class KVDepotConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _layout(vllm_config: VllmConfig, chunk_size: int) -> Layout:
+    from vllm.platforms import current_platform
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if cc.cache_dtype == "auto":
+        dtype = str(mc.dtype).removeprefix("torch.")
+    else:
+        dtype = _CACHE_DTYPES.get(str(cc.cache_dtype), "uint8")
+    kind = "vllm-cpu" if current_platform.is_cpu() else "vllm-paged"
+    return Layout(
+        dtype=dtype, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(), block_size=cc.block_size, kind=kind, chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def _layer_index(name: str) -> int:
+    found = re.search(r"\.(\d+)\.", name)
+    return int(found.group(1)) if found else 0
+
+
+class KVDepotConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        url = ktc.get_from_extra_config("kvdepot_url", None)
+        if not url:
+            raise ValueError(
+                "KVDepotConnector needs kv_connector_extra_config.kvdepot_url (the sidecar's URL)"
+            )
+        self._url = str(url)
+        block_size = vllm_config.cache_config.block_size
+        self._chunk_size = int(ktc.get_from_extra_config("kvdepot_chunk_size", 256))
+        if self._chunk_size <= 0 or self._chunk_size % block_size:
+            raise ValueError(
+                f"kvdepot_chunk_size {self._chunk_size} must be a positive multiple of vLLM's block size "
+                f"{block_size} (set --block-size or kvdepot_chunk_size)"
+            )
+        load = str(ktc.get_from_extra_config("kvdepot_load", "async"))
+        if load not in ("async", "sync"):
+            raise ValueError(f"kvdepot_load must be 'async' or 'sync', not {load!r}")
+        self._load_async = load == "async"
+        self._timeout_s = float(ktc.get_from_extra_config("kvdepot_timeout_s", 2.0))
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise ValueError("KVDepotConnector does not support pipeline parallelism yet")
+        mc = vllm_config.model_config
+        served = mc.served_model_name
+        default_model = served[0] if isinstance(served, list | tuple) else (served or mc.model)
+        self._model = str(ktc.get_from_extra_config("kvdepot_model_id", default_model))
+        self._layout = _layout(vllm_config, self._chunk_size)
+        if ktc.kv_load_failure_policy != "recompute":
+            log.info(
+                "kvdepot: kv_load_failure_policy set to 'recompute' (a cache miss never fails a request)"
+            )
+            ktc.kv_load_failure_policy = "recompute"
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._blocks: dict[str, list[int]] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            guard = SidecarGuard()
+            clients = [
+                KVDepotClient(self._url, model=self._model, layout=self._layout, kv_rank=rank,
+                              timeout_s=self._timeout_s, map_arena=False, name=f"vllm-scheduler-{rank}")
+                for rank in range(pc.tensor_parallel_size)
+            ]  # fmt: skip
+            self._scheduler = SchedulerSide(
+                clients,
+                chunk_size=self._chunk_size,
+                block_size=block_size,
+                load_async=self._load_async,
+                guard=guard,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # --- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(
+            request.request_id, request.prompt_token_ids or [], request.cache_salt, request.num_tokens,
+            num_computed_tokens,
+        )  # fmt: skip
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        so = scheduler_output
+        scheduled: list[ScheduledRequest] = []
+        for new in so.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            scheduled.append(ScheduledRequest(new.req_id, self._blocks[new.req_id], new.num_computed_tokens,
+                                              so.num_scheduled_tokens.get(new.req_id, 0)))  # fmt: skip
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            added = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self._blocks[rid] = list(added[0]) if added else []
+            elif added:
+                self._blocks.setdefault(rid, []).extend(added[0])
+            scheduled.append(ScheduledRequest(rid, self._blocks.get(rid, []), cached.num_computed_tokens[i],
+                                              so.num_scheduled_tokens.get(rid, 0)))  # fmt: skip
+        for rid in so.finished_req_ids:
+            self._blocks.pop(rid, None)
+        return KVDepotConnectorMetadata(self._scheduler.plan_step(scheduled))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_output(set(connector_output.invalid_block_ids or ()),
+                                  set(getattr(connector_output, "failed_recving", None) or ()))  # fmt: skip
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.finished(request.request_id)
+        self._blocks.pop(request.request_id, None)
+        return False, None
+
+    # --- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        names = sorted(kv_caches, key=_layer_index)
+        layers = [kv_caches[n] for n in names]
+        lay = self._layout
+        shape = tuple(layers[0].shape)
+        if len(layers) != lay.num_layers or shape[1:] != (lay.num_kv_heads, lay.block_size, 2 * lay.head_dim):
+            raise ValueError(
+                f"KV cache layout {len(layers)} x {shape} does not match the model config ({lay.num_layers} "
+                f"layers, [blocks, {lay.num_kv_heads}, {lay.block_size}, {2 * lay.head_dim}])"
+            )
+        rank = get_tensor_model_parallel_rank()
+        client = KVDepotClient(
+            self._url, model=self._model, layout=lay, kv_rank=rank, timeout_s=self._timeout_s,
+            name=f"vllm-worker-{rank}",
+        )  # fmt: skip
+        self._worker = WorkerSide(client, layers, chunk_size=self._chunk_size, block_size=lay.block_size)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVDepotConnectorMetadata) and meta.plan.loads:
+            self._worker.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete inside start_load_kv, before any layer runs
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return None  # whole chunks are saved at the end of the step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVDepotConnectorMetadata) and meta.plan.saves:
+            self._worker.save(meta.plan.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done = self._worker.take_finished()
+        return None, (done or None) if self._load_async else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.client.close()
+        if self._scheduler is not None:
+            for client in self._scheduler.clients:
+                client.close()

@@ -1,0 +1,44 @@
+"""What the scheduler side hands to the workers each step (pickled by vLLM into the workers).
+
+Chunk bytes in the "vllm-cpu" and "vllm-paged" layouts: for chunk c of a request, the blocks
+`block_ids[c*bpc : (c+1)*bpc]` (bpc = chunk_size / block_size) of every layer, layer-major:
+[layer 0: block 0 | block 1 | ...][layer 1: ...]..., each block copied as its raw bytes. Moving
+whole blocks keeps the copy a plain memcpy whatever the attention backend does inside a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Copy the request's read-locked chunks `first_chunk..first_chunk+num_chunks` into blocks.
+
+    `block_ids[j]` holds the request's tokens [j*block_size, (j+1)*block_size); blocks before
+    `skip_blocks` are already computed locally and are not written.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    first_chunk: int
+    num_chunks: int
+    skip_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the request's full chunks `first_chunk..first_chunk+num_chunks`, computed this step."""
+
+    request_id: str
+    tokens: bytes  # uint32 LE prompt tokens up to the end of the last chunk saved
+    cache_salt: str
+    block_ids: tuple[int, ...]
+    first_chunk: int
+    num_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,208 @@
+"""SchedulerSide: the connector's logic in vLLM's scheduler process, without vLLM imports.
+
+State per request: its prompt tokens (encoded once), its cache_salt, the hit found (chunks, read
+locked in the sidecar for this request on every kv rank), what is still to be loaded and what has
+been saved. One client per kv rank (tensor parallel rank): a hit counts only where every rank has
+it. Everything here runs on vLLM's scheduler thread.
+
+Hooks, in the order vLLM calls them:
+  matched_tokens(req, computed)   LOOKUP (then QUERY_PREFETCH while chunks arrive from L2: None =
+                                  "ask me next step"); the answer is cached for repeated asks
+  after_alloc(req, blocks, n)     the blocks the hit goes into: a LoadSpec for the next step
+  plan_step(...)                  loads due + full prompt chunks completed this step -> SaveSpecs
+  on_output(invalid, failed)      a failed load marks the request: asked again, it answers 0
+  finished(req)                   END_REQUEST on every rank (locks released), state dropped
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvdepot_connector.client import KVDepotClient, encode_tokens
+from kvdepot_connector.errors import KVDepotClientError
+from kvdepot_connector.vllm.guard import SidecarGuard
+from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec, StepPlan
+
+log = logging.getLogger("kvdepot.connector")
+
+CLIENT_ERRORS = (KVDepotClientError, OSError, ValueError)
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    tokens: bytes
+    num_prompt_tokens: int
+    salt: str
+    hit_chunks: int = 0
+    answered: tuple[int, bool] | None = None
+    pending: bool = False
+    failed: bool = False
+    claim: tuple[int, int] | None = None  # tokens [start, end) promised to vLLM, not yet loaded
+    load_blocks: tuple[int, ...] = ()
+    saved_chunks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """What vLLM says about one request scheduled this step."""
+
+    request_id: str
+    block_ids: Sequence[int]  # the full block table after this step's allocation
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        clients: list[KVDepotClient],
+        *,
+        chunk_size: int,
+        block_size: int,
+        load_async: bool,
+        guard: SidecarGuard | None = None,
+    ) -> None:
+        if chunk_size % block_size:
+            raise ValueError(f"chunk size {chunk_size} must be a multiple of the block size {block_size}")
+        self.clients = clients
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.blocks_per_chunk = chunk_size // block_size
+        self.load_async = load_async
+        self.guard = guard or SidecarGuard()
+        self._requests: dict[str, _Request] = {}
+        self._loads_due: list[LoadSpec] = []
+
+    # --- lookups -------------------------------------------------------------------------------
+
+    def matched_tokens(
+        self, request_id: str, prompt: Sequence[int], salt: str | None, num_tokens: int, num_computed: int
+    ) -> tuple[int | None, bool]:
+        req = self._requests.get(request_id)
+        if req is None:
+            req = _Request(request_id, encode_tokens(list(prompt)), len(prompt), salt or "")
+            self._requests[request_id] = req
+        if req.failed:
+            return 0, False
+        if req.answered is not None and not req.pending:
+            return self._answer(req, num_tokens, num_computed)
+        if len(prompt) < self.chunk_size or not self.guard.available():
+            req.answered = (0, False)
+            return 0, False
+        try:
+            hits = []
+            pending = False
+            for client in self.clients:
+                reply = (
+                    client.query_prefetch(request_id)
+                    if req.pending
+                    else client.lookup(req.tokens, request_id=request_id, cache_salt=req.salt)
+                )
+                hits.append(reply.hit_chunks)
+                pending = pending or reply.pending_chunks > 0
+        except CLIENT_ERRORS as exc:
+            self.guard.failed("lookup", exc)
+            req.answered = (0, False)
+            req.pending = False
+            return 0, False
+        self.guard.succeeded()
+        req.pending = pending
+        if pending:
+            return None, False  # chunks are arriving from L2: vLLM asks again next step
+        req.hit_chunks = min(hits)
+        req.answered = (req.hit_chunks, False)
+        return self._answer(req, num_tokens, num_computed)
+
+    def _answer(self, req: _Request, num_tokens: int, num_computed: int) -> tuple[int, bool]:
+        hit_tokens = req.hit_chunks * self.chunk_size
+        if not self.load_async:
+            # A synchronous load must leave at least one token to compute: whole chunks only.
+            hit_tokens = min(hit_tokens, (num_tokens - 1) // self.chunk_size * self.chunk_size)
+        extra = hit_tokens - num_computed
+        if extra <= 0:
+            req.claim = None
+            return 0, False
+        req.claim = (num_computed, hit_tokens)
+        return extra, self.load_async
+
+    def after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The blocks for the claimed hit exist now: load [claim start, claim end) into them."""
+        req = self._requests.get(request_id)
+        if req is None or num_external_tokens <= 0 or req.claim is None:
+            return
+        start, end = req.claim
+        first_chunk = start // self.chunk_size
+        num_chunks = end // self.chunk_size - first_chunk
+        skip_blocks = start // self.block_size
+        last_block = (first_chunk + num_chunks) * self.blocks_per_chunk
+        if len(block_ids) < last_block:
+            # Not enough blocks for what was promised: the worker reports them all as failed, so
+            # vLLM recomputes instead of reading blocks nobody wrote.
+            log.warning(
+                "kvdepot: %s got %d blocks for a hit needing %d", request_id, len(block_ids), last_block
+            )
+            last_block = len(block_ids)
+            num_chunks = 0
+        spec = LoadSpec(request_id, tuple(block_ids[:last_block]), first_chunk, num_chunks, skip_blocks)
+        req.load_blocks = tuple(block_ids[skip_blocks:last_block])
+        req.saved_chunks = max(req.saved_chunks, first_chunk + num_chunks)
+        req.claim = None
+        self._loads_due.append(spec)
+
+    # --- each step -----------------------------------------------------------------------------
+
+    def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
+        plan = StepPlan(loads=self._loads_due, saves=[])
+        self._loads_due = []
+        for s in scheduled:
+            req = self._requests.get(s.request_id)
+            if req is None:
+                continue
+            done_tokens = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens)
+            full = done_tokens // self.chunk_size
+            if full <= req.saved_chunks:
+                continue
+            needed_blocks = full * self.blocks_per_chunk
+            if len(s.block_ids) < needed_blocks:
+                continue  # never save what the block table does not cover
+            first = req.saved_chunks
+            plan.saves.append(
+                SaveSpec(
+                    request_id=req.request_id,
+                    tokens=req.tokens[: full * self.chunk_size * 4],
+                    cache_salt=req.salt,
+                    block_ids=tuple(s.block_ids[first * self.blocks_per_chunk : needed_blocks]),
+                    first_chunk=first,
+                    num_chunks=full - first,
+                )
+            )
+            req.saved_chunks = full
+        return plan
+
+    def on_output(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
+        """A failed load: that request answers 0 from now on and will recompute (and re-save)."""
+        if not invalid_block_ids and not failed_recving:
+            return
+        for req in self._requests.values():
+            if req.request_id in failed_recving or invalid_block_ids.intersection(req.load_blocks):
+                if not req.failed:
+                    log.warning("kvdepot load failed for %s; it is recomputed", req.request_id)
+                req.failed = True
+                req.saved_chunks = 0
+
+    def finished(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None or req.answered is None or not req.hit_chunks or not self.guard.available():
+            return
+        try:
+            for client in self.clients:
+                client.end_request(request_id)
+        except CLIENT_ERRORS as exc:
+            self.guard.failed("end_request", exc)
+
+    def tracked(self) -> int:
+        return len(self._requests)
