@@ -9,6 +9,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 
+# The e2e suite drives a real vLLM: its own environment (.venv-vllm; quick when already there).
+tests/e2e/setup_vllm.sh
+
 # The integration suites need a Redis; start one when none answers.
 if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no

@@ -11,6 +11,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.server import run
 
         return run(args)
+    if args.bench == "ttft":
+        from app.bench.ttft import run as run_ttft
+
+        return run_ttft(args)
     if args.bench == "l2":
         from app.bench.l2 import run as run_l2
 

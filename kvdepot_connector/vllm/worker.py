@@ -76,7 +76,9 @@ class WorkerSide:
             self._finished.add(spec.request_id)
 
     def _load_one(self, spec: LoadSpec) -> bool:
-        if spec.num_chunks <= 0 or not self.guard.available():
+        # Always attempted, even while the guard backs off: the scheduler promised vLLM these
+        # tokens after a lookup that just succeeded. Only saves (optional work) obey the guard.
+        if spec.num_chunks <= 0:
             return False
         views = self.client.locked_views(
             spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks
