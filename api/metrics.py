@@ -2,7 +2,11 @@
 
 Cache figures (L1 bytes, objects by state, hit/miss/store/evict counters) are read from the engine
 at scrape time by `EngineCollector`, so the hot path only bumps plain integers. Data-plane request
-latency is a histogram per operation, observed by the data-plane server.
+latency is a histogram per operation, observed by the data-plane server. `TenantCollector` reads
+the tenant ledger at scrape time, labelled by tenant and tier with bounded cardinality: the
+`tenants.metrics_top_n` tenants holding the most bytes by name (the empty salt as `_default`), all
+others summed as `other`. When a tenant enters or leaves the top N its series start or stop and
+`other` jumps: Prometheus reads a drop of a counter as a reset.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from engine.facade import CacheEngine
+from engine.tenants.ledger import OTHER
+from engine.tenants.quota import DEFAULT_TENANT
 
 LATENCY_BUCKETS = (
     0.00005,
@@ -117,6 +123,61 @@ class EngineCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
+
+
+class TenantCollector(Collector):
+    """Per tenant and tier: bytes held, objects, lookup hits and misses, evictions, quota refusals."""
+
+    def __init__(self, engine: CacheEngine, top_n: int) -> None:
+        self.engine = engine
+        self.top_n = top_n
+
+    def collect(self) -> Iterator[Metric]:
+        ledger = self.engine.tenants
+        rows = ledger.labelled(self.top_n)
+        labels = ["tenant", "tier"]
+        gauges = {
+            "bytes": GaugeMetricFamily(
+                "kvdepot_tenant_bytes", "Bytes a tenant holds in a tier.", labels=labels
+            ),
+            "objects": GaugeMetricFamily(
+                "kvdepot_tenant_objects", "Objects a tenant holds in a tier.", labels=labels
+            ),
+        }
+        counters = {
+            "hits": CounterMetricFamily(
+                "kvdepot_tenant_hit_chunks", "Chunks a tenant's lookups found.", labels=labels
+            ),
+            "misses": CounterMetricFamily(
+                "kvdepot_tenant_miss_chunks", "Full chunks a tenant's lookups did not find.", labels=labels
+            ),
+            "evictions": CounterMetricFamily(
+                "kvdepot_tenant_evictions", "A tenant's objects evicted (quota or full tier).", labels=labels
+            ),
+            "quota_refusals": CounterMetricFamily(
+                "kvdepot_tenant_quota_refused_chunks", "Chunks refused by the tenant's quota.", labels=labels
+            ),
+        }
+        limits = GaugeMetricFamily(
+            "kvdepot_tenant_quota_bytes",
+            "A named tenant's limit in a tier (absent = unlimited).",
+            labels=labels,
+        )
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            *gauges.items(),
+            *counters.items(),
+        ]
+        for tenant, tiers in rows.items():
+            salt = "" if tenant == DEFAULT_TENANT else tenant
+            for tier, usage in tiers.items():
+                for name, family in families:
+                    family.add_metric([tenant, tier], getattr(usage, name))
+                limit = None if tenant == OTHER else ledger.limit(salt, tier)
+                if limit is not None:
+                    limits.add_metric([tenant, tier], limit)
+        yield from gauges.values()
+        yield from counters.values()
+        yield limits
 
 
 class L2Collector(Collector):

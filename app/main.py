@@ -25,7 +25,7 @@ import uvicorn
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
 from api.http.context import ControlContext
-from api.metrics import DataPlaneMetrics, EngineCollector, L2Collector, build_registry
+from api.metrics import DataPlaneMetrics, EngineCollector, L2Collector, TenantCollector, build_registry
 from app import __version__
 from app.errors import ConfigError
 from app.settings import Settings
@@ -39,6 +39,11 @@ from engine.l2.layouts import codec_options
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers
+from engine.tenants.ledger import TenantLedger
+from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
+from engine.transfers import KVTransfers
+from gpu.device import default_device
+from gpu.transfer import TransferEngine
 from storage.factory import build_adapter
 
 log = structlog.get_logger("kvdepot")
@@ -80,6 +85,8 @@ class Service:
         self.http_socket: socket.socket | None = None
         self.l2: L2Parts | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
+        self._transfer_executor: ThreadPoolExecutor | None = None
+        self._state_executor: ThreadPoolExecutor | None = None
 
     # --- ServiceHealth -------------------------------------------------------------------------
 
@@ -117,6 +124,8 @@ class Service:
             raise ConfigError(f"data_dir: cannot create {s.data_dir}: {exc.strerror}") from None
         instance = instance_id(s.data_dir)
         cleanup_stale(instance)
+        quota_file = s.data_dir / QUOTA_FILE
+        ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
         self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
         try:
             allocator = ExtentAllocator(self.arena.size, s.l1.alignment)
@@ -126,21 +135,26 @@ class Service:
                 high_watermark=s.l1.high_watermark,
                 low_watermark=s.l1.low_watermark,
                 write_lease_s=s.l1.write_lease_s,
+                ledger=ledger,
             )
             self.l2 = self._build_l2(cache)
+            # quotas.json writes (fsync) run here, one at a time.
+            self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
             self.engine = CacheEngine(
                 arena=self.arena, cache=cache, chunk_size=s.l1.chunk_size, read_lease_s=s.l1.read_lease_s,
-                l2=self.l2,
+                l2=self.l2, quotas=QuotaRegistry(ledger, quota_file, self._state_executor),
             )  # fmt: skip
             registry = build_registry()
             registry.register(EngineCollector(self.engine))
             registry.register(L2Collector(self.engine))
+            registry.register(TenantCollector(self.engine, s.tenants.metrics_top_n))
             self.dataplane = DataPlaneServer(
                 self.engine,
                 url=s.data_plane_url,
                 max_frame_bytes=s.data_plane.max_frame_bytes,
                 max_tokens=s.data_plane.max_tokens,
                 metrics=DataPlaneMetrics(registry),
+                transfers=self._build_transfers(),
             )
             self.dataplane.bind()
             self.http_socket = bind_http(s.http.host, s.http.port)
@@ -177,6 +191,15 @@ class Service:
             max_inflight=s.l2.prefetch_max_inflight, executor=self._codec_executor, clock=time.monotonic,
         )  # fmt: skip
         return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
+
+    def _build_transfers(self) -> KVTransfers:
+        """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
+        the CPU stub otherwise; waits on copy completion run in their own executor."""
+        assert self.engine is not None
+        device = default_device()
+        device.pin(self.engine.arena.tensor_all)
+        self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
+        return KVTransfers(self.engine, TransferEngine(device, self._transfer_executor))
 
     async def _start_l2(self) -> None:
         assert self.l2 is not None
@@ -262,9 +285,13 @@ class Service:
         if self.http_socket is not None:
             self.http_socket.close()
             self.http_socket = None
-        if self._codec_executor is not None:
-            self._codec_executor.shutdown(wait=True, cancel_futures=True)
-            self._codec_executor = None
+        for executor in (self._codec_executor, self._transfer_executor):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+        self._codec_executor = self._transfer_executor = None
+        if self._state_executor is not None:
+            self._state_executor.shutdown(wait=True)
+            self._state_executor = None
         if self.arena is not None:
             self.arena.close()
 

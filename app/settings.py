@@ -143,6 +143,13 @@ class RedisAdapterConfig(BaseModel):
     timeout_s: float = Field(2.0, gt=0, le=300, description="Socket timeout of one command.")
     max_connections: int = Field(16, ge=1, le=1024, description="Connection pool size.")
     capacity_gb: float | None = Field(None, gt=0, description="Reported capacity (Redis evicts itself).")
+    bulk_min_kib: int | None = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Values of at least this many KiB move over blocking sockets in the adapter's "
+        "threads, read straight into L1; None: everything through redis-py (rediss:// always is).",
+    )
 
 
 class MockAdapterConfig(BaseModel):
@@ -205,8 +212,12 @@ class TenantSettings(BaseModel):
 
     model_config = _FROZEN
 
-    allowlist: bool = Field(False, description="Salts without a quota store nothing.")
-    metrics_top_n: int = Field(20, ge=0, le=1000, description="Tenants labelled by name; the rest 'other'.")
+    allowlist: bool = Field(
+        False, description="Salts without a quota store nothing (QUOTA); off: they share freely."
+    )
+    metrics_top_n: int = Field(
+        20, ge=0, le=1000, description="Tenants holding the most bytes labelled by name; the rest 'other'."
+    )
 
 
 class Settings(BaseSettings):

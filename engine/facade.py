@@ -12,6 +12,11 @@ Primitives in data-plane call order:
   commit(engine, oids)                              -> per-oid ok / lease expired; visible at once
   free_lookup_locks / end_request / clear
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
+
+Tenants (control plane): quotas() / quota(salt) / set_quota(salt, quota) / delete_quota(salt) /
+tenants_status(). A store by a tenant with an L1 limit holds (read-locks) the chunks of that store
+which are present already, until it returns, so the reservations of the same store never evict
+them to make room within the quota: a chain is never cut by its own continuation.
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ from app.settings import AdapterConfig
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from engine.l1.allocator import AllocatorError
 from engine.l1.arena import SharedArena
-from engine.l1.cache import L1Cache
+from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object
 from engine.l2.prefetch import Prefetch, PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers, RemoveMode
 from engine.requests import RequestId, RequestLocks, RequestTable
 from engine.results import Extent, LookupResult, Registration, SlotStatus, StoreSlot
+from engine.tenants.ledger import TenantLedger
+from engine.tenants.quota import L1, Quota, check_salt
+from engine.tenants.registry import QuotaRegistry
 
 MAX_ID_LEN = 256
 
@@ -51,6 +59,7 @@ class EngineCounters:
     stored_chunks: int = 0
     existing_chunks: int = 0
     no_space_chunks: int = 0
+    quota_chunks: int = 0
     retrieves: int = 0
     retrieved_chunks: int = 0
     expired_locks: int = 0
@@ -75,10 +84,15 @@ class CacheEngine:
         chunk_size: int,
         read_lease_s: float,
         l2: L2Parts | None = None,
+        quotas: QuotaRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.arena = arena
         self.cache = cache
+        self.tenants: TenantLedger = cache.ledger
+        if quotas is not None and quotas.ledger is not cache.ledger:
+            raise ValueError("the quota registry must write to the L1 cache's ledger")
+        self.quota_registry = quotas if quotas is not None else QuotaRegistry(cache.ledger)
         self.chunk_size = chunk_size
         self.hasher = TokenHasher(chunk_size)
         self.read_lease_s = read_lease_s
@@ -173,6 +187,7 @@ class CacheEngine:
         c.lookups += 1
         c.hit_chunks += hit
         c.miss_chunks += len(hashes) - hit
+        self.tenants.note_lookup(salt, hit, len(hashes) - hit)
         c.hit_tokens += hit * self.chunk_size
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
         return LookupResult(
@@ -224,6 +239,8 @@ class CacheEngine:
         pending = prefetch.pending if prefetch is not None else 0
         if prefetch is not None and prefetch.finished:
             del self._prefetches[rid]
+            if entry is not None and not entry.objects:
+                self._requests.take(rid)  # nothing came: no locks to keep for this request
         return LookupResult(
             hit_chunks=hit,
             hit_tokens=hit * self.chunk_size,
@@ -285,28 +302,48 @@ class CacheEngine:
         cache = self.cache
         size = reg.chunk_bytes
         slots: list[StoreSlot] = []
-        full = False
+        refused: SlotStatus | None = None
         c = self.counters
         c.store_requests += 1
         seen = self.l2 is not None and self.l2.store.policy == "seen_twice"
-        for i in range(first_chunk, n):
-            key = ObjectKey(reg.namespace, salt, hashes[i])
-            if seen:
-                assert self.l2 is not None
-                self.l2.store.note_seen(key)
-            if cache.peek(key) is not None:
-                slots.append(StoreSlot(i, SlotStatus.EXISTS))
-                c.existing_chunks += 1
-                continue
-            obj = None if full else cache.reserve(key, size, now)
-            if obj is None:
+        # A tenant with an L1 limit: a lowered limit is met now, and the chunks of this store that
+        # are present are held until it returns (see the module docstring).
+        limited = self.tenants.limit(salt, L1) is not None
+        held: list[L1Object] = []
+        if limited:
+            cache.fit_quota(salt)
+        try:
+            for i in range(first_chunk, n):
+                key = ObjectKey(reg.namespace, salt, hashes[i])
+                if seen:
+                    assert self.l2 is not None
+                    self.l2.store.note_seen(key)
+                present = cache.peek(key)
+                if present is not None:
+                    if limited and present.visible:
+                        cache.lock(present, now)
+                        held.append(present)
+                    slots.append(StoreSlot(i, SlotStatus.EXISTS))
+                    c.existing_chunks += 1
+                    continue
+                if refused is None:
+                    got = cache.try_reserve(key, size, now)
+                    if isinstance(got, L1Object):
+                        slots.append(StoreSlot(i, SlotStatus.RESERVED, got.oid, got.offset, got.size))
+                        c.stored_chunks += 1
+                        continue
+                    refused = SlotStatus.QUOTA if got is Refusal.QUOTA else SlotStatus.NO_SPACE
+                elif refused is SlotStatus.QUOTA:
+                    self.tenants.note_refusal(salt, L1)  # the first one was counted by the cache
                 # Later chunks of a chain are useless without this one: refuse them too, explicitly.
-                full = True
-                slots.append(StoreSlot(i, SlotStatus.NO_SPACE))
-                c.no_space_chunks += 1
-                continue
-            slots.append(StoreSlot(i, SlotStatus.RESERVED, obj.oid, obj.offset, obj.size))
-            c.stored_chunks += 1
+                slots.append(StoreSlot(i, refused))
+                if refused is SlotStatus.QUOTA:
+                    c.quota_chunks += 1
+                else:
+                    c.no_space_chunks += 1
+        finally:
+            for obj in held:
+                cache.unlock(obj)
         return slots
 
     def commit(self, engine_id: int, oids: list[int]) -> list[bool]:
@@ -350,12 +387,18 @@ class CacheEngine:
         """Reclaim expired write reservations and read locks. Returns (reservations, requests)."""
         now = self._clock()
         reservations = self.cache.reap(now)
-        due = self._requests.due(now)
-        for rid in due:
+        expired = 0
+        for rid in self._requests.due(now):
+            entry = self._requests.locks.get(rid)
+            if entry is not None and not entry.objects:
+                self._cancel_prefetch(rid)
+                self._requests.take(rid)  # held nothing: nothing a late reader could miss
+                continue
             self._unlock_request(rid)
             self._requests.mark_expired(rid)
-        self.counters.expired_locks += len(due)
-        return reservations, len(due)
+            expired += 1
+        self.counters.expired_locks += expired
+        return reservations, expired
 
     async def run_reaper(self, interval_s: float) -> None:
         while True:
@@ -393,6 +436,33 @@ class CacheEngine:
             "locked_requests": len(self._requests.locks),
             "counters": asdict(self.counters) | asdict(self.cache.counters),
         }
+
+    # --- tenants and quotas --------------------------------------------------------------------
+
+    def quotas(self) -> dict[str, Any]:
+        """Every tenant with a quota or usage: its quota, limits and usage per tier."""
+        ledger = self.tenants
+        return {
+            "allowlist": ledger.allowlist,
+            "tenants": [ledger.describe(salt) for salt in ledger.tenants()],
+        }
+
+    def quota(self, salt: str) -> dict[str, Any]:
+        found = self.tenants.describe(check_salt(salt))
+        if found is None:
+            raise NotFound(f"tenant {salt!r} has neither a quota nor usage")
+        return found
+
+    async def set_quota(self, salt: str, quota: Quota) -> dict[str, Any]:
+        """Create or replace a quota; durable and in effect for the next operation once it returns."""
+        await self.quota_registry.put(salt, quota)
+        return self.quota(salt)
+
+    async def delete_quota(self, salt: str) -> None:
+        await self.quota_registry.delete(check_salt(salt))
+
+    def tenants_status(self) -> dict[str, Any]:
+        return self.tenants.summary()
 
     # --- L2 administration ------------------------------------------------------------------
 

@@ -319,6 +319,53 @@ class KVDepotClient:
         )
         return [self._session.region(ext.offset, ext.size) for ext in reply.extents]
 
+    def register_kv_cache(self, layers: Sequence[p.TensorHandle]) -> int:
+        """Share the engine's KV planes with the sidecar (it then copies itself)."""
+        handles = list(layers)
+        return self._call(
+            lambda i, e: p.RegisterKVCache(id=i, engine_id=e, layers=handles), p.CountReply
+        ).count
+
+    def load_blocks(
+        self,
+        request_id: str,
+        *,
+        first_chunk: int,
+        num_chunks: int,
+        block_ids: Sequence[int],
+        skip_blocks: int = 0,
+    ) -> bool:
+        """The sidecar copies the request's locked chunks into `block_ids` and releases the locks.
+        True when the blocks hold the cached bytes."""
+        ids = list(block_ids)
+        return self._call(
+            lambda i, e: p.LoadBlocks(
+                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks,
+                block_ids=ids, skip_blocks=skip_blocks,
+            ),
+            p.ReleaseReply,
+        ).valid  # fmt: skip
+
+    def save_blocks(
+        self,
+        tokens: Sequence[int] | bytes,
+        *,
+        request_id: str,
+        block_ids: Sequence[int],
+        cache_salt: str = "",
+        first_chunk: int = 0,
+    ) -> p.SaveReply:
+        """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`."""
+        data = encode_tokens(tokens)
+        ids = list(block_ids)
+        return self._call(
+            lambda i, e: p.SaveBlocks(
+                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
+                first_chunk=first_chunk, block_ids=ids,
+            ),
+            p.SaveReply,
+        )  # fmt: skip
+
     def slot_view(self, slot: p.Slot) -> torch.Tensor:
         """The arena view (uint8) of a reserved slot, for callers that fill it themselves."""
         return self._session.region(slot.offset, slot.size)

@@ -34,6 +34,7 @@ from app.errors import ConfigError, InvalidInput, KVDepotError
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult
+from engine.transfers import KVTransfers
 from kvdepot_connector import protocol as p
 
 log = structlog.get_logger("kvdepot.dataplane")
@@ -50,8 +51,10 @@ class DataPlaneServer:
         max_frame_bytes: int,
         max_tokens: int,
         metrics: DataPlaneMetrics | None = None,
+        transfers: KVTransfers | None = None,
     ) -> None:
         self.engine = engine
+        self.transfers = transfers
         self.url = url
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
@@ -76,6 +79,9 @@ class DataPlaneServer:
             p.EndRequest: self._end_request,
             p.Ping: self._ping,
             p.Clear: self._clear,
+            p.RegisterKVCache: self._register_kv_cache,
+            p.LoadBlocks: self._load_blocks,
+            p.SaveBlocks: self._save_blocks,
         }
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -316,6 +322,31 @@ class DataPlaneServer:
 
     def _clear(self, m: p.Clear) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.clear(m.cache_salt))
+
+    # --- copies done by the sidecar (engines that share their KV cache) ------------------------
+
+    def _transfers(self) -> KVTransfers:
+        if self.transfers is None:
+            raise InvalidInput("this sidecar does not copy engine KV caches itself")
+        return self.transfers
+
+    def _register_kv_cache(self, m: p.RegisterKVCache) -> p.Reply:
+        handles = [msgspec.structs.asdict(h) for h in m.layers]
+        return p.CountReply(id=m.id, count=self._transfers().register(m.engine_id, handles))
+
+    async def _load_blocks(self, m: p.LoadBlocks) -> p.Reply:
+        valid = await self._transfers().load(
+            m.engine_id, m.request_id, first_chunk=m.first_chunk, num_chunks=m.num_chunks,
+            block_ids=m.block_ids, skip_blocks=m.skip_blocks,
+        )  # fmt: skip
+        return p.ReleaseReply(id=m.id, valid=valid)
+
+    async def _save_blocks(self, m: p.SaveBlocks) -> p.Reply:
+        out = await self._transfers().save(
+            m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
+            first_chunk=m.first_chunk, block_ids=m.block_ids,
+        )  # fmt: skip
+        return p.SaveReply(id=m.id, stored=out.stored, existing=out.existing, refused=out.refused)
 
 
 def _lookup_reply(rid: int, r: LookupResult) -> p.LookupReply:

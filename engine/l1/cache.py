@@ -1,24 +1,35 @@
-"""L1Cache: the objects in the arena, their lifecycles, leases and eviction.
+"""L1Cache: the objects in the arena, their lifecycles, leases, eviction and tenant quotas.
 
 State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
-object for write reservations, the allocator, the eviction policy and counters.
+object for write reservations, the allocator, the eviction policy, counters, and the tenant ledger
+it reports every object's memory into (charged from reservation until freed; engine/tenants).
 
 Primitives in call order:
   find(key)                      visible object or None (touches LRU)
-  reserve(key, size, now)        -> object in WRITE_RESERVED, or None when no room can be made
+  try_reserve(key, size, now)    -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
+  reserve(key, size, now)        the same with None for either refusal
   commit(oid, now)               -> READY (LeaseExpired if the reservation was reclaimed)
   abort(obj)                     reservation dropped, memory freed
   lock(obj, now) / unlock(obj)   read locks; the last unlock of a doomed object frees it
+  fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
   evict(...) / delete(obj) / clear(...)
   reap(now)                      reclaims expired write reservations (read locks: the facade)
 
-Room is made on `reserve`: when usage would cross the high watermark, ready objects are evicted in
-policy order down to the low watermark; locked and reserved objects are never evicted. If that is
-not enough (everything pinned, or fragmentation), the answer is None: the caller says "no space".
+Room is made on reserve, in two steps:
+1. The tenant's quota (when it has an L1 limit): if its held bytes plus this object would exceed
+   the limit, its own least recently used ready objects are evicted (never another tenant's) until
+   it fits. If its evictable objects are not enough (the rest is locked or reserved), nothing is
+   evicted and the answer is QUOTA; an object larger than the limit (limit 0 included) is QUOTA
+   at once. A lowered limit is therefore met at the tenant's next reservation (the facade also
+   calls `fit_quota` at the start of every store of a tenant with a limit).
+2. The arena, as before quotas: when usage would cross the high watermark, ready objects of any
+   tenant are evicted in policy order down to the low watermark; locked and reserved objects are
+   never evicted. If that is not enough (everything pinned, or fragmentation), NO_SPACE.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +39,15 @@ from engine.keys import ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
+from engine.tenants.ledger import TenantLedger
+from engine.tenants.quota import L1
+
+
+class Refusal(enum.Enum):
+    """Why `try_reserve` made no reservation."""
+
+    NO_SPACE = "no_space"
+    QUOTA = "quota"
 
 
 @dataclass(slots=True)
@@ -39,6 +59,8 @@ class L1Counters:
     evicted_bytes: int = 0
     deleted: int = 0
     no_space: int = 0
+    quota_refused: int = 0
+    quota_evicted: int = 0
     expired_reservations: int = 0
 
 
@@ -52,9 +74,12 @@ class L1Cache:
         low_watermark: float,
         write_lease_s: float,
         on_remove: Callable[[L1Object, ObjectState], None] | None = None,
+        ledger: TenantLedger | None = None,
     ) -> None:
         self.allocator = allocator
         self.policy = policy
+        #: usage per tenant; without one given, a ledger without quotas (everyone shares freely)
+        self.ledger = ledger if ledger is not None else TenantLedger()
         self.high = int(allocator.capacity * high_watermark)
         self.low = int(allocator.capacity * low_watermark)
         self.write_lease_s = write_lease_s
@@ -63,8 +88,9 @@ class L1Cache:
         self._reservations: dict[int, L1Object] = {}
         self._oids = itertools.count(1)
         self._on_remove = on_remove
-        #: set by the store controller: release queued write-behind pins worth `bytes`; returns bytes
-        self.shed: Callable[[int], int] | None = None
+        #: set by the store controller: release queued write-behind pins worth `bytes` (of one tenant
+        #: when a salt is given); returns the bytes unpinned
+        self.shed: Callable[[int, str | None], int] | None = None
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -97,18 +123,32 @@ class L1Cache:
     # --- writes --------------------------------------------------------------------------------
 
     def reserve(self, key: ObjectKey, size: int, now: float) -> L1Object | None:
-        """Reserve room for `key`. None when no room can be made. The key must be absent."""
+        """Reserve room for `key`. None when the quota or the arena has no room. The key must be absent."""
+        got = self.try_reserve(key, size, now)
+        return got if isinstance(got, L1Object) else None
+
+    def try_reserve(self, key: ObjectKey, size: int, now: float) -> L1Object | Refusal:
+        """Reserve room for `key`, within its tenant's quota (see the module docstring)."""
         if key in self._objects:
             raise ValueError("reserve of a key that is present")
+        salt = key.salt
+        charge = self.allocator.aligned(size)
+        ledger = self.ledger
+        limit = ledger.limit(salt, L1)
+        if limit is not None and not self._fit(salt, limit, charge):
+            self.counters.quota_refused += 1
+            ledger.note_refusal(salt, L1)
+            return Refusal.QUOTA
         offset = self._allocate(size)
         if offset is None:
             self.counters.no_space += 1
-            return None
+            return Refusal.NO_SPACE
         obj = L1Object(oid=next(self._oids), key=key, offset=offset, size=size, last_access=now)
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
         self._objects[key] = obj
         self._reservations[obj.oid] = obj
+        ledger.charge(salt, L1, charge)
         self.counters.reserved += 1
         return obj
 
@@ -167,18 +207,24 @@ class L1Cache:
         return n
 
     def evict(self, need: int, salt: str | None = None) -> int:
-        """Evict ready objects in policy order until `need` bytes were freed. Returns bytes freed."""
-        freed = 0
-        for obj in self.policy.candidates(salt):
-            if freed >= need:
-                break
-            if not obj.evictable:
-                continue
-            obj.apply(Event.EVICT)
-            freed += obj.size
-            self.counters.evicted += 1
-            self.counters.evicted_bytes += obj.size
-            self._release(obj, ObjectState.EVICTED)
+        """Evict ready objects (of `salt` only, when given) in policy order until `need` arena bytes
+        were freed, or none is left. Returns the bytes freed."""
+        victims, freed = self._victims(need, salt)
+        self._evict(victims)
+        return freed
+
+    def fit_quota(self, salt: str) -> int:
+        """Evict `salt`'s least recently used ready objects until it holds no more than its L1
+        limit (as far as its unpinned objects allow). Returns the bytes freed."""
+        limit = self.ledger.limit(salt, L1)
+        if limit is None:
+            return 0
+        over = self.ledger.held(salt, L1) - limit
+        if over <= 0:
+            return 0
+        victims, freed = self._victims(over, salt)
+        self.counters.quota_evicted += len(victims)
+        self._evict(victims)
         return freed
 
     def reap(self, now: float) -> int:
@@ -191,6 +237,48 @@ class L1Cache:
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _fit(self, salt: str, limit: int, charge: int) -> bool:
+        """Make `charge` more bytes fit `salt`'s limit by evicting its own LRU ready objects. False
+        (and nothing evicted) when they cannot fit."""
+        if charge > limit:
+            return False
+        over = self.ledger.held(salt, L1) + charge - limit
+        if over <= 0:
+            return True
+        victims, freed = self._victims(over, salt)
+        if freed < over and self.shed is not None and self.shed(over - freed, salt):
+            # Its chunks waiting for write-behind were let go (those L2 writes are dropped, counted).
+            victims, freed = self._victims(over, salt)
+        if freed < over:
+            return False
+        self.counters.quota_evicted += len(victims)
+        self._evict(victims)
+        return True
+
+    def _victims(self, need: int, salt: str | None) -> tuple[list[L1Object], int]:
+        """Ready objects in policy order whose arena bytes add up to `need` (fewer if there are
+        not enough), and their bytes. Chosen first, evicted after: the policy is not changed
+        while it is being iterated."""
+        victims: list[L1Object] = []
+        freed = 0
+        aligned = self.allocator.aligned
+        for obj in self.policy.candidates(salt):
+            if freed >= need:
+                break
+            if obj.evictable:
+                victims.append(obj)
+                freed += aligned(obj.size)
+        return victims, freed
+
+    def _evict(self, victims: list[L1Object]) -> None:
+        counters = self.counters
+        for obj in victims:
+            obj.apply(Event.EVICT)
+            counters.evicted += 1
+            counters.evicted_bytes += obj.size
+            self.ledger.note_eviction(obj.key.salt, L1, obj.size)
+            self._release(obj, ObjectState.EVICTED)
+
     def _allocate(self, size: int) -> int | None:
         alloc = self.allocator
         need = alloc.aligned(size)
@@ -201,7 +289,9 @@ class L1Cache:
             # Fragmented or above the low watermark already: free more, one object's worth at a time.
             # When everything left is pinned, chunks pinned only by queued write-behind are let go
             # (their L2 write is dropped and counted) rather than refusing the engine.
-            if self.evict(need) == 0 and (self.shed is None or self.shed(need) == 0 or self.evict(need) == 0):
+            if self.evict(need) == 0 and (
+                self.shed is None or self.shed(need, None) == 0 or self.evict(need) == 0
+            ):
                 return None
             offset = alloc.allocate(size)
         return offset
@@ -211,5 +301,6 @@ class L1Cache:
             del self._objects[obj.key]
         self.policy.on_remove(obj)
         self.allocator.free(obj.offset)
+        self.ledger.credit(obj.key.salt, L1, self.allocator.aligned(obj.size))
         if self._on_remove is not None:
             self._on_remove(obj, final)

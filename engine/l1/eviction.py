@@ -1,7 +1,10 @@
 """Eviction policies for L1: which ready objects go first when room must be made.
 
-A policy only orders objects; the cache decides when to evict (watermarks) and skips anything that
-is not evictable (reserved, read-locked). Policies are told of every insert, access and removal.
+A policy only orders objects; the cache decides when to evict (watermarks, tenant quotas) and skips
+anything that is not evictable (reserved, read-locked). Policies are told of every insert, access
+and removal. `candidates` iterates the live order without copying it (an eviction looks at a few
+objects at the head, not at all of them): callers choose their victims first and remove them
+after the iteration ended.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ class EvictionPolicy(Protocol):
     def on_remove(self, obj: L1Object) -> None: ...
 
     def candidates(self, salt: str | None = None) -> Iterator[L1Object]:
-        """Objects in eviction order (first = evict first); only those of `salt` when given."""
+        """Objects in eviction order (first = evict first); only those of `salt` when given.
+        Nothing may be inserted or removed while the iterator is in use."""
         ...
+
+
+_EMPTY: OrderedDict[int, L1Object] = OrderedDict()
 
 
 class LRUPolicy:
@@ -53,6 +60,5 @@ class LRUPolicy:
                 del self._by_salt[obj.key.salt]
 
     def candidates(self, salt: str | None = None) -> Iterator[L1Object]:
-        source = self._order if salt is None else self._by_salt.get(salt, OrderedDict())
-        # Copy: the caller removes objects while iterating.
-        yield from list(source.values())
+        source = self._order if salt is None else self._by_salt.get(salt, _EMPTY)
+        return iter(source.values())

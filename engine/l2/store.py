@@ -130,16 +130,23 @@ class StoreController:
         self._wakeup.set()
         return True
 
-    def shed(self, nbytes: int) -> int:
-        """L1 is out of room: drop the oldest queued writes (not those being written) until `nbytes`
-        of their chunks are unpinned. Returns the bytes unpinned."""
+    def shed(self, nbytes: int, salt: str | None = None) -> int:
+        """L1 (or a tenant's quota, when `salt` is given) is out of room: drop the oldest queued
+        writes (not those being written), of that tenant only when given, until `nbytes` of their
+        chunks are unpinned. Returns the bytes unpinned."""
         freed = 0
+        keep: deque[_Pending] = deque()
         while self._queue and freed < nbytes:
             old = self._queue.popleft()
+            if salt is not None and old.obj.key.salt != salt:
+                keep.append(old)
+                continue
             old.obj.in_l2 = False
             freed += old.obj.size if old.obj.locks == 1 else 0
             self.cache.unlock(old.obj)
             self.counters.dropped += 1
+        keep.extend(self._queue)
+        self._queue = keep
         if self.idle():
             self._idle.set()
         return freed

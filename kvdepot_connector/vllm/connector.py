@@ -15,6 +15,9 @@ Settings (`kv_connector_extra_config`):
                        is skipped (misses) with a warning and retried with backoff
   kvdepot_model_id     the model name used in cache keys (default: the served model name); set it
                        when engines that share an L2 load the same model from different paths
+  kvdepot_transfer     who copies between the KV blocks and L1: "connector" (the worker, through
+                       the mapped arena), "sidecar" (CUDA IPC handles; the sidecar copies on its
+                       own streams), or "auto" (default: sidecar for CUDA caches, else connector)
 
 A load that fails is reported to vLLM as failed blocks, which vLLM recomputes: the connector sets
 the failure policy to "recompute" (a cache must never fail a request), and `requires_kv_delivery`
@@ -35,11 +38,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvdepot_connector.client import KVDepotClient
+from kvdepot_connector.handles import export_tensor
 from kvdepot_connector.protocol import Layout
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import StepPlan
 from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
-from kvdepot_connector.vllm.worker import WorkerSide
+from kvdepot_connector.vllm.worker import WorkerSide, kv_planes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -197,21 +201,31 @@ class KVDepotConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        names = sorted(kv_caches, key=_layer_index)
-        layers = [kv_caches[n] for n in names]
+        layers = [kv_caches[n] for n in sorted(kv_caches, key=_layer_index)]
         lay = self._layout
-        shape = tuple(layers[0].shape)
-        if len(layers) != lay.num_layers or shape[1:] != (lay.num_kv_heads, lay.block_size, 2 * lay.head_dim):
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        planes = [plane for layer in layers for plane in kv_planes(layer, num_blocks)]
+        block_bytes = sum(p[0].numel() * p.element_size() for p in planes)
+        expected = lay.chunk_bytes // (lay.chunk_size // lay.block_size)
+        if len(layers) != lay.num_layers or block_bytes != expected:
             raise ValueError(
-                f"KV cache layout {len(layers)} x {shape} does not match the model config ({lay.num_layers} "
-                f"layers, [blocks, {lay.num_kv_heads}, {lay.block_size}, {2 * lay.head_dim}])"
+                f"KV cache of {len(layers)} layers x {tuple(layers[0].shape)} ({block_bytes} bytes per block "
+                f"over all layers) does not match the model config ({lay.num_layers} layers, {expected})"
             )
+        transfer = str(self._kv_transfer_config.get_from_extra_config("kvdepot_transfer", "auto"))
+        if transfer not in ("auto", "connector", "sidecar"):
+            raise ValueError(f"kvdepot_transfer must be auto, connector or sidecar, not {transfer!r}")
+        by_sidecar = transfer == "sidecar" or (transfer == "auto" and layers[0].is_cuda)
         rank = get_tensor_model_parallel_rank()
         client = KVDepotClient(
             self._url, model=self._model, layout=lay, kv_rank=rank, timeout_s=self._timeout_s,
-            name=f"vllm-worker-{rank}",
+            name=f"vllm-worker-{rank}", map_arena=not by_sidecar,
         )  # fmt: skip
-        self._worker = WorkerSide(client, layers, chunk_size=self._chunk_size, block_size=lay.block_size)
+        # CUDA: the sidecar opens the planes through IPC handles and copies on its own streams.
+        shared = [export_tensor(p) for p in planes] if by_sidecar else None
+        self._worker = WorkerSide(
+            client, planes, chunk_size=self._chunk_size, block_size=lay.block_size, shared=shared
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -39,6 +39,7 @@ class _Request:
     hit_chunks: int = 0
     answered: tuple[int, bool] | None = None
     pending: bool = False
+    looked_up: bool = False
     failed: bool = False
     claim: tuple[int, int] | None = None  # tokens [start, end) promised to vLLM, not yet loaded
     load_blocks: tuple[int, ...] = ()
@@ -93,6 +94,7 @@ class SchedulerSide:
         if len(prompt) < self.chunk_size or not self.guard.available():
             req.answered = (0, False)
             return 0, False
+        req.looked_up = True
         try:
             hits = []
             pending = False
@@ -196,8 +198,8 @@ class SchedulerSide:
 
     def finished(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
-        if req is None or req.answered is None or not req.hit_chunks or not self.guard.available():
-            return
+        if req is None or not req.looked_up or not self.guard.available():
+            return  # never looked up: the sidecar holds nothing for it
         try:
             for client in self.clients:
                 client.end_request(request_id)

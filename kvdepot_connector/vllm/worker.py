@@ -1,63 +1,100 @@
 """WorkerSide: the connector's logic in a vLLM worker process, without vLLM imports.
 
-State: the engine's paged KV cache as one uint8 view per layer ([num_blocks, block_bytes]), the
-client of this worker's kv rank, requests whose loads finished this step and block ids whose
-load failed (reported to vLLM, which then recomputes them). Runs on the worker's thread.
+State: the engine's paged KV cache as uint8 "planes" ([num_blocks, block_bytes]: one per layer,
+or one per K and V where a backend keeps them apart), the client of this worker's kv rank,
+requests whose loads finished this step and block ids whose load failed (reported to vLLM, which
+then recomputes them). Runs on the worker's thread.
+
+Two ways to move the bytes, same chunk format (the chunk's blocks of every plane, plane-major):
+- the worker copies itself through the mapped L1 arena (CPU engines: their KV is ordinary memory);
+- the sidecar copies (`shared` handles given: CUDA IPC, or a shared-memory region): LOAD_BLOCKS /
+  SAVE_BLOCKS carry block ids only, and the sidecar runs the copies on its own streams.
 
 Primitives, in vLLM's step order:
-  load(specs)     in start_load_kv: RETRIEVE the request's read-locked chunks, scatter each into
-                  its blocks of every layer, RELEASE; an expired lease or any failure reports the
+  load(specs)     in start_load_kv: the request's read-locked chunks into its blocks of every
+                  plane, then the locks released; an expired lease or any failure reports the
                   request's blocks as failed (never garbage KV)
-  save(specs)     in wait_for_save: STORE (reserve), gather each chunk from its blocks into the
-                  arena, COMMIT; failures are logged and skipped (a future miss, nothing more)
+  save(specs)     in wait_for_save: reserve, fill from the blocks, commit; failures are logged
+                  and skipped (a future miss, nothing more)
   take_finished() / take_load_errors()  what get_finished / get_block_ids_with_load_errors report
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from kvdepot_connector.client import KVDepotClient
-from kvdepot_connector.protocol import SlotStatus
+from kvdepot_connector.errors import SidecarError
+from kvdepot_connector.protocol import SlotStatus, TensorHandle
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec
 from kvdepot_connector.vllm.scheduler import CLIENT_ERRORS
 
 log = logging.getLogger("kvdepot.connector")
+T = TypeVar("T")
+
+
+def kv_planes(layer: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """A layer's KV cache as planes indexed by block: [blocks, ...] as is, [2, blocks, ...] split."""
+    if layer.shape[0] == num_blocks:
+        return [layer]
+    if layer.dim() >= 2 and layer.shape[0] == 2 and layer.shape[1] == num_blocks:
+        return [layer[0], layer[1]]
+    raise ValueError(f"a KV cache of shape {tuple(layer.shape)} is not indexed by its {num_blocks} blocks")
 
 
 class WorkerSide:
     def __init__(
         self,
         client: KVDepotClient,
-        layers: Sequence[torch.Tensor],
+        planes: Sequence[torch.Tensor],
         *,
         chunk_size: int,
         block_size: int,
         guard: SidecarGuard | None = None,
+        shared: Sequence[TensorHandle] | None = None,
     ) -> None:
-        if not layers:
-            raise ValueError("no KV cache layers")
-        first = layers[0]
-        for t in layers:
+        if not planes:
+            raise ValueError("no KV cache planes")
+        first = planes[0]
+        for t in planes:
             if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
-                raise ValueError("every KV cache layer must have the same shape and dtype, contiguous")
+                raise ValueError("every KV cache plane must have the same shape and dtype, contiguous")
         self.client = client
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.blocks_per_chunk = chunk_size // block_size
         self.num_blocks = first.shape[0]
         self.block_bytes = first[0].numel() * first.element_size()
-        self.chunk_bytes = self.block_bytes * self.blocks_per_chunk * len(layers)
-        self.layers = [t.view(torch.uint8).view(self.num_blocks, self.block_bytes) for t in layers]
+        self.chunk_bytes = self.block_bytes * self.blocks_per_chunk * len(planes)
+        self.planes = [t.view(torch.uint8).view(self.num_blocks, self.block_bytes) for t in planes]
         self.guard = guard or SidecarGuard()
+        self.shared = list(shared) if shared is not None else None
+        self._registered_with = 0
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self.loaded_chunks = 0
         self.saved_chunks = 0
+
+    def _shared_call(self, call: Callable[[], T]) -> T:
+        """Run a sidecar-side copy, handing the planes over first when this sidecar (process) has
+        not got them: at the first call, and again after it restarted (engine ids change then)."""
+        assert self.shared is not None
+        if self.client.engine_id == 0 or self.client.engine_id != self._registered_with:
+            self.client.register_kv_cache(self.shared)
+            self._registered_with = self.client.engine_id
+        try:
+            return call()
+        except SidecarError as exc:
+            if exc.code != "not_found" or self.client.engine_id == self._registered_with:
+                raise
+        self.client.register_kv_cache(self.shared)  # re-handshaken during the call: register again
+        self._registered_with = self.client.engine_id
+        return call()
 
     # --- loads ---------------------------------------------------------------------------------
 
@@ -80,6 +117,21 @@ class WorkerSide:
         # tokens after a lookup that just succeeded. Only saves (optional work) obey the guard.
         if spec.num_chunks <= 0:
             return False
+        if self.shared is not None:
+            valid = self._shared_call(
+                lambda: self.client.load_blocks(
+                    spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks,
+                    block_ids=spec.block_ids, skip_blocks=spec.skip_blocks,
+                )
+            )  # fmt: skip
+        else:
+            valid = self._copy_in(spec)
+        self.guard.succeeded()
+        if valid:
+            self.loaded_chunks += spec.num_chunks
+        return valid
+
+    def _copy_in(self, spec: LoadSpec) -> bool:
         views = self.client.locked_views(
             spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks
         )
@@ -87,19 +139,15 @@ class WorkerSide:
         for i, view in enumerate(views):
             if view.numel() != self.chunk_bytes:
                 raise ValueError(f"chunk of {view.numel()} bytes, expected {self.chunk_bytes}")
-            chunk = view.view(len(self.layers), bpc, self.block_bytes)
+            chunk = view.view(len(self.planes), bpc, self.block_bytes)
             base = (spec.first_chunk + i) * bpc
             for j in range(bpc):
                 if base + j < spec.skip_blocks:
                     continue
                 block = spec.block_ids[base + j]
-                for layer, src in zip(self.layers, chunk, strict=True):
-                    layer[block].copy_(src[j])
-        valid = self.client.release(spec.request_id)
-        self.guard.succeeded()
-        if valid:
-            self.loaded_chunks += len(views)
-        return valid
+                for plane, src in zip(self.planes, chunk, strict=True):
+                    plane[block].copy_(src[j])
+        return self.client.release(spec.request_id)
 
     # --- saves ---------------------------------------------------------------------------------
 
@@ -115,6 +163,16 @@ class WorkerSide:
                 log.exception("kvdepot save of %s failed", spec.request_id)
 
     def _save_one(self, spec: SaveSpec) -> None:
+        if self.shared is not None:
+            out = self._shared_call(
+                lambda: self.client.save_blocks(
+                    spec.tokens, request_id=spec.request_id, block_ids=spec.block_ids,
+                    cache_salt=spec.cache_salt, first_chunk=spec.first_chunk,
+                )
+            )  # fmt: skip
+            self.guard.succeeded()
+            self.saved_chunks += out.stored
+            return
         reply = self.client.reserve(
             spec.tokens, request_id=spec.request_id, cache_salt=spec.cache_salt, first_chunk=spec.first_chunk
         )
@@ -125,11 +183,11 @@ class WorkerSide:
                 if slot.status is not SlotStatus.RESERVED:
                     continue
                 base = (slot.chunk - spec.first_chunk) * bpc
-                chunk = self.client.slot_view(slot).view(len(self.layers), bpc, self.block_bytes)
+                chunk = self.client.slot_view(slot).view(len(self.planes), bpc, self.block_bytes)
                 for j in range(bpc):
                     block = spec.block_ids[base + j]
-                    for layer, dst in zip(self.layers, chunk, strict=True):
-                        dst[j].copy_(layer[block])
+                    for plane, dst in zip(self.planes, chunk, strict=True):
+                        dst[j].copy_(plane[block])
                 oids.append(slot.oid)
         except BaseException:
             self.client.abort([s.oid for s in reply.slots if s.status is SlotStatus.RESERVED])

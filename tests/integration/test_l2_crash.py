@@ -4,6 +4,7 @@ completed is served, byte-identical; a corrupted or truncated file is a miss, ne
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ ENV = {
     "KVDEPOT_L2__ADAPTERS": json.dumps([{"type": "disk", "name": "disk", "fsync": "always"}]),
     "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
 }
-REQUESTS, CHUNKS = 12, 8
+REQUESTS, CHUNKS = 24, 8
 SEEDS = range(100, 100 + REQUESTS)
 
 
@@ -49,14 +50,17 @@ def test_restart_after_sigkill_serves_completed_writes_and_never_corrupt_ones(
     data_dir = tmp_path / "data"
     first = sidecar_factory(data_dir=data_dir, env=ENV, l1_size_gb=0.05)
     c = client(first.url)
-    for seed in SEEDS:
+    for n, seed in enumerate(SEEDS):
         toks = request_tokens(seed, CHUNKS)
-        assert (
-            c.store(toks, [chunk_data(seed, i) for i in range(CHUNKS)], request_id=f"w{seed}").stored
-            == CHUNKS
-        )
+        outcome = c.store(toks, [chunk_data(seed, i) for i in range(CHUNKS)], request_id=f"w{seed}")
+        assert outcome.stored == CHUNKS
+        if n == 2:  # three requests surely on disk before the burst
+            deadline = time.monotonic() + 60
+            while first.get_json("/status")["l2"]["store"]["written"] < 3 * CHUNKS:
+                assert time.monotonic() < deadline, "write-behind made no progress"
+                time.sleep(0.01)
     c.close()
-    first.kill()  # SIGKILL while the write-behind queue is still being worked through
+    first.kill()  # SIGKILL right after the burst: its writes are being worked through
 
     on_disk = blob_files(data_dir / "l2-disk")
     expected = {seed: expected_prefix(request_keys(seed, CHUNKS), on_disk) for seed in SEEDS}
@@ -70,6 +74,7 @@ def test_restart_after_sigkill_serves_completed_writes_and_never_corrupt_ones(
 
     # Damage two files of fully written requests: one flipped payload byte, one truncated.
     full = [seed for seed in SEEDS if expected[seed] == CHUNKS]
+    assert len(full) >= 3, expected
     flip_seed, cut_seed = full[0], full[1]
     flipped = on_disk[request_keys(flip_seed, CHUNKS)[2]]
     data = bytearray(flipped.read_bytes())

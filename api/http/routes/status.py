@@ -1,4 +1,4 @@
-"""Service status: version, uptime, component states, settings summary, L1 summary."""
+"""Service status: version, uptime, component states, settings summary, L1/L2/tenant summaries."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from app import __version__
 router = APIRouter(tags=["status"])
 
 
-@router.get("/status", summary="Version, uptime, components, settings (no secrets), L1 summary")
+@router.get("/status", summary="Version, uptime, components, settings (no secrets), L1/L2/tenants")
 async def status(ctx: Ctx) -> dict[str, Any]:
     return {
         "version": __version__,
@@ -21,5 +21,6 @@ async def status(ctx: Ctx) -> dict[str, Any]:
         "components": ctx.health.components(),
         "l1": ctx.engine.status(),
         "l2": ctx.engine.l2_status(),
+        "tenants": ctx.engine.tenants_status(),
         "settings": ctx.settings.summary(),
     }

@@ -1,0 +1,66 @@
+"""Tenant quotas: list, read, set, delete. The empty cache_salt (the default tenant) is `_default`.
+
+A limit is bytes, or null for unlimited; 0 means the tenant stores nothing in that tier. Changes are
+written to `<data_dir>/quotas.json` before they are answered and apply to the next operation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.http.deps import Admin, Ctx
+from engine.tenants.quota import DEFAULT_TENANT, LIMIT_MAX, MAX_SALT_LEN, Quota
+
+router = APIRouter(prefix="/quotas", tags=["quotas"])
+
+Limit = Annotated[
+    int | None,
+    Field(
+        strict=True, ge=0, le=LIMIT_MAX,
+        description="Bytes the tenant may hold in the tier; null = unlimited, 0 = nothing.",
+    ),
+]  # fmt: skip
+
+Salt = Annotated[
+    str,
+    Path(
+        min_length=1, max_length=MAX_SALT_LEN,
+        description=f"The tenant's cache_salt; `{DEFAULT_TENANT}` for the empty salt.",
+    ),
+]  # fmt: skip
+
+
+class QuotaBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    l1_bytes: Limit = None
+    l2_bytes: Limit = Field(None, description="Limit in each L2 adapter.")
+
+
+def salt_of(name: str) -> str:
+    return "" if name == DEFAULT_TENANT else name
+
+
+@router.get("", summary="Every tenant with a quota or usage: quota, limits and usage per tier")
+async def list_quotas(ctx: Ctx) -> dict[str, Any]:
+    return ctx.engine.quotas()
+
+
+@router.get("/{cache_salt:path}", summary="One tenant's quota, limits and usage per tier")
+async def get_quota(ctx: Ctx, cache_salt: Salt) -> dict[str, Any]:
+    return ctx.engine.quota(salt_of(cache_salt))
+
+
+@router.put("/{cache_salt:path}", summary="Set a tenant's quota (null = unlimited)")
+async def put_quota(ctx: Ctx, _: Admin, cache_salt: Salt, body: QuotaBody) -> dict[str, Any]:
+    quota = Quota(l1_bytes=body.l1_bytes, l2_bytes=body.l2_bytes)
+    return await ctx.engine.set_quota(salt_of(cache_salt), quota)
+
+
+@router.delete("/{cache_salt:path}", status_code=204, summary="Remove a tenant's quota")
+async def delete_quota(ctx: Ctx, _: Admin, cache_salt: Salt) -> Response:
+    await ctx.engine.delete_quota(salt_of(cache_salt))
+    return Response(status_code=204)

@@ -1,0 +1,216 @@
+"""Devices for the sidecar's own copies between an engine's KV cache and the L1 arena.
+
+A device opens the tensors an engine shared with the sidecar (`open`), pins host memory for fast
+transfers (`pin`), queues copies on a stream (`copy`) and records an event after them (`record`)
+whose `synchronize` blocks until they are done. The event loop never calls `synchronize`: the
+transfer engine (gpu/transfer.py) waits on it in an executor.
+
+- `CudaDevice`: CUDA streams and events; tensors shared as CUDA IPC handles; host memory pinned
+  with cudaHostRegister. Built only where torch sees a GPU.
+- `CpuDevice`: the same path on CPU. A stream is a queue of copies, `record` closes a batch, and
+  `synchronize` performs the batch's copies, in the calling (executor) thread. Tensors are shared
+  as named shared-memory regions.
+
+Tensor handles are plain dicts (from the data plane): {"kind": "cpu-shm" | "cuda-ipc", "shape",
+"stride", "dtype", "offset" (elements), ...kind-specific fields}.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8,
+    "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class Event(Protocol):
+    def synchronize(self) -> None: ...
+
+
+class Stream(Protocol):
+    pass
+
+
+class Device(Protocol):
+    kind: str
+
+    def open(self, handle: dict[str, Any]) -> torch.Tensor: ...
+
+    def close(self, tensor: torch.Tensor) -> None: ...
+
+    def pin(self, host: torch.Tensor) -> None: ...
+
+    def unpin(self, host: torch.Tensor) -> None: ...
+
+    def new_stream(self) -> Stream: ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None: ...
+
+    def record(self, stream: Stream) -> Event: ...
+
+
+class HandleError(ValueError):
+    """A tensor handle that cannot be opened (wrong kind, bad fields, region too small)."""
+
+
+def _view(base: torch.Tensor, handle: dict[str, Any]) -> torch.Tensor:
+    try:
+        dtype = DTYPES[str(handle["dtype"])]
+        shape = [int(x) for x in handle["shape"]]
+        stride = [int(x) for x in handle["stride"]]
+        offset = int(handle.get("offset", 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HandleError(f"bad tensor handle: {exc}") from None
+    if len(shape) != len(stride) or not shape or any(d <= 0 for d in shape) or any(s < 0 for s in stride):
+        raise HandleError("bad tensor handle: shape and stride")
+    typed = base.view(dtype)
+    last = offset + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
+    if offset < 0 or last >= typed.numel():
+        raise HandleError(f"tensor handle reaches element {last} of a region of {typed.numel()}")
+    return typed.as_strided(shape, stride, offset)
+
+
+class _CpuStream:
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+class _CpuEvent:
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._copies = copies
+
+    def synchronize(self) -> None:
+        copies, self._copies = self._copies, []
+        for dst, src in copies:
+            dst.copy_(src)
+
+
+class CpuDevice:
+    """The CPU stub: streams queue copies, events perform them when synchronized."""
+
+    kind = "cpu"
+
+    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
+        self._shm_dir = shm_dir
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def open(self, handle: dict[str, Any]) -> torch.Tensor:
+        if handle.get("kind") != "cpu-shm":
+            raise HandleError(f"the CPU device opens cpu-shm handles, not {handle.get('kind')!r}")
+        name = str(handle.get("name", ""))
+        if not name or "/" in name or name.startswith("."):
+            raise HandleError(f"bad shared-memory name {name!r}")
+        try:
+            fd = os.open(self._shm_dir / name, os.O_RDWR)
+        except OSError as exc:
+            raise HandleError(f"cannot open shared memory {name!r}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise HandleError(f"shared memory {name!r} is empty")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        tensor = _view(torch.frombuffer(mm, dtype=torch.uint8), handle)
+        self._maps[id(tensor)] = mm
+        return tensor
+
+    def close(self, tensor: torch.Tensor) -> None:
+        self._maps.pop(id(tensor), None)  # the mapping goes when the last view is gone
+
+    def pin(self, host: torch.Tensor) -> None:
+        return None
+
+    def unpin(self, host: torch.Tensor) -> None:
+        return None
+
+    def new_stream(self) -> _CpuStream:
+        return _CpuStream()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        assert isinstance(stream, _CpuStream)
+        stream.pending.append((dst, src))
+
+    def record(self, stream: Stream) -> _CpuEvent:
+        assert isinstance(stream, _CpuStream)
+        copies, stream.pending = stream.pending, []
+        return _CpuEvent(copies)
+
+
+class CudaDevice:
+    """CUDA: copies on the sidecar's own streams, completion awaited through an executor."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        self.index = index
+        self._pinned: set[int] = set()
+
+    def open(self, handle: dict[str, Any]) -> torch.Tensor:
+        if handle.get("kind") != "cuda-ipc":
+            raise HandleError(f"the CUDA device opens cuda-ipc handles, not {handle.get('kind')!r}")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        # The fields are torch's own (reduce_tensor / storage._share_cuda_), sent by the engine.
+        try:
+            dtype = DTYPES[str(handle["dtype"])]
+            event = handle.get("event_handle")
+            shape = tuple(int(x) for x in handle["shape"])
+            stride = tuple(int(x) for x in handle["stride"])
+            tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+                torch.Tensor, shape, stride, int(handle.get("offset", 0)), torch.storage.TypedStorage, dtype,
+                int(handle["device"]), bytes(handle["ipc_handle"]), int(handle["storage_bytes"]),
+                int(handle["storage_offset_bytes"]), False, bytes(handle["ref_counter_handle"]),
+                int(handle["ref_counter_offset"]), bytes(event) if event else None,
+                bool(handle["event_sync_required"]),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise HandleError(f"cannot open CUDA IPC handle: {exc}") from None
+        return tensor
+
+    def close(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def pin(self, host: torch.Tensor) -> None:
+        if host.data_ptr() in self._pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            host.data_ptr(), host.numel() * host.element_size(), 0
+        )
+        if int(err) == 0:
+            self._pinned.add(host.data_ptr())
+
+    def unpin(self, host: torch.Tensor) -> None:
+        if host.data_ptr() in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())  # type: ignore[no-untyped-call]
+            self._pinned.discard(host.data_ptr())
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.index)  # type: ignore[no-untyped-call]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        assert isinstance(stream, torch.cuda.Stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Stream) -> torch.cuda.Event:
+        assert isinstance(stream, torch.cuda.Stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+
+def default_device() -> Device:
+    """CUDA where torch sees a GPU, the CPU stub otherwise."""
+    return CudaDevice() if torch.cuda.is_available() else CpuDevice()

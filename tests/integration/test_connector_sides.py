@@ -1,0 +1,140 @@
+"""The vLLM connector's two halves against a real sidecar, without vLLM: the scheduler side plans
+loads and saves, the worker side moves the bytes, in both transfer modes (the worker copies
+through the mapped arena; or the sidecar copies itself, here through the CPU stub device, from a
+KV cache in a shared-memory region)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdepot_connector.client import KVDepotClient, encode_tokens
+from kvdepot_connector.handles import SharedTensor, export_tensor
+from kvdepot_connector.protocol import Layout
+from kvdepot_connector.vllm.plan import LoadSpec
+from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
+from kvdepot_connector.vllm.worker import WorkerSide, kv_planes
+from tests.integration.conftest import StartSidecar
+
+LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM, CHUNK = 4, 64, 2, 16, 32, 32
+LAYOUT = Layout(dtype="float16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
+                kind="test-paged", chunk_size=CHUNK)  # fmt: skip
+BPC = CHUNK // BLOCK
+
+
+def ask(sched: SchedulerSide, rid: str, prompt: list[int]) -> tuple[int | None, bool]:
+    """As vLLM does: ask again while the answer is "not known yet" (chunks arriving from L2)."""
+    for _ in range(1000):
+        answer = sched.matched_tokens(rid, prompt, None, len(prompt), 0)
+        if answer[0] is not None:
+            return answer
+    raise AssertionError("the lookup never settled")
+
+
+class KV:
+    """A paged KV cache like vLLM's CPU one, [layer][block, heads, block_size, 2*head_dim], in shm."""
+
+    def __init__(self) -> None:
+        self.shared = SharedTensor((LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), torch.float16)
+        self.layers = list(self.shared.tensor.unbind(0))
+
+    def planes(self) -> list[torch.Tensor]:
+        return [p for layer in self.layers for p in kv_planes(layer, BLOCKS)]
+
+    def fill(self, blocks: list[int], seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for layer in self.layers:
+            for b in blocks:
+                layer[b].copy_(torch.randn(layer[b].shape, generator=g).to(torch.float16))
+
+    def blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        return [layer[b].clone() for layer in self.layers for b in blocks]
+
+
+@pytest.fixture
+def kv() -> Iterator[KV]:
+    cache = KV()
+    yield cache
+    cache.shared.close()
+
+
+@pytest.mark.parametrize("by_sidecar", [False, True], ids=["worker-copies", "sidecar-copies"])
+def test_plan_save_lookup_load_round_trip(sidecar_factory: StartSidecar, kv: KV, by_sidecar: bool) -> None:
+    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
+    sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False)
+    work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=not by_sidecar)
+    shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
+    worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK, shared=shared)
+    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load_async=False)
+    try:
+        prompt = list(range(1000, 1000 + 4 * CHUNK + 5))  # 4 full chunks and a tail
+        # First request: a miss; its 8 blocks are computed (filled), then saved at the end of the step.
+        assert ask(sched, "r1", prompt) == (0, False)
+        blocks1 = list(range(10, 19))
+        kv.fill(blocks1, seed=1)
+        plan = sched.plan_step([ScheduledRequest("r1", blocks1, 0, len(prompt))])
+        assert [(s.first_chunk, s.num_chunks) for s in plan.saves] == [(0, 4)]
+        worker.save(plan.saves)
+        assert worker.saved_chunks == 4
+        sched.finished("r1")
+        written = kv.blocks(blocks1[:8])
+
+        # Second request, same prompt: a hit of 4 chunks (the tail is computed), loaded into new blocks.
+        assert ask(sched, "r2", prompt) == (4 * CHUNK, False)
+        blocks2 = list(range(30, 39))
+        sched.after_alloc("r2", blocks2, 4 * CHUNK)
+        plan = sched.plan_step([ScheduledRequest("r2", blocks2, 4 * CHUNK, 5)])
+        assert plan.loads == [LoadSpec("r2", tuple(blocks2[:8]), 0, 4, 0)]
+        assert plan.saves == []  # loaded chunks are not saved again
+        worker.load(plan.loads)
+        assert worker.take_load_errors() == set()
+        assert worker.take_finished() == {"r2"}
+        loaded = kv.blocks(blocks2[:8])
+        assert all(torch.equal(a, b) for a, b in zip(written, loaded, strict=True))
+        sched.finished("r2")
+        status = sc.get_json("/status")["l1"]
+        assert status["locked_requests"] == 0
+        assert status["allocator_ok"]
+    finally:
+        sched_client.close()
+        work_client.close()
+
+
+def test_a_load_whose_locks_are_gone_is_reported_failed(sidecar_factory: StartSidecar, kv: KV) -> None:
+    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
+    client = KVDepotClient(sc.url, model="m", layout=LAYOUT)
+    worker = WorkerSide(client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK)
+    try:
+        # Nothing was looked up for this request: the sidecar holds no locks for it.
+        worker.load([LoadSpec("ghost", tuple(range(8)), 0, 4, 0)])
+        assert worker.take_load_errors() == set(range(8))
+        assert worker.take_finished() == {"ghost"}
+    finally:
+        client.close()
+
+
+def test_sidecar_copies_refuse_handles_outside_their_region(sidecar_factory: StartSidecar, kv: KV) -> None:
+    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
+    client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False)
+    try:
+        good = export_tensor(kv.planes()[0], kv.shared)
+        import msgspec
+
+        from kvdepot_connector.errors import SidecarError
+
+        too_far = msgspec.structs.replace(good, offset=good.offset + 10**9)
+        with pytest.raises(SidecarError, match="invalid_input"):
+            client.register_kv_cache([too_far])
+        wrong_count = [good]  # one plane where the layout needs 4
+        with pytest.raises(SidecarError, match="do not add up"):
+            client.register_kv_cache(wrong_count)
+        with pytest.raises(SidecarError, match="registered no KV cache"):
+            client.load_blocks("r", first_chunk=0, num_chunks=1, block_ids=[1, 2])
+        toks = encode_tokens(list(range(CHUNK)))
+        with pytest.raises(SidecarError, match="registered no KV cache"):
+            client.save_blocks(toks, request_id="r", block_ids=[1, 2])
+        assert sc.get_json("/ready") == {"ready": True}
+    finally:
+        client.close()
