@@ -25,7 +25,6 @@ from typing import Any
 import msgspec
 import structlog
 import zmq
-import zmq.asyncio
 
 from api.dataplane.errors import wire_code
 from api.metrics import DataPlaneMetrics
@@ -38,6 +37,11 @@ from engine.transfers import KVTransfers
 from kvdepot_connector import protocol as p
 
 log = structlog.get_logger("kvdepot.dataplane")
+
+#: messages handled per reader callback before other work on the loop gets a turn
+READ_BUDGET = 64
+#: how often the serve task checks that its socket is still open
+WATCHDOG_S = 0.5
 
 _TAGS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in p.Request.__args__}
 
@@ -59,10 +63,10 @@ class DataPlaneServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
         self.metrics = metrics
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._closing = False
-        self._receiving: asyncio.Future[list[bytes]] | None = None
+        self._done: asyncio.Future[None] | None = None
         self._deferred: set[asyncio.Task[None]] = set()
         self.running = False
         self._handlers: dict[type, Callable[[Any], p.Reply | Awaitable[p.Reply]]] = {
@@ -87,7 +91,7 @@ class DataPlaneServer:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def bind(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
@@ -110,39 +114,70 @@ class DataPlaneServer:
         log.info("dataplane_bound", url=self.url)
 
     async def serve(self) -> None:
+        """Serve until `stop()`. Messages are read in a reader callback on the socket's file
+        descriptor and answered inline (no task switch per message); a socket that fails under
+        it ends this task with the error, so the supervisor marks the data plane dead."""
         sock = self._sock
         if sock is None:
             raise RuntimeError("bind() first")
+        loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        fd = int(sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._on_readable)
         self.running = True
+        loop.call_soon(self._on_readable)  # messages that arrived before the reader was added
         try:
-            while not self._closing:
-                receiving: asyncio.Future[list[bytes]] = sock.recv_multipart()  # type: ignore[assignment]
-                self._receiving = receiving
+            while True:
                 try:
-                    frames = await receiving
-                except asyncio.CancelledError:
-                    if self.stopping():
-                        return
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():
-                        raise  # this task itself is being cancelled
-                    raise RuntimeError("the data-plane socket was closed under the receive loop") from None
+                    await asyncio.wait_for(asyncio.shield(self._done), WATCHDOG_S)
+                    return
+                except TimeoutError:
+                    # A socket closed under the reader gives no callback at all: look, now and then.
+                    if self._sock is None or self._sock.closed:
+                        raise RuntimeError("the data-plane socket was closed") from None
+        finally:
+            self.running = False
+            with contextlib.suppress(Exception):
+                loop.remove_reader(fd)
+
+    def _on_readable(self) -> None:
+        """Drain the socket (its FD is edge-triggered: read until it says nothing is left), up to a
+        budget per call so other work on the loop is not starved; then come back."""
+        sock = self._sock
+        if sock is None or self._done is None or self._done.done():
+            return
+        try:
+            for _ in range(READ_BUDGET):
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 2:
                     if frames:
                         error = self._error(-1, p.ErrorCode.MALFORMED_FRAME, "expected exactly one frame")
-                        await sock.send_multipart([frames[0], error])
+                        self._send(sock, [frames[0], error])
                     continue
                 reply = self.handle(frames[1])
                 if isinstance(reply, bytes):
-                    await sock.send_multipart([frames[0], reply])
+                    self._send(sock, [frames[0], reply])
                 else:  # answered later (a LOOKUP waiting for L2): the loop goes on meanwhile
-                    self._spawn_reply(sock, frames[0], reply)
-        finally:
-            self.running = False
+                    self._spawn_reply(frames[0], reply)
+            asyncio.get_running_loop().call_soon(self._on_readable)
+        except zmq.ZMQError as exc:
+            if not self._closing:
+                self._done.set_exception(RuntimeError(f"the data-plane socket failed: {exc}"))
 
-    def _spawn_reply(self, sock: zmq.asyncio.Socket, ident: bytes, reply: Awaitable[bytes]) -> None:
+    @staticmethod
+    def _send(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dataplane_reply_dropped", reason="the client's queue is full")
+
+    def _spawn_reply(self, ident: bytes, reply: Awaitable[bytes]) -> None:
         async def send_later() -> None:
-            await sock.send_multipart([ident, await reply])
+            frames = [ident, await reply]
+            if self._sock is not None:
+                self._send(self._sock, frames)
 
         task = asyncio.get_running_loop().create_task(send_later(), name="dataplane-deferred-reply")
         self._deferred.add(task)
@@ -152,10 +187,10 @@ class DataPlaneServer:
         return self._closing
 
     def stop(self) -> None:
-        """Stop accepting: the pending receive is cancelled and `serve` returns."""
+        """Stop accepting: `serve` returns."""
         self._closing = True
-        if self._receiving is not None:
-            self._receiving.cancel()
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
 
     def close(self) -> None:
         if self._sock is not None:
