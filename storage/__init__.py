@@ -1,10 +1,13 @@
 """L2 storage adapters and the blob codec. Knows nothing of engine/ or api/.
 
-codec          blob = checked header + payload (optional FP8 values, lz4); decode_into checks all
+codec          blob = checked header + payload (optional FP8 values, lz4); decode_into checks all,
+               verify_in_place checks a payload read straight into L1
 base           the L2Adapter protocol and its result values (OpResult, LoadResult, Usage, Health)
 common         AdapterCore: batching contract, close-while-in-flight, health, stats, latency
 disk, diskio   local-disk adapter: crash-safe files, index rebuilt from headers at start
 redis_adapter  Redis/Valkey adapter: pipelined single-key commands, timeouts, reconnects
+redis_lane     its bulk lane: large values over blocking sockets in its executor, into L1 in place
+resp           the lane's RESP2 wire protocol over one blocking socket
 mock           in-memory adapter with capacity, simulated bandwidth/latency and fault injection
 factory        build_adapter(config, data_dir): one adapter with the executor it needs
 """

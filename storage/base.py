@@ -13,6 +13,15 @@ Primitives in call order:
   load(keys)               OK with the blob bytes, MISS, ERROR. Integrity is the caller's check
                            (codec.decode_into); on a failed check the caller counts it in
                            `stats.integrity_failures` and deletes the key (it is a miss)
+  load_into(keys, outs)    the zero-copy load: each out is the writable region (exactly the chunk's
+                           original payload size) the blob decodes into. A raw blob whose payload is
+                           exactly len(out) (codec.fits_in_place) is read with its payload straight
+                           into out: OK with `in_place` set and `data` = the header bytes alone, to
+                           be checked with codec.verify_in_place. Any other blob (FP8, lz4, or one
+                           that does not fit) comes back whole, as from load, for codec.decode_into.
+                           MISS and ERROR as for load; a failed or short read is never OK. An out
+                           whose result is not OK may hold garbage: the caller discards it. When
+                           load_into returns (or is cancelled), nothing writes into the outs any more
   delete(keys)             OK = removed, MISS = was not there, ERROR
   usage() / health()       cheap snapshots for /status and metrics
   set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)
@@ -60,11 +69,13 @@ MISS = OpResult(Status.MISS)
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    """The outcome of one key of a load. `data` is the whole blob, set only when status is OK."""
+    """The outcome of one key of a load. `data` is set only when status is OK: the whole blob, or,
+    when `in_place` (load_into only), the blob's header while its payload lies in the caller's out."""
 
     status: Status
     data: bytes | memoryview | None = None
     message: str = ""
+    in_place: bool = False
 
     @property
     def ok(self) -> bool:
@@ -73,6 +84,11 @@ class LoadResult:
     @classmethod
     def hit(cls, data: bytes | memoryview) -> LoadResult:
         return cls(Status.OK, data)
+
+    @classmethod
+    def placed(cls, header: bytes | memoryview) -> LoadResult:
+        """OK for load_into: the payload is in the caller's out, `header` is the blob's header."""
+        return cls(Status.OK, header, in_place=True)
 
     @classmethod
     def error(cls, message: str) -> LoadResult:
@@ -181,6 +197,8 @@ class L2Adapter(Protocol):
     async def contains(self, keys: Sequence[str]) -> list[OpResult]: ...
 
     async def load(self, keys: Sequence[str]) -> list[LoadResult]: ...
+
+    async def load_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[LoadResult]: ...
 
     async def delete(self, keys: Sequence[str]) -> list[OpResult]: ...
 

@@ -29,6 +29,14 @@ Primitives in call order:
   read_header(buf)                              -> BlobHeader; validates magic, version, header checksum
   decode_into(blob, expect_key, expect_fp, out) checks everything, writes the original bytes into out
 
+Zero-copy loads (an adapter reads a raw blob's payload straight into the L1 region):
+  header_size(key)                              header length of any blob of `key`
+  fits_in_place(header, out_len)                whether a blob with this header is raw with a payload
+                                                of exactly out_len bytes (False when unreadable)
+  verify_in_place(header, expect_key, expect_fp, out)
+                                                the checks of decode_into, over a header and a payload
+                                                that already lies in out
+
 Every check failure raises app.errors.IntegrityError; such a blob must be treated as a miss.
 """
 
@@ -241,13 +249,45 @@ def read_header(buf: Buffer) -> BlobHeader:
     )
 
 
-def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) -> None:
-    """Check `blob` completely and write its original payload into `out` (exactly that size).
+def header_size(key: str) -> int:
+    """Length of the header of every blob stored under `key` (the key is part of the header)."""
+    return _FIXED.size + len(key.encode("utf-8")) + _CHECKSUM.size
 
-    Raises IntegrityError on any mismatch: magic, version, header checksum, key, layout
-    fingerprint, lengths, payload checksum, size of `out`. ValueError if `out` is read-only.
-    """
-    view = _as_bytes_view(blob)
+
+def fits_in_place(header: Buffer, out_len: int) -> bool:
+    """True when `header` starts a raw blob (no FP8, no lz4) whose payload is exactly `out_len`
+    bytes: its payload may then be read straight into the output. False for anything else,
+    unreadable headers included (such a blob is read whole and decode_into says what is wrong).
+    Checks nothing else: verify_in_place does once the payload is there."""
+    view = _as_bytes_view(header)
+    if view.nbytes < _FIXED.size or bytes(view[:4]) != MAGIC:
+        return False
+    fields = _FIXED.unpack_from(view)
+    flags, orig_len, enc_len = fields[2], fields[7], fields[8]
+    return bool(flags == 0 and orig_len == enc_len == out_len)
+
+
+def verify_in_place(header: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) -> None:
+    """Check a blob whose `header` (exactly the header bytes) was read apart and whose raw payload
+    was read straight into `out`. The checks of decode_into: magic, version, header checksum, key,
+    layout fingerprint, lengths, and the payload checksum computed over `out`; plus that the blob
+    is raw (an FP8 or lz4 blob can never have been read in place). Raises IntegrityError."""
+    head = _as_bytes_view(header)
+    parsed = _check_header(head, expect_key, expect_fp)
+    if head.nbytes != parsed.header_len:
+        raise IntegrityError(f"header is {head.nbytes} bytes, it says {parsed.header_len}")
+    if parsed.flags:
+        raise IntegrityError(f"blob with flags {parsed.flags:#x} cannot be read in place")
+    dest = _as_bytes_view(out)
+    if parsed.enc_len != parsed.orig_len:
+        raise IntegrityError(f"raw blob says {parsed.enc_len} payload bytes for {parsed.orig_len}")
+    if dest.nbytes != parsed.orig_len:
+        raise IntegrityError(f"blob decodes to {parsed.orig_len} bytes, output holds {dest.nbytes}")
+    if xxhash.xxh3_128_digest(dest) != parsed.payload_checksum:
+        raise IntegrityError("payload checksum mismatch")
+
+
+def _check_header(view: memoryview, expect_key: str, expect_fp: bytes) -> BlobHeader:
     header = read_header(view)
     if header.key != expect_key:
         raise IntegrityError(f"blob holds key {header.key!r}, expected {expect_key!r}")
@@ -255,6 +295,17 @@ def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) ->
         raise IntegrityError(
             f"layout fingerprint {header.layout_fp.hex()} differs from expected {bytes(expect_fp).hex()}"
         )
+    return header
+
+
+def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) -> None:
+    """Check `blob` completely and write its original payload into `out` (exactly that size).
+
+    Raises IntegrityError on any mismatch: magic, version, header checksum, key, layout
+    fingerprint, lengths, payload checksum, size of `out`. ValueError if `out` is read-only.
+    """
+    view = _as_bytes_view(blob)
+    header = _check_header(view, expect_key, expect_fp)
     if view.nbytes != header.total_len:
         raise IntegrityError(f"blob is {view.nbytes} bytes, header says {header.total_len}")
     dest = _as_bytes_view(out)

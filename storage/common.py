@@ -2,28 +2,38 @@
 
 State (event loop only): the adapter's counters, latency histograms, health tracker and the set of
 operations in flight. Subclasses implement `_store`, `_contains`, `_load`, `_delete` (batch in, one
-result per key out), `_usage`, `_set_capacity`, and optionally `_start` and `_close`.
+result per key out), `_usage`, `_set_capacity`, and optionally `_load_into` (default: `_load`, every
+blob returned whole), `_start` and `_close`.
 
 Primitives in call order:
   start()                       runs `_start` once (the first operation calls it when nobody did)
-  store/contains/load/delete    each batch runs inside the OpGate, is timed, counted and turned into
-                                ERROR results if anything escapes: callers never see an exception
+  store/contains/load/load_into/delete
+                                each batch runs inside the OpGate, is timed, counted and turned into
+                                ERROR results if anything escapes: callers never see an exception.
+                                load_into is timed and counted as "load" (payload bytes included)
   usage() / health()            snapshots
   set_capacity(bytes)           runtime resize
   close()                       gate closes (in-flight batches end with ERROR), then `_close`
 
 A subclass raises app.errors.BackendError when the backend as a whole failed (unreachable, timed
 out): every key of the batch becomes ERROR and health turns "down" until a batch succeeds again.
-ERROR results it returns itself make health "degraded" for DEGRADED_WINDOW_S.
+ERROR results it returns itself make health "degraded" for DEGRADED_WINDOW_S; when some keys of a
+batch were answered and others were lost with the backend, it calls `_backend_down(message)` and
+returns per-key results: health turns "down" all the same.
+
+A subclass whose `_load_into` hands outs to threads must not return, nor let a cancellation
+through, before those threads are done with them (the caller reuses the memory at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar, cast
 
 import structlog
 
@@ -48,6 +58,43 @@ R = TypeVar("R", OpResult, LoadResult)
 DEGRADED_WINDOW_S = 30.0
 CLOSE_WAIT_S = 5.0
 CLOSED_MESSAGE = "adapter closed"
+
+
+async def settled(job: concurrent.futures.Future[T], interrupt: Callable[[], None] | None = None) -> T:
+    """The result of `job`, a call running in an executor thread. A cancellation goes through only
+    once the call has finished (or was dropped before it started), never while it may still touch
+    memory the caller hands back when cancelled; `interrupt` (called on the loop) makes a running
+    call stop early."""
+    fut = asyncio.wrap_future(job)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        job.cancel()
+        if interrupt is not None:
+            interrupt()
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the caller was cancelled and will not look
+        raise
+
+
+async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """asyncio.gather that waits for every awaitable before it raises, the first exception then, or
+    lets a cancellation through: none is left running with the caller's buffers."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return cast(list[T], results)
+
+
+def _writable_bytes(out: memoryview) -> memoryview:
+    view = out if out.format == "B" and out.ndim == 1 else out.cast("B")
+    if view.readonly:
+        raise ValueError("load_into needs writable outputs")
+    return view
 
 
 class GateClosed(Exception):
@@ -214,6 +261,22 @@ class AdapterCore(ABC):
                 self._stats.misses += 1
         return results
 
+    async def load_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[LoadResult]:
+        """See storage.base. Raises ValueError (a caller's bug) when keys and outs differ in number
+        or an out is read-only."""
+        keys = list(keys)
+        views = [_writable_bytes(out) for out in outs]
+        if len(views) != len(keys):
+            raise ValueError(f"load_into got {len(keys)} keys and {len(views)} outputs")
+        results = await self._batch("load", len(keys), lambda: self._load_into(keys, views), LoadResult.error)
+        for result, out in zip(results, views, strict=True):
+            if result.status is Status.OK and result.data is not None:
+                self._stats.loads += 1
+                self._stats.load_bytes += len(result.data) + (out.nbytes if result.in_place else 0)
+            elif result.status is Status.MISS:
+                self._stats.misses += 1
+        return results
+
     async def delete(self, keys: Sequence[str]) -> list[OpResult]:
         keys = list(keys)
         results = await self._batch("delete", len(keys), lambda: self._delete(keys), OpResult.error)
@@ -258,6 +321,10 @@ class AdapterCore(ABC):
         self._latency.observe(op, time.perf_counter() - started)
         return results
 
+    def _backend_down(self, message: str) -> None:
+        """The backend failed under a batch that still answers per key: health turns "down"."""
+        self._health.failure(message, 0, down=True)
+
     async def _started_then(self, call: Callable[[], Awaitable[T]]) -> T:
         await self.start()
         return await call()
@@ -278,6 +345,11 @@ class AdapterCore(ABC):
 
     @abstractmethod
     async def _load(self, keys: list[str]) -> list[LoadResult]: ...
+
+    async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        """Default: nothing is read in place; every blob comes back whole for decode_into."""
+        del outs
+        return await self._load(keys)
 
     @abstractmethod
     async def _delete(self, keys: list[str]) -> list[OpResult]: ...

@@ -24,6 +24,10 @@ Primitives in call order:
   load(keys)       reads the file (recency refreshed). A file that vanished or whose size differs
                    from the index is a MISS, dropped from the index (and deleted when wrong).
                    The bytes are not checked here: the caller runs codec.decode_into.
+  load_into(keys, outs)
+                   as load, but a raw blob of the right size has its payload read straight into
+                   out (preadv; through the bounce buffer under O_DIRECT); a file that ends early is
+                   a MISS like a wrong size. A cancelled load_into waits for its reads to finish
   delete(keys)     drops index entries and unlinks their files
   set_capacity(n)  evicts down to n
   close()          waits (bounded) for file operations already running, releases the directory
@@ -51,10 +55,11 @@ import blake3
 import structlog
 
 from app.settings import DiskAdapterConfig
+from storage import codec
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
-from storage.common import CLOSE_WAIT_S, AdapterCore
-from storage.diskio import BLOB_SUFFIX, SUBDIRS, BadFile, BlobFiles, ScanReport
+from storage.common import CLOSE_WAIT_S, AdapterCore, gather_all, settled
+from storage.diskio import BLOB_SUFFIX, SUBDIRS, BadFile, BlobFiles, Placed, ScanReport
 
 log = structlog.get_logger("kvdepot.storage.disk")
 
@@ -123,11 +128,14 @@ class DiskAdapter(AdapterCore):
 
     # --- executor ------------------------------------------------------------------------------
 
-    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         job = self._executor.submit(fn, *args)
         self._jobs.add(job)
         job.add_done_callback(self._jobs.discard)
-        return await asyncio.wrap_future(job)
+        return job
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._submit(fn, *args))
 
     # --- start and close -----------------------------------------------------------------------
 
@@ -237,13 +245,22 @@ class DiskAdapter(AdapterCore):
     async def _load(self, keys: list[str]) -> list[LoadResult]:
         return list(await asyncio.gather(*(self._load_one(key) for key in keys)))
 
-    async def _load_one(self, key: str) -> LoadResult:
+    async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        return await gather_all(self._load_one(key, out) for key, out in zip(keys, outs, strict=True))
+
+    async def _load_one(self, key: str, out: memoryview | None = None) -> LoadResult:
         entry = self._index.get(key)
         if entry is None:
             return LoadResult(Status.MISS)
         self._index.move_to_end(key)
         try:
-            data = await self._io(self._files.read, entry.path, entry.size)
+            if out is None:
+                data: Placed | bytes | memoryview | None = await self._io(
+                    self._files.read, entry.path, entry.size
+                )
+            else:
+                job = self._submit(self._files.read_into, entry.path, entry.size, codec.header_size(key), out)
+                data = await settled(job)
         except BadFile as exc:
             self._stats.integrity_failures += 1
             log.warning("disk_l2_bad_file", adapter=self.name, error=str(exc))
@@ -255,6 +272,8 @@ class DiskAdapter(AdapterCore):
         if data is None:
             self._drop(key, entry)
             return LoadResult(Status.MISS)
+        if isinstance(data, Placed):
+            return LoadResult.placed(data.header)
         return LoadResult.hit(data)
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:

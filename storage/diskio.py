@@ -17,12 +17,18 @@ Primitives in call order:
                                     rename: readers see the whole blob or nothing
   read(path, size)                  the blob's bytes; None if the file is gone; BadFile if its size
                                     differs from what the index recorded (truncated, replaced)
+  read_into(path, size, head_len, out)
+                                    for load_into: a raw blob whose payload is exactly len(out) has
+                                    its header read into small memory and its payload straight into
+                                    out -> Placed(header); any other blob -> its bytes, as read does.
+                                    None and BadFile (also for a file that ends early) as for read
   remove(paths)                     unlink, ignoring files already gone
   release(fd)                       drop the directory lock
 
 O_DIRECT: writes go through a page-aligned bounce buffer, padded to ALIGN and truncated back;
-reads land in an aligned buffer. When a filesystem answers EINVAL, the file is redone without
-O_DIRECT and O_DIRECT stays off (`direct_fallback` says why).
+reads land in an aligned buffer (read_into: the per-thread bounce buffer, copied into out, since
+the payload's file offset and out's address cannot both be aligned). When a filesystem answers
+EINVAL, the file is redone without O_DIRECT and O_DIRECT stays off (`direct_fallback` says why).
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ class BadFile(Exception):
 
 class _DirectRefused(Exception):
     """The filesystem refused an O_DIRECT transfer (EINVAL)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """read_into put the payload into the caller's out; `header` is the blob's header."""
+
+    header: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +289,100 @@ class BlobFiles:
             return data
         finally:
             os.close(fd)
+
+    def read_into(
+        self, path: str, size: int, head_len: int, out: memoryview
+    ) -> Placed | bytes | memoryview | None:
+        if size != head_len + out.nbytes:
+            return self.read(path, size)
+        if self.direct:
+            try:
+                return self._read_into_direct(path, size, head_len, out)
+            except _DirectRefused:
+                self._disable_direct("read")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                raise BadFile(f"{path}: size differs from the index")
+            head = os.pread(fd, head_len, 0)
+            if len(head) < head_len:
+                raise BadFile(f"{path}: shorter than the index says")
+            if not codec.fits_in_place(head, out.nbytes):
+                return head + self._pread_all(fd, path, size - head_len, head_len)
+            got = 0
+            while got < out.nbytes:
+                n = os.preadv(fd, [out[got:]], head_len + got)
+                if n == 0:
+                    raise BadFile(f"{path}: shorter than the index says")
+                got += n
+            return Placed(head)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _pread_all(fd: int, path: str, length: int, offset: int) -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while got < length:
+            more = os.pread(fd, length - got, offset + got)
+            if not more:
+                raise BadFile(f"{path}: shorter than the index says")
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+
+    def _read_into_direct(
+        self, path: str, size: int, head_len: int, out: memoryview
+    ) -> Placed | memoryview | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise _DirectRefused from None
+            raise
+        try:
+            if os.fstat(fd).st_size != size:
+                raise BadFile(f"{path}: size differs from the index")
+            with memoryview(self._bounce()) as bounce:
+                head = self._direct_blocks_into(fd, path, bounce, head_len, out)
+        finally:
+            os.close(fd)
+        return Placed(head) if head is not None else self._read_direct(path, size)
+
+    @staticmethod
+    def _direct_blocks_into(
+        fd: int, path: str, bounce: memoryview, head_len: int, out: memoryview
+    ) -> bytes | None:
+        """Aligned reads through `bounce`: the header is returned, the payload copied into out.
+        None (nothing copied) when the header says the blob does not fit in place."""
+        size = head_len + out.nbytes
+        head = b""
+        offset = 0
+        while offset < size:
+            want = min(BOUNCE_BYTES, _round_up(size - offset))
+            try:
+                n = os.preadv(fd, [bounce[:want]], offset)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    raise _DirectRefused from None
+                raise
+            got = min(n, size - offset)
+            if got == 0 or (got < size - offset and n % ALIGN) or (offset == 0 and got < head_len):
+                raise BadFile(f"{path}: shorter than the index says")
+            if offset == 0:  # the header lies in the first block
+                head = bytes(bounce[:head_len])
+                if not codec.fits_in_place(head, out.nbytes):
+                    return None
+                out[: got - head_len] = bounce[head_len:got]
+            else:
+                out[offset - head_len : offset - head_len + got] = bounce[:got]
+            offset += got
+        return head
 
     def _read_direct(self, path: str, size: int) -> memoryview | None:
         try:

@@ -9,7 +9,8 @@ Where each kind keeps its bytes:
   disk   config.paths, or <data_dir>/l2-disk (<data_dir>/l2-disk-<name> for a name other than
          "disk", so that two disk adapters never share a directory by default);
          io_threads threads for file I/O
-  redis  config.url; two threads for joining large blobs into one value
+  redis  config.url; REDIS_IO_THREADS threads (at most max_connections) for the bulk lane's
+         blocking sockets (and, without a lane, for joining large blobs into one value)
   mock   memory; no executor
 """
 
@@ -24,7 +25,7 @@ from storage.disk import DiskAdapter
 from storage.mock import MockAdapter
 from storage.redis_adapter import RedisAdapter
 
-REDIS_COPY_THREADS = 2
+REDIS_IO_THREADS = 4
 
 
 def default_disk_dir(config: DiskAdapterConfig, data_dir: Path) -> Path:
@@ -37,7 +38,8 @@ def build_adapter(config: AdapterConfig, data_dir: Path) -> L2Adapter:
         executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
         return DiskAdapter(config, default_disk_dir(config, data_dir), executor, owns_executor=True)
     if isinstance(config, RedisAdapterConfig):
-        executor = ThreadPoolExecutor(REDIS_COPY_THREADS, thread_name_prefix=f"kvdepot-l2-{config.name}")
+        threads = min(REDIS_IO_THREADS, config.max_connections)
+        executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
         return RedisAdapter(config, executor, owns_executor=True)
     if isinstance(config, MockAdapterConfig):
         return MockAdapter(config)

@@ -10,9 +10,15 @@ bytes per second) when set. Faults, per key, drawn in key order:
   - corrupt_rate  a load returns the blob with one byte flipped, which codec.decode_into rejects
   - hang          every operation waits forever; close() ends them with ERROR results
 
-Primitives in call order: store, contains, load, delete, usage, set_capacity, close (AdapterCore).
-Room is made on store by evicting least-recently-used blobs; a blob larger than the whole capacity
-is NO_SPACE. Loads refresh recency; contains does not.
+Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity, close
+(AdapterCore). Room is made on store by evicting least-recently-used blobs; a blob larger than the
+whole capacity is NO_SPACE. Loads refresh recency; contains does not.
+
+load_into behaves as a real tier's: after the same simulation and faults as load, a blob whose
+header says raw with a payload of len(out) (codec.fits_in_place) has its payload copied into out
+(on the loop: this is a test double) and answers with its header; any other blob comes back whole.
+A corrupted blob is caught either way: by codec.verify_in_place when read in place, else by
+codec.decode_into.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import random
 from collections import OrderedDict
 
 from app.settings import MockAdapterConfig
+from storage import codec
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -105,6 +112,18 @@ class MockAdapter(AdapterCore):
                 flipped[self._rng.randrange(len(flipped))] ^= 0xFF
                 data = bytes(flipped)
             results.append(LoadResult.hit(data))
+        return results
+
+    async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        results = await self._load(keys)
+        for i, (key, out, result) in enumerate(zip(keys, outs, results, strict=True)):
+            if not result.ok or result.data is None:
+                continue
+            blob = memoryview(result.data)
+            head_len = codec.header_size(key)
+            if blob.nbytes == head_len + out.nbytes and codec.fits_in_place(blob[:head_len], out.nbytes):
+                out[:] = blob[head_len:]
+                results[i] = LoadResult.placed(bytes(blob[:head_len]))
         return results
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:

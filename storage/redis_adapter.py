@@ -1,38 +1,52 @@
-"""RedisAdapter: Redis or Valkey as a shared L2 (redis.asyncio, hiredis parser).
+"""RedisAdapter: Redis or Valkey as a shared L2. Control commands and small values go through
+redis.asyncio (hiredis parser); large values through the bulk lane (storage/redis_lane.py).
 
-State (event loop only): one connection pool (max_connections), a semaphore that keeps batches
-from ever asking the pool for more connections than it has, and what this adapter wrote: key ->
-size, for `usage()`.
+State (event loop only): one redis-py connection pool (max_connections) and a semaphore that keeps
+batches from ever asking it for more connections than it has; the bulk lane (its own pool of at
+most max_connections blocking connections, used only by the executor's threads); what this
+adapter wrote: key -> size, for `usage()`.
 
-Keys are `key_prefix + serialized key`. Each batch is one pipeline with transaction=False made of
-single-key commands only (SET, EXISTS, GET, UNLINK), so the same commands work against Redis
+Keys are `key_prefix + serialized key`. Only single-key commands are sent (SET, EXISTS, GET,
+UNLINK on redis-py; SET, STRLEN and GETRANGE on the lane), so the same commands work against Redis
 Cluster, where keys of one batch live in different slots.
 
-Failures: every socket operation has `timeout_s`; a dropped connection is reconnected and the batch
-retried once (all commands are idempotent), a timeout is not retried. A Redis that is down or
-unreachable therefore turns a batch into ERROR results within about `timeout_s` (at once when the
-connection is refused) and health into "down"; the next batch that succeeds after Redis comes back
-turns health back to "ok" through "degraded". An error reply for one command (e.g. OOM when Redis is
-out of memory: NO_SPACE) affects only that key.
+Which path: a stored blob of `bulk_min_kib` or more, and a load_into whose blob would be that big,
+take the lane; everything else is one redis-py pipeline per batch (transaction=False). Both run
+concurrently within a batch. `load` (whole blobs, no destination) always uses redis-py. With
+rediss:// (TLS) or bulk_min_kib None there is no lane: everything goes through redis-py, and blobs
+of JOIN_INLINE_BYTES and more are joined into one value in the executor, never on the loop.
 
-Copies: SET needs the blob as one value, so header and payload are joined (one copy); blobs of
-JOIN_INLINE_BYTES and more are joined in the executor passed in, never on the loop. Replies are
-parsed by hiredis in the loop's thread.
+Copies on the lane: a SET is sent as [RESP header, blob header, payload, CRLF] (sendmsg, nothing
+joined); load_into receives a raw blob's payload straight into the caller's out and answers with
+the header (in place), any other blob whole (see storage/redis_lane.py for why the reads are
+GETRANGE pieces in a sliding window, and how a value replaced during a read is told apart).
+
+Failures: every socket operation has `timeout_s`. On redis-py, a dropped connection is reconnected
+and the batch retried once (all commands are idempotent), a timeout is not retried. The lane bounds
+each command by timeout_s of no progress (and timeout_s + its bytes at 64 MB/s overall), retries a
+connection that died while idle once, and after a failure fails the rest of the batch at once. A
+Redis that is down, unreachable or frozen therefore turns a batch into ERROR results within about
+`timeout_s` (at once when the connection is refused) and health into "down"; the next batch that
+succeeds after Redis comes back turns health back to "ok" through "degraded". An error reply for one
+command (e.g. OOM when Redis is out of memory: NO_SPACE) affects only that key. A cancelled batch
+(close(), a caller's deadline) shuts its lane sockets down and returns only once the lane's threads
+are done with the caller's buffers.
 
 usage(): bytes and objects that THIS adapter stored and has not deleted; keys found missing on
 load/contains (expired by ttl_s, evicted by Redis, deleted by another sidecar) are forgotten then.
 It does not see other sidecars' writes. capacity_bytes is config.capacity_gb, 0 when unset
 (unknown: Redis evicts by its own maxmemory policy). set_capacity only changes the reported figure.
 
-Primitives in call order: store, contains, load, delete, usage, set_capacity, close (AdapterCore).
+Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity, close
+(AdapterCore).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import Pipeline
@@ -43,11 +57,16 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from app.errors import BackendError
 from app.settings import RedisAdapterConfig
+from storage import codec
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
-from storage.common import AdapterCore
+from storage.common import AdapterCore, gather_all, settled
+from storage.redis_lane import LaneCancelled, LaneDown, LaneJob, RespLane
+from storage.resp import target_from_url
 
 JOIN_INLINE_BYTES = 256 * 1024
+
+R = TypeVar("R", OpResult, LoadResult)
 
 
 class RedisAdapter(AdapterCore):
@@ -75,11 +94,19 @@ class RedisAdapter(AdapterCore):
         )
         self._client = Redis(connection_pool=self._pool)
         self._slots = asyncio.Semaphore(config.max_connections)
+        target = target_from_url(config.url)
+        self.lane: RespLane | None = None
+        if executor is not None and target is not None and config.bulk_min_kib is not None:
+            self.lane = RespLane(target, max_connections=config.max_connections, timeout_s=config.timeout_s)
+        self._bulk_min = (config.bulk_min_kib or 0) * 1024
         self._sizes: dict[str, int] = {}
         self._bytes = 0
 
     def redis_key(self, key: str) -> bytes:
         return self._prefix + key.encode("utf-8")
+
+    def _on_lane(self, nbytes: int) -> bool:
+        return self.lane is not None and nbytes >= self._bulk_min
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -98,14 +125,84 @@ class RedisAdapter(AdapterCore):
             return blob.to_bytes()
         return await asyncio.get_running_loop().run_in_executor(self._executor, blob.to_bytes)
 
+    async def _lane_call(self, error: Callable[[str], R], fn: Callable[..., R], *args: Any) -> R:
+        """One lane command in the executor. LaneDown becomes an ERROR result (health "down");
+        a cancellation goes through only once the thread is done with the caller's buffers."""
+        lane = self.lane
+        assert lane is not None
+        assert self._executor is not None
+        job = LaneJob(lane.epoch)
+        try:
+            return await settled(self._executor.submit(fn, job, *args), interrupt=lambda: lane.cancel(job))
+        except LaneDown as exc:
+            self._backend_down(str(exc))
+            return error(str(exc))
+        except LaneCancelled:  # the lane closed under a command that was not itself cancelled
+            return error("redis bulk lane closed")
+
+    async def _split(
+        self,
+        count: int,
+        on_lane: list[int],
+        lane_call: Callable[[int], Awaitable[R]],
+        pipelined: Callable[[list[int]], Awaitable[list[R]]],
+        error: Callable[[str], R],
+    ) -> list[R]:
+        """The lane's keys one command each, the others as one pipeline, all concurrently."""
+        lane_set = set(on_lane)
+        rest = [i for i in range(count) if i not in lane_set]
+
+        async def lanes() -> list[R]:
+            return await gather_all(lane_call(i) for i in on_lane)
+
+        async def others() -> list[R]:
+            if not rest:
+                return []
+            try:
+                return await pipelined(rest)
+            except BackendError as exc:
+                if not on_lane:
+                    raise  # the whole batch failed with the backend
+                self._backend_down(str(exc))
+                return [error(str(exc))] * len(rest)
+
+        lane_results, other_results = await gather_all([lanes(), others()])
+        by_index = dict(zip(on_lane, lane_results, strict=True))
+        by_index.update(zip(rest, other_results, strict=True))
+        return [by_index[i] for i in range(count)]
+
     def _forget(self, key: str) -> None:
         size = self._sizes.pop(key, None)
         if size is not None:
             self._bytes -= size
 
+    def _remember(self, key: str, size: int) -> None:
+        self._forget(key)
+        self._sizes[key] = size
+        self._bytes += size
+
     # --- operations ----------------------------------------------------------------------------
 
     async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        on_lane = [i for i, (_, blob) in enumerate(items) if self._on_lane(blob.nbytes)]
+
+        async def lane_call(i: int) -> OpResult:
+            assert self.lane is not None
+            key, blob = items[i]
+            return await self._lane_call(
+                OpResult.error, self.lane.set, self.redis_key(key), blob.segments, self.config.ttl_s
+            )
+
+        async def pipelined(indices: list[int]) -> list[OpResult]:
+            return await self._store_pipelined([items[i] for i in indices])
+
+        results = await self._split(len(items), on_lane, lane_call, pipelined, OpResult.error)
+        for (key, blob), result in zip(items, results, strict=True):
+            if result.ok:
+                self._remember(key, blob.nbytes)
+        return results
+
+    async def _store_pipelined(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
         values = [await self._join(blob) for _, blob in items]
         ttl = self.config.ttl_s
 
@@ -113,9 +210,8 @@ class RedisAdapter(AdapterCore):
             for (key, _), value in zip(items, values, strict=True):
                 pipe.set(self.redis_key(key), value, ex=ttl)
 
-        replies = await self._run(build)
         results: list[OpResult] = []
-        for (key, blob), reply in zip(items, replies, strict=True):
+        for reply in await self._run(build):
             if isinstance(reply, OutOfMemoryError):
                 results.append(OpResult(Status.NO_SPACE, f"redis out of memory: {reply}"))
             elif isinstance(reply, ResponseError):
@@ -123,9 +219,6 @@ class RedisAdapter(AdapterCore):
             elif isinstance(reply, Exception):
                 results.append(OpResult.error(f"redis: {type(reply).__name__}: {reply}"))
             else:
-                self._forget(key)
-                self._sizes[key] = blob.nbytes
-                self._bytes += blob.nbytes
                 results.append(OK)
         return results
 
@@ -161,6 +254,24 @@ class RedisAdapter(AdapterCore):
                 results.append(LoadResult.hit(reply))
         return results
 
+    async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        head_lens = [codec.header_size(key) for key in keys]
+        on_lane = [i for i, out in enumerate(outs) if self._on_lane(head_lens[i] + out.nbytes)]
+
+        async def lane_call(i: int) -> LoadResult:
+            assert self.lane is not None
+            result = await self._lane_call(
+                LoadResult.error, self.lane.get_into, self.redis_key(keys[i]), head_lens[i], outs[i]
+            )
+            if result.status is Status.MISS:
+                self._forget(keys[i])
+            return result
+
+        async def pipelined(indices: list[int]) -> list[LoadResult]:
+            return await self._load([keys[i] for i in indices])
+
+        return await self._split(len(keys), on_lane, lane_call, pipelined, LoadResult.error)
+
     async def _delete(self, keys: list[str]) -> list[OpResult]:
         def build(pipe: Pipeline) -> None:
             for key in keys:
@@ -183,6 +294,8 @@ class RedisAdapter(AdapterCore):
 
     async def _close(self) -> None:
         try:
+            if self.lane is not None:
+                self.lane.close()  # closes sockets only: never blocks
             await self._client.aclose()
             await self._pool.aclose()
         finally:

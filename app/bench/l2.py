@@ -11,18 +11,28 @@ Baselines, on the same bytes in the same block size:
   disk   open + write + fsync + close per chunk file; read each file into fresh memory
   redis  a plain redis-py loop: SET of each chunk, then GET of each
   mock   the same bytes copied into fresh memory (what an in-memory tier cannot beat)
+
+Before the timed phases the process's objects are frozen out of the garbage collector (gc.freeze),
+so that a full collection of the harness's own heap does not land in one phase of one side.
+
+Besides the figures: `written` (chunks written behind) and `hit_chunks` (chunks prefetched back),
+which say what went wrong when `ok` is false, and for redis `redis_cpu_s`: the CPU seconds the Redis
+server's main thread spent in each phase (INFO cpu; other clients of a shared Redis included),
+which tells the server's share of the time from the client's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,20 +88,38 @@ def _disk_baseline(root: Path, chunks: list[bytes]) -> tuple[float, float]:
     return store_s, load_s
 
 
-def _redis_baseline(url: str, chunks: list[bytes]) -> tuple[float, float]:
+def _cpu_seconds(info: dict[str, Any]) -> float:
+    """The Redis main thread's CPU seconds (background threads, e.g. lazy frees, apart)."""
+    main = ("used_cpu_sys_main_thread", "used_cpu_user_main_thread")
+    names = main if all(n in info for n in main) else ("used_cpu_sys", "used_cpu_user")
+    return sum(float(info[n]) for n in names)
+
+
+async def _redis_cpu(url: str) -> float:
+    import redis.asyncio
+
+    async with redis.asyncio.Redis.from_url(url) as r:
+        return _cpu_seconds(await r.info("cpu"))
+
+
+def _redis_baseline(url: str, chunks: list[bytes], cpu: dict[str, float]) -> tuple[float, float]:
     import redis
 
     prefix = f"kvdepot-bench-baseline-{uuid.uuid4().hex[:8]}:"
     r = redis.Redis.from_url(url)
     try:
+        cpu0 = _cpu_seconds(r.info("cpu"))
         start = time.perf_counter()
         for i, data in enumerate(chunks):
             r.set(f"{prefix}{i}", data)
         store_s = time.perf_counter() - start
+        cpu1 = _cpu_seconds(r.info("cpu"))
         start = time.perf_counter()
         for i in range(len(chunks)):
             r.get(f"{prefix}{i}")
         load_s = time.perf_counter() - start
+        cpu2 = _cpu_seconds(r.info("cpu"))
+        cpu.update(baseline_store=round(cpu1 - cpu0, 3), baseline_load=round(cpu2 - cpu1, 3))
         for i in range(len(chunks)):
             r.unlink(f"{prefix}{i}")
     finally:
@@ -110,7 +138,10 @@ def _memory_baseline(chunks: list[bytes]) -> tuple[float, float]:
 
 
 async def _through_controllers(
-    args: argparse.Namespace, workdir: Path, adapter: dict[str, Any]
+    args: argparse.Namespace,
+    workdir: Path,
+    adapter: dict[str, Any],
+    server_cpu: Callable[[], Awaitable[float]] | None = None,
 ) -> dict[str, Any]:
     layout = KVLayout("float16", args.layers, args.kv_heads, args.head_dim, args.chunk_tokens, "layer-kv",
                       args.chunk_tokens)  # fmt: skip
@@ -149,6 +180,11 @@ async def _through_controllers(
                 )
             requests.append((tokens, slots, [bytes(engine.arena.view(s.offset, s.size)) for s in slots]))
 
+        # What the process holds by now (torch, the app, the payloads) is moved out of the
+        # collector's reach: a full collection over it (~0.1 s) must not land in a timed phase.
+        gc.collect()
+        gc.freeze()
+        cpu = [await server_cpu()] if server_cpu else []
         start = time.perf_counter()
         for _, slots, _ in requests:
             engine.commit(eid, [s.oid for s in slots])
@@ -158,17 +194,22 @@ async def _through_controllers(
         written = engine.l2.store.counters.written
 
         engine.clear()
+        cpu += [await server_cpu()] if server_cpu else []
         start = time.perf_counter()
         for r, (tokens, _, _) in enumerate(requests):
             engine.lookup(eid, f"r{r}", tokens, "")
         hits = [(await engine.wait_prefetch(eid, f"r{r}")).hit_chunks for r in range(len(requests))]
         load_s = time.perf_counter() - start
+        cpu += [await server_cpu()] if server_cpu else []
         ok = written == n_chunks and all(h == args.chunks_per_request for h in hits)
         ok = ok and _identical(engine, eid, requests)
         payloads = [p for _, _, ps in requests for p in ps]
+        server = {"store": round(cpu[1] - cpu[0], 3), "load": round(cpu[2] - cpu[1], 3)} if cpu else {}
         return {"store_s": store_s, "load_s": load_s, "ok": ok, "chunks": n_chunks,
-                "chunk_bytes": layout.chunk_bytes, "payloads": payloads}  # fmt: skip
+                "chunk_bytes": layout.chunk_bytes, "payloads": payloads, "written": written,
+                "hit_chunks": sum(hits), "server_cpu_s": server}  # fmt: skip
     finally:
+        gc.unfreeze()
         service.request_stop()
         await runner
 
@@ -200,13 +241,15 @@ def run(args: argparse.Namespace) -> int:
         "redis": {"type": "redis", "name": "redis", "url": args.redis_url, "key_prefix": prefix},
         "mock": {"type": "mock", "name": "mock", "capacity_gb": 64},
     }[args.adapter]
+    url = args.redis_url
+    probe = (lambda: _redis_cpu(url)) if args.adapter == "redis" else None
     try:
-        got = asyncio.run(_through_controllers(args, workdir, adapter))
+        got = asyncio.run(_through_controllers(args, workdir, adapter, probe))
         payloads: list[bytes] = got.pop("payloads")
         if args.adapter == "disk":
             base_store_s, base_load_s = _disk_baseline(workdir / "baseline", payloads)
         elif args.adapter == "redis":
-            base_store_s, base_load_s = _redis_baseline(args.redis_url, payloads)
+            base_store_s, base_load_s = _redis_baseline(args.redis_url, payloads, got["server_cpu_s"])
         else:
             base_store_s, base_load_s = _memory_baseline(payloads)
     finally:
@@ -228,7 +271,11 @@ def run(args: argparse.Namespace) -> int:
         "load_vs_baseline": round(base_load_s / got["load_s"], 3),
         "chunks": got["chunks"],
         "chunk_bytes": got["chunk_bytes"],
+        "written": got["written"],
+        "hit_chunks": got["hit_chunks"],
         "ok": got["ok"],
     }
+    if got["server_cpu_s"]:
+        result["redis_cpu_s"] = got["server_cpu_s"]
     print(json.dumps(result))
     return 0 if result["ok"] else 1

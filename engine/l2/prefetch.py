@@ -2,20 +2,24 @@
 
 State: one `Prefetch` per request in flight (its task, how many chunks it tries, how many are
 loaded, a done event), a semaphore bounding chunk loads across all requests, counters. Owned by
-the event loop; blob checks and copies into the arena run in the codec executor.
+the event loop; adapters read into the arena from their own threads, blob checks and decodes run
+in the codec executor.
 
 One prefetch, in order:
   1. locate: ask the active tiers, in order, which of the missing chunks they hold; the run is the
      contiguous prefix found somewhere (policy: the first tier that has each chunk)
   2. reserve temporary L1 objects for the run (a chunk being loaded by someone else, or no room,
      ends the run there)
-  3. load + check (codec.decode_into: key, layout, checksum) into the reservations, at most
-     `max_inflight` chunks at once over all requests
+  3. load straight into the reservations (adapter.load_into: a raw blob's payload lands in L1,
+     checked there by codec.verify_in_place; any other blob is decoded into it by
+     codec.decode_into: key, layout, checksum), at most `max_inflight` chunks at once over all
+     requests
   4. in chunk order, commit each loaded chunk and hand it to the request (`attach`), which
      read-locks it; the first failure (miss, error, integrity) ends the run
 At the deadline whatever has not been attached is a miss: the request's hit is the prefix attached
-so far. Reservations are aborted only after any copy into them has finished, so their memory is
-never reused while a thread still writes it. A blob that fails its check is deleted from its tier.
+so far. A reservation is marked io_busy (never reaped) while threads read or copy into it, and is
+aborted only after they have finished, so its memory is never reused while a thread still writes
+it. A blob that fails its check is counted and deleted from its tier.
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ class _Slot:
     ready: L1Object | None = None  # already in L1
     waiting: asyncio.Future[L1Object | None] | None = None  # being loaded by another prefetch
     task: asyncio.Task[bool] | None = None
+
+
+def _reserved(obj: L1Object) -> bool:
+    return obj.state is ObjectState.WRITE_RESERVED
 
 
 class PrefetchController:
@@ -225,38 +233,48 @@ class PrefetchController:
 
     async def _load(self, slot: _Slot, reg: Registration) -> bool:
         assert slot.obj is not None
+        obj = slot.obj
         async with self._slots:
-            with slot.tier.use():
-                result = (await slot.tier.adapter.load([slot.name]))[0]
-            if not result.ok or result.data is None:
-                if result.status.value == "error":
-                    self.counters.load_errors += 1
-                return False
-            obj = slot.obj
-            if obj.state is not ObjectState.WRITE_RESERVED:
+            if not _reserved(obj):  # reaped while waiting for a slot
                 return False
             out = self.arena.view(obj.offset, obj.size)
-            loop = asyncio.get_running_loop()
+            # Threads write into the reservation from here (the adapter's reads, then the check or
+            # decode): it must not be reaped, aborted or reused until they are done. load_into
+            # returns, even when cancelled, only once its threads are done with `out`.
             obj.io_busy = True
-            fut = loop.run_in_executor(
-                self._executor, codec.decode_into, result.data, slot.name, reg.namespace.layout_fp, out
-            )
-            fut.add_done_callback(lambda _: setattr(obj, "io_busy", False))
             try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                # The copy into the reservation may be running in a thread: let it finish before
-                # the reservation can be aborted and its memory handed to someone else.
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait([fut])
-                raise
-            except IntegrityError as exc:
-                self.counters.integrity_failures += 1
-                slot.tier.adapter.stats.integrity_failures += 1
-                log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
-                self._spawn_delete(slot.tier, slot.name)
-                return False
-            return True
+                with slot.tier.use():
+                    result = (await slot.tier.adapter.load_into([slot.name], [out]))[0]
+                if not result.ok or result.data is None:
+                    if result.status.value == "error":
+                        self.counters.load_errors += 1
+                    return False
+                if not _reserved(obj):
+                    return False
+                check = codec.verify_in_place if result.in_place else codec.decode_into
+                fut = asyncio.get_running_loop().run_in_executor(
+                    self._executor, check, result.data, slot.name, reg.namespace.layout_fp, out
+                )
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    # The check or copy may be running in a thread: let it finish before the
+                    # reservation can be aborted and its memory handed to someone else.
+                    while not fut.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.wait([fut])
+                    if not fut.cancelled():
+                        fut.exception()  # retrieved: nobody waits for the outcome any more
+                    raise
+                except IntegrityError as exc:
+                    self.counters.integrity_failures += 1
+                    slot.tier.adapter.stats.integrity_failures += 1
+                    log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
+                    self._spawn_delete(slot.tier, slot.name)
+                    return False
+                return True
+            finally:
+                obj.io_busy = False
 
     def _spawn_delete(self, tier: Tier, name: str) -> None:
         async def delete() -> None:

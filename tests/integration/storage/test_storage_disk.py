@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from app.errors import ConfigError, IntegrityError
 from app.settings import DiskAdapterConfig
@@ -50,6 +51,14 @@ def blob_files(root: Path) -> list[Path]:
 
 def exists(path: str | Path) -> bool:
     return os.path.exists(path)
+
+
+def flip_byte(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x40]))
 
 
 @pytest.fixture
@@ -289,15 +298,22 @@ async def test_close_with_operations_in_flight(make_disk: MakeDisk) -> None:
     async def load() -> None:
         answers.append([r.status for r in await disk.load(["old", "old"])])
 
+    out = bytearray(4000)
+
+    async def load_into() -> None:
+        answers.append([r.status for r in await disk.load_into(["old"], [memoryview(out)])])
+
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             for i in range(6):
                 tg.start_soon(store, i)
             tg.start_soon(load)
+            tg.start_soon(load_into)
             await anyio.wait_all_tasks_blocked()
             await disk.close()
     stuck.set()
-    assert len(answers) == 7
+    assert out == bytes(4000)  # its read never ran
+    assert len(answers) == 8
     assert {s for a in answers for s in a} == {Status.ERROR}
     assert (await disk.store([("late", blob("late"))]))[0].status is Status.ERROR
 
@@ -312,3 +328,77 @@ async def test_large_blobs(make_disk: MakeDisk) -> None:
     out = bytearray(32 * MiB)
     codec.decode_into(result.data, "big", FP, out)
     assert out == big.payload
+
+
+# --- load_into ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+@pytest.mark.parametrize("size", [1, 4096, 9 * MiB + 123])
+async def test_load_into_reads_raw_payloads_in_place(make_disk: MakeDisk, o_direct: bool, size: int) -> None:
+    disk = make_disk(o_direct=o_direct)
+    stored = blob("k", size)
+    assert (await disk.store([("k", stored)]))[0].ok
+    out = bytearray(size)
+    (result,) = await disk.load_into(["k"], [memoryview(out)])
+    assert result.ok
+    assert result.in_place
+    assert result.data == stored.header
+    assert out == payload_for("k", size)
+    codec.verify_in_place(result.data, "k", FP, out)
+    assert disk.stats.load_bytes == stored.nbytes
+    assert disk.direct_fallback is None
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+async def test_load_into_returns_other_blobs_whole(make_disk: MakeDisk, o_direct: bool) -> None:
+    disk = make_disk(o_direct=o_direct)
+    packed = codec.encode("lz4", FP, bytes(MiB), CodecOptions(lz4=True))
+    # FP8 over float16 runs of 4 elements is exactly as long as the raw blob: only its header
+    # tells that it cannot be read in place
+    raw_kv = bytes(torch.randn(8192, 2, 4).to(torch.float16).view(torch.uint8).numpy())
+    same_len = codec.encode("fp8", FP, raw_kv, CodecOptions(fp8_values=True, dtype="float16", run_elems=4))
+    assert same_len.nbytes == codec.header_size("fp8") + len(raw_kv)
+    plain = blob("plain", 5000)
+    await disk.store([("lz4", packed), ("fp8", same_len), ("plain", plain)])
+    outs = [bytearray(MiB), bytearray(len(raw_kv)), bytearray(4999)]
+    results = await disk.load_into(["lz4", "fp8", "plain"], [memoryview(o) for o in outs])
+    assert [(r.ok, r.in_place) for r in results] == [(True, False)] * 3
+    assert [r.data for r in results] == [packed.to_bytes(), same_len.to_bytes(), plain.to_bytes()]
+    assert outs[1] == bytes(len(raw_kv))  # nothing was read into it
+    assert results[0].data is not None
+    codec.decode_into(results[0].data, "lz4", FP, outs[0])
+    assert outs[0] == bytes(MiB)
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+async def test_load_into_truncated_or_vanished_files_are_misses(make_disk: MakeDisk, o_direct: bool) -> None:
+    disk = make_disk(o_direct=o_direct)
+    await disk.store([("gone", blob("gone", 9000)), ("short", blob("short", 9000))])
+    os.unlink(disk._index["gone"].path)
+    short_path = disk._index["short"].path
+    os.truncate(short_path, disk._index["short"].size - 1)
+    outs = [memoryview(bytearray(9000)), memoryview(bytearray(9000))]
+    results = await disk.load_into(["gone", "short"], outs)
+    assert [r.status for r in results] == [Status.MISS, Status.MISS]
+    assert disk.usage().objects == 0
+    assert not exists(short_path)
+    assert disk.stats.integrity_failures == 1
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+async def test_load_into_corruption_is_caught(make_disk: MakeDisk, o_direct: bool) -> None:
+    disk = make_disk(o_direct=o_direct)
+    size = 3 * MiB
+    await disk.store([("payload", blob("payload", size)), ("header", blob("header", size))])
+    flip_byte(disk._index["payload"].path, codec.header_size("payload") + 2 * MiB)
+    flip_byte(disk._index["header"].path, 20)
+    outs = [bytearray(size), bytearray(size)]
+    results = await disk.load_into(["payload", "header"], [memoryview(o) for o in outs])
+    assert all(r.ok for r in results)
+    for key, result, out in zip(["payload", "header"], results, outs, strict=True):
+        assert result.data is not None
+        check = codec.verify_in_place if result.in_place else codec.decode_into
+        with pytest.raises(IntegrityError):
+            check(result.data, key, FP, out)
+    assert results[0].in_place

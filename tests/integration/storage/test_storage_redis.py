@@ -3,122 +3,28 @@ afterwards) and private redis-server processes for stopping, restarting and out-
 
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
 from redis.asyncio import Redis
 
-from app.settings import RedisAdapterConfig
 from storage import codec
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
-from storage.redis_adapter import RedisAdapter
+from tests.integration.storage.redis_servers import MakeRedis, RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 FP = b"layoutfp"
 MiB = 1 << 20
-
-MakeRedis = Callable[..., RedisAdapter]
 
 
 def blob(key: str, size: int = 1000) -> EncodedBlob:
     return codec.encode(key, FP, bytes([7]) * size, CodecOptions())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@pytest.fixture
-async def raw_redis() -> AsyncIterator[Redis]:
-    client = Redis.from_url(SHARED_URL)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-async def make_redis(raw_redis: Redis) -> AsyncIterator[MakeRedis]:
-    """Adapters (closed at teardown) with a prefix unique to this test; their keys in the shared
-    Redis are deleted at teardown."""
-    prefix = f"kvdepot-test:{uuid.uuid4().hex}:"
-    made: list[RedisAdapter] = []
-
-    def make(url: str = SHARED_URL, **fields: Any) -> RedisAdapter:
-        config = RedisAdapterConfig.model_validate({"url": url, "key_prefix": prefix, **fields})
-        executor = ThreadPoolExecutor(2, thread_name_prefix="test-redis-copy")
-        adapter = RedisAdapter(config, executor, owns_executor=True)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        await adapter.close()
-    async for key in raw_redis.scan_iter(match=f"{prefix}*"):
-        await raw_redis.unlink(key)
-
-
-class RedisServer:
-    """A private redis-server on a free port, stopped and started by the test."""
-
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.args = args
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", *self.args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # the server says when it accepts connections
-            if "Ready to accept connections" in line:
-                return
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            assert self.proc.stdout is not None
-            self.proc.stdout.close()
-            self.proc = None
-
-
-@pytest.fixture
-def redis_server() -> Iterator[Callable[..., RedisServer]]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    servers: list[RedisServer] = []
-
-    def make(*args: str) -> RedisServer:
-        server = RedisServer(*args)
-        servers.append(server)
-        server.start()
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
 
 
 async def test_store_contains_load_delete(make_redis: MakeRedis) -> None:

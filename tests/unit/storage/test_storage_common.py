@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from app.errors import BackendError
 from storage.base import LOAD_MISS, OK, Histogram, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
-from storage.common import DEGRADED_WINDOW_S, AdapterCore, HealthTracker
+from storage.common import DEGRADED_WINDOW_S, AdapterCore, HealthTracker, gather_all, settled
 
 pytestmark = pytest.mark.anyio
 
@@ -131,3 +133,82 @@ def test_histogram_buckets() -> None:
     assert hist.counts[-1] == 1  # beyond every bound
     assert hist.count == 4
     assert hist.sum_s == pytest.approx(100.0036)
+
+
+# --- load_into and the helpers that keep buffers safe ----------------------------------------------
+
+
+async def test_load_into_defaults_to_whole_blobs_from_load() -> None:
+    class Whole(ScriptedAdapter):
+        async def _load(self, keys: list[str]) -> list[LoadResult]:
+            return [LoadResult.hit(b"blob-" + k.encode()) for k in keys]
+
+    adapter = Whole()
+    outs = [memoryview(bytearray(4)), memoryview(bytearray(4))]
+    results = await adapter.load_into(["a", "b"], outs)
+    assert [(r.data, r.in_place) for r in results] == [(b"blob-a", False), (b"blob-b", False)]
+    assert adapter.stats.load_bytes == 12
+    assert adapter.latency.ops["load"].count == 1
+    await adapter.close()
+
+
+async def test_settled_lets_a_cancellation_through_only_when_the_thread_is_done() -> None:
+    executor = ThreadPoolExecutor(1, thread_name_prefix="test-settled")
+    inside, release = threading.Event(), threading.Event()
+    out = bytearray(4)
+    interrupted: list[bool] = []
+
+    def write() -> int:
+        inside.set()
+        release.wait(10)
+        out[:] = b"done"
+        return 4
+
+    task = asyncio.create_task(settled(executor.submit(write), interrupt=lambda: interrupted.append(True)))
+    assert await anyio.to_thread.run_sync(inside.wait, 5)
+    task.cancel()
+    await anyio.wait_all_tasks_blocked()
+    assert not task.done()  # still waiting for the thread
+    assert interrupted == [True]
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert out == b"done"  # written before the cancellation went through, never after
+    executor.shutdown()
+
+
+async def test_settled_drops_a_call_that_has_not_started() -> None:
+    executor = ThreadPoolExecutor(1, thread_name_prefix="test-settled")
+    release = threading.Event()
+    executor.submit(release.wait, 10)  # the only thread is busy
+    ran: list[bool] = []
+    task = asyncio.create_task(settled(executor.submit(ran.append, True)))
+    await anyio.wait_all_tasks_blocked()
+    task.cancel()
+    with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    executor.shutdown()
+    assert ran == []
+
+
+async def test_gather_all_waits_for_every_awaitable_before_raising() -> None:
+    finished: list[str] = []
+    gate = asyncio.Event()
+
+    async def fails() -> int:
+        raise KeyError("first")
+
+    async def slow() -> int:
+        await gate.wait()
+        finished.append("slow")
+        return 2
+
+    task = asyncio.create_task(gather_all([fails(), slow()]))
+    await anyio.wait_all_tasks_blocked()
+    assert not task.done()
+    gate.set()
+    with pytest.raises(KeyError):
+        await task
+    assert finished == ["slow"]
+    assert await gather_all([slow(), slow()]) == [2, 2]

@@ -151,3 +151,49 @@ async def test_latency_and_bandwidth_are_simulated() -> None:
     await adapter.store([("a", blob("a", 20_000))])  # 20 KB -> 20 ms, plus 30 ms
     assert time.perf_counter() - started >= 0.05
     await adapter.close()
+
+
+# --- load_into ----------------------------------------------------------------------------------
+
+
+async def test_load_into_places_raw_payloads_and_returns_other_blobs_whole() -> None:
+    adapter = mock()
+    raw = codec.encode("raw", FP, bytes(range(256)) * 8, CodecOptions())
+    packed = codec.encode("lz4", FP, bytes(4096), CodecOptions(lz4=True))
+    await adapter.store([("raw", raw), ("lz4", packed)])
+    outs = [bytearray(2048), bytearray(4096), bytearray(10), bytearray(2047)]
+    results = await adapter.load_into(["raw", "lz4", "missing", "raw"], [memoryview(o) for o in outs])
+    assert [r.status for r in results] == [Status.OK, Status.OK, Status.MISS, Status.OK]
+    assert [r.in_place for r in results] == [True, False, False, False]
+    assert results[0].data == raw.header
+    assert outs[0] == raw.payload
+    codec.verify_in_place(results[0].data, "raw", FP, outs[0])
+    assert results[1].data == packed.to_bytes()  # the caller decodes it
+    assert results[3].data == raw.to_bytes()  # does not fit this out: whole, decode_into says why
+    assert adapter.stats.loads == 3
+    assert adapter.stats.load_bytes == raw.nbytes * 2 + packed.nbytes  # in place counts the payload
+    assert adapter.stats.misses == 1
+    await adapter.close()
+
+
+async def test_load_into_corruption_is_caught_by_verify_in_place_or_decode_into() -> None:
+    adapter = mock(corrupt_rate=1.0, seed=3)
+    original = codec.encode("a", FP, bytes(range(256)) * 4, CodecOptions())
+    await adapter.store([("a", original)])
+    for _ in range(40):
+        out = bytearray(1024)
+        (result,) = await adapter.load_into(["a"], [memoryview(out)])
+        assert result.data is not None
+        check = codec.verify_in_place if result.in_place else codec.decode_into
+        with pytest.raises(IntegrityError):
+            check(result.data, "a", FP, out)
+    await adapter.close()
+
+
+async def test_load_into_needs_one_writable_out_per_key() -> None:
+    adapter = mock()
+    with pytest.raises(ValueError, match="2 keys and 1 outputs"):
+        await adapter.load_into(["a", "b"], [memoryview(bytearray(1))])
+    with pytest.raises(ValueError, match="writable"):
+        await adapter.load_into(["a"], [memoryview(b"read-only")])
+    await adapter.close()
