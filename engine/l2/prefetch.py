@@ -36,7 +36,7 @@ import structlog
 from app.errors import IntegrityError, LeaseExpired
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
-from engine.l1.cache import L1Cache
+from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object, ObjectState
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
@@ -57,6 +57,7 @@ class PrefetchCounters:
     load_errors: int = 0
     integrity_failures: int = 0
     no_space: int = 0
+    quota_refused: int = 0
 
 
 @dataclass(eq=False)
@@ -223,9 +224,12 @@ class PrefetchController:
                     return
                 slot.waiting = loading
                 continue
-            obj = self.cache.reserve(slot.key, reg.chunk_bytes, now)
-            if obj is None:
-                self.counters.no_space += 1
+            obj = self.cache.try_reserve(slot.key, reg.chunk_bytes, now)
+            if not isinstance(obj, L1Object):
+                if obj is Refusal.QUOTA:
+                    self.counters.quota_refused += 1
+                else:
+                    self.counters.no_space += 1
                 del slots[i:]
                 return
             slot.obj = obj
