@@ -106,6 +106,23 @@ def _write_all(fd: int, segments: Sequence[codec.Buffer]) -> None:
             views[0] = views[0][written:]
 
 
+def _open_direct(path: str, size: int) -> int | None:
+    """The file opened with O_DIRECT after checking its size; None when it vanished.
+    `_DirectRefused` when the filesystem does not do O_DIRECT."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise _DirectRefused from None
+        raise
+    if os.fstat(fd).st_size != size:
+        os.close(fd)
+        raise BadFile(f"{path}: size differs from the index")
+    return fd
+
+
 class BlobFiles:
     """File I/O of one disk adapter, safe to call from several executor threads at once."""
 
@@ -337,17 +354,10 @@ class BlobFiles:
     def _read_into_direct(
         self, path: str, size: int, head_len: int, out: memoryview
     ) -> Placed | memoryview | None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except FileNotFoundError:
+        fd = _open_direct(path, size)
+        if fd is None:
             return None
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                raise _DirectRefused from None
-            raise
         try:
-            if os.fstat(fd).st_size != size:
-                raise BadFile(f"{path}: size differs from the index")
             with memoryview(self._bounce()) as bounce:
                 head = self._direct_blocks_into(fd, path, bounce, head_len, out)
         finally:
@@ -385,17 +395,10 @@ class BlobFiles:
         return head
 
     def _read_direct(self, path: str, size: int) -> memoryview | None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except FileNotFoundError:
+        fd = _open_direct(path, size)
+        if fd is None:
             return None
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                raise _DirectRefused from None
-            raise
         try:
-            if os.fstat(fd).st_size != size:
-                raise BadFile(f"{path}: size differs from the index")
             buf = _fresh_buffer(max(_round_up(size), ALIGN))
             view = memoryview(buf)
             got = 0

@@ -6,8 +6,6 @@ import json
 import random
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -17,6 +15,7 @@ import zmq
 from kvdepot_connector import protocol as p
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
+from tests.integration.waiting import wait_for
 
 CHUNK_ENV = {"KVDEPOT_L1__CHUNK_SIZE": "16"}
 CHUNK_BYTES = LAYOUT.chunk_bytes  # 64 KiB
@@ -27,13 +26,6 @@ def run_client(*args: str) -> subprocess.Popen[str]:
         [sys.executable, "-m", "tests.integration.dp_client", *args], stdout=subprocess.PIPE, text=True
     )
 
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def test_client_process_stores_and_retrieves_identical_bytes(sidecar_factory: StartSidecar) -> None:

@@ -18,6 +18,7 @@ from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.l2_helpers import PrivateRedis
+from tests.integration.waiting import wait_for
 
 DEADLINE_MS = 300
 BOUND_S = (DEADLINE_MS + 50) / 1000  # the promise: an answer within the deadline + 50 ms
@@ -30,13 +31,6 @@ def env(adapter: dict[str, Any]) -> dict[str, str]:
         "KVDEPOT_L2__PREFETCH_DEADLINE_MS": str(DEADLINE_MS),
     }
 
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def store(c: KVDepotClient, seed: int, chunks: int = 4) -> None:

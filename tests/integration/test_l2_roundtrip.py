@@ -4,9 +4,8 @@ with a real sidecar process, real files and a real Redis."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -14,17 +13,11 @@ import torch
 
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
+from tests.integration.waiting import wait_for
 
 CHUNK_BYTES = LAYOUT.chunk_bytes  # 64 KiB; 1 MiB of L1 holds 16 of them
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 @pytest.fixture
