@@ -6,7 +6,9 @@ latency is a histogram per operation, observed by the data-plane server. `Tenant
 the tenant ledger at scrape time, labelled by tenant and tier with bounded cardinality: the
 `tenants.metrics_top_n` tenants holding the most bytes by name (the empty salt as `_default`), all
 others summed as `other`. When a tenant enters or leaves the top N its series start or stop and
-`other` jumps: Prometheus reads a drop of a counter as a reset.
+`other` jumps: Prometheus reads a drop of a counter as a reset. The `tier` label is `l1` or an L2
+adapter's name (bounded by the adapters attached; a detached adapter's counters stay under
+`other`).
 """
 
 from __future__ import annotations
@@ -206,7 +208,8 @@ class L2Collector(Collector):
             ("stores", "Blobs stored."), ("store_bytes", "Bytes stored."), ("loads", "Blobs loaded."),
             ("load_bytes", "Bytes loaded."), ("misses", "Loads that found nothing."),
             ("errors", "Operations that failed."), ("integrity_failures", "Blobs that failed their check."),
-            ("evictions", "Blobs evicted for capacity."), ("no_space", "Stores refused for lack of room."),
+            ("evictions", "Blobs evicted (for capacity or a tenant's quota)."),
+            ("no_space", "Stores refused for lack of room."),
         )  # fmt: skip
         counters = {
             name: CounterMetricFamily(f"kvdepot_l2_{name}", doc, labels=["adapter"])
@@ -247,6 +250,21 @@ class L2Collector(Collector):
             ("l2_store_dropped", "Queued chunks dropped because the queue was full.", store.dropped),
             ("l2_store_written", "Chunks written to at least one adapter.", store.written),
             ("l2_store_failed", "Adapter writes that failed.", store.failed),
+            (
+                "l2_store_skipped_quota",
+                "Chunks not written behind: their tenant may store nothing in L2.",
+                store.skipped_quota,
+            ),
+            (
+                "l2_store_quota_refused",
+                "Queued blobs not written to an adapter for the tenant's quota there.",
+                store.quota_refused,
+            ),
+            (
+                "l2_store_quota_evicted_bytes",
+                "Bytes of a tenant's own blobs evicted to make room within its quota.",
+                store.quota_evicted_bytes,
+            ),
             ("l2_prefetch_started", "Prefetches started by lookups.", prefetch.started),
             ("l2_prefetch_loaded_chunks", "Chunks loaded from L2 into L1.", prefetch.chunks_loaded),
             ("l2_prefetch_loaded_bytes", "Bytes loaded from L2 into L1.", prefetch.bytes_loaded),

@@ -179,7 +179,9 @@ class Service:
         self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
         data_dir = s.data_dir
         tiers = L2Tiers(
-            lambda config: build_adapter(config, data_dir), drain_timeout_s=s.shutdown_timeout_s * 10
+            lambda config: build_adapter(config, data_dir),
+            drain_timeout_s=s.shutdown_timeout_s * 10,
+            ledger=cache.ledger,
         )
         store = StoreController(
             cache=cache, arena=self.arena, tiers=tiers, policy=s.l2.store_policy,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -114,13 +115,23 @@ class L1Settings(BaseModel):
         return int(self.size_gb * (1 << 30))
 
 
+def _adapter_name(name: str) -> str:
+    if name == "l1":
+        raise ValueError("'l1' is the name of the memory tier in quotas and metrics; choose another")
+    return name
+
+
+AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$"), AfterValidator(_adapter_name)]
+"""An L2 adapter's name: its tier in quotas and metrics, hence never `l1`."""
+
+
 class DiskAdapterConfig(BaseModel):
     """Local-disk L2: crash-safe files, index rebuilt from the files at start."""
 
     model_config = _FROZEN
 
     type: Literal["disk"] = "disk"
-    name: str = Field("disk", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: AdapterName = "disk"
     paths: list[Path] = Field(
         default_factory=list, max_length=64, description="Directories; empty = <data_dir>/l2-disk."
     )
@@ -136,7 +147,7 @@ class RedisAdapterConfig(BaseModel):
     model_config = _FROZEN
 
     type: Literal["redis"] = "redis"
-    name: str = Field("redis", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: AdapterName = "redis"
     url: str = Field("redis://127.0.0.1:6379/0", max_length=1024, description="redis:// or rediss:// URL.")
     key_prefix: str = Field("kvdepot:", max_length=128, description="Namespace of every key.")
     ttl_s: int | None = Field(None, ge=1, le=10 * 365 * 86400, description="Expiry of stored blobs.")
@@ -158,7 +169,7 @@ class MockAdapterConfig(BaseModel):
     model_config = _FROZEN
 
     type: Literal["mock"] = "mock"
-    name: str = Field("mock", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: AdapterName = "mock"
     capacity_gb: float = Field(1.0, gt=0, le=1024)
     bandwidth_gbps: float | None = Field(None, gt=0, description="Simulated transfer rate.")
     latency_ms: float = Field(0.0, ge=0, le=60_000, description="Simulated latency per batch.")

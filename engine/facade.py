@@ -16,7 +16,9 @@ Primitives in data-plane call order:
 Tenants (control plane): quotas() / quota(salt) / set_quota(salt, quota) / delete_quota(salt) /
 tenants_status(). A store by a tenant with an L1 limit holds (read-locks) the chunks of that store
 which are present already, until it returns, so the reservations of the same store never evict
-them to make room within the quota: a chain is never cut by its own continuation.
+them to make room within the quota: a chain is never cut by its own continuation. L2 usage is in
+the same ledger, one tier per adapter name (engine/l2/tiers.py), and `l2_bytes` is enforced at
+write-behind (engine/l2/store.py).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class CacheEngine:
         self.tenants: TenantLedger = cache.ledger
         if quotas is not None and quotas.ledger is not cache.ledger:
             raise ValueError("the quota registry must write to the L1 cache's ledger")
+        if l2 is not None and l2.tiers.ledger is not None and l2.tiers.ledger is not cache.ledger:
+            raise ValueError("the L2 tiers must report into the L1 cache's ledger")
         self.quota_registry = quotas if quotas is not None else QuotaRegistry(cache.ledger)
         self.chunk_size = chunk_size
         self.hasher = TokenHasher(chunk_size)

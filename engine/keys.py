@@ -15,7 +15,8 @@ Serialized form (`ObjectKey.serialize`), stable and self-describing, used as the
     kvd1/m=<model, percent-encoded>/l=<layout fingerprint hex>/r=<kv rank>/g=<group>/s=<salt,
     percent-encoded>/h=<chunk hash hex>
 
-`ObjectKey.parse` is its exact inverse.
+`ObjectKey.parse` is its exact inverse; `salt_of` reads only its tenant (what the L2 adapters,
+which see keys as opaque strings, are given to tell tenants apart).
 """
 
 from __future__ import annotations
@@ -186,3 +187,13 @@ class ObjectKey:
             return cls(ns, unquote(fields["s"]), chunk_hash)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"bad key {text[:80]!r}: {exc}") from None
+
+
+def salt_of(serialized: str) -> str:
+    """The cache_salt of a serialized key, read from its `s=` field alone. A string that is not a
+    key of this version belongs to the default tenant ""."""
+    rest, _, _ = serialized.rpartition("/")
+    _, _, part = rest.rpartition("/")
+    if not part.startswith("s=") or not serialized.startswith(KEY_VERSION + "/"):
+        return ""
+    return unquote(part[2:])

@@ -4,6 +4,8 @@ codec          blob = checked header + payload (optional FP8 values, lz4); decod
                verify_in_place checks a payload read straight into L1
 base           the L2Adapter protocol and its result values (OpResult, LoadResult, Usage, Health)
 common         AdapterCore: batching contract, close-while-in-flight, health, stats, latency
+holdings       what an adapter holds (key -> value, size) in recency order per tenant; reports
+               every change to the accounting hook its owner binds (the tenant ledger)
 disk, diskio   local-disk adapter: crash-safe files, index rebuilt from headers at start
 redis_adapter  Redis/Valkey adapter: pipelined single-key commands, timeouts, reconnects
 redis_lane     its bulk lane: large values over blocking sockets in its executor, into L1 in place

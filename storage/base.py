@@ -25,7 +25,20 @@ Primitives in call order:
   delete(keys)             OK = removed, MISS = was not there, ERROR
   usage() / health()       cheap snapshots for /status and metrics
   set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)
+  evict_salt(salt, nbytes) evict one tenant's blobs, its least recently used first (each adapter
+                           says what its order is), until `nbytes` of them are gone or it holds
+                           none: the owner's per-tenant quota. Never another tenant's blob. Returns
+                           the bytes freed; never raises
   close()                  operations in flight end with ERROR results; later calls answer ERROR
+
+Accounting: keys are opaque here. The owner binds, before start(), a `SaltOf` (which tenant a key
+belongs to) and a `HoldingsHook`; the adapter then reports on the loop every change of what it
+holds, one call per key: (key, delta_bytes, delta_objects, evicted). A new key is (+size, +1), a key
+stored again (+new - old, 0), a key gone (-size, -1): deleted, found missing, evicted (then
+`evicted` is True: for capacity or by evict_salt), or failed its check. What is held already when
+the hook is bound (the disk adapter's index) is reported at once. Hence the sums of the reports per
+tenant equal the bytes of the blobs the adapter holds per tenant, at all times (Redis: of what this
+adapter wrote and has not seen deleted).
 
 `stats` (counters) and `latency` (a tiny histogram per operation) are read by the metrics exporter.
 """
@@ -33,7 +46,7 @@ Primitives in call order:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -98,6 +111,11 @@ class LoadResult:
 LOAD_MISS = LoadResult(Status.MISS)
 
 HealthState = Literal["ok", "degraded", "down"]
+
+SaltOf = Callable[[str], str]
+"""The tenant (cache_salt) a key belongs to; given by the owner, since keys are opaque here."""
+HoldingsHook = Callable[[str, int, int, bool], None]
+"""(key, delta_bytes, delta_objects, evicted): one change of what an adapter holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,5 +225,15 @@ class L2Adapter(Protocol):
     def health(self) -> Health: ...
 
     async def set_capacity(self, capacity_bytes: int) -> None: ...
+
+    async def evict_salt(self, salt: str, nbytes: int) -> int: ...
+
+    def bind_accounting(self, salt_of: SaltOf, hook: HoldingsHook) -> None:
+        """Report every change of what the adapter holds to `hook` (see the module docstring)."""
+        ...
+
+    def unbind_accounting(self) -> None:
+        """Stop reporting: the owner forgets this adapter's figures."""
+        ...
 
     async def close(self) -> None: ...

@@ -1,9 +1,12 @@
 """AdapterCore: what every L2 adapter shares, so each adapter only says how it talks to its backend.
 
-State (event loop only): the adapter's counters, latency histograms, health tracker and the set of
-operations in flight. Subclasses implement `_store`, `_contains`, `_load`, `_delete` (batch in, one
-result per key out), `_usage`, `_set_capacity`, and optionally `_load_into` (default: `_load`, every
-blob returned whole), `_start` and `_close`.
+State (event loop only): the adapter's counters, latency histograms, health tracker, the set of
+operations in flight, and `_held` (storage/holdings.py): what the adapter holds, key -> (its value,
+size), which the subclass keeps its index in, so that every change is reported to the owner's
+accounting hook. Subclasses implement `_store`, `_contains`, `_load`, `_delete` (batch in, one result
+per key out), `_usage`, `_set_capacity`, and optionally `_load_into` (default: `_load`, every blob
+returned whole), `_evict_salt` (default: the tenant's oldest entries are forgotten, for a backend
+that keeps nothing but `_held`), `_start` and `_close`.
 
 Primitives in call order:
   start()                       runs `_start` once (the first operation calls it when nobody did)
@@ -13,6 +16,10 @@ Primitives in call order:
                                 load_into is timed and counted as "load" (payload bytes included)
   usage() / health()            snapshots
   set_capacity(bytes)           runtime resize
+  bind_accounting(salt_of, hook) / unbind_accounting()
+                                the owner's per-tenant accounting (storage.base), on `_held`
+  evict_salt(salt, nbytes)      inside the OpGate, timed as "evict": the subclass's `_evict_salt`;
+                                a failure frees nothing more and shows in health, never raises
   close()                       gate closes (in-flight batches end with ERROR), then `_close`
 
 A subclass raises app.errors.BackendError when the backend as a whole failed (unreachable, timed
@@ -33,7 +40,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import structlog
 
@@ -42,18 +49,22 @@ from storage.base import (
     AdapterStats,
     Health,
     HealthState,
+    HoldingsHook,
     LatencyRecorder,
     LoadResult,
     OpResult,
+    SaltOf,
     Status,
     Usage,
 )
 from storage.codec import EncodedBlob
+from storage.holdings import Holdings
 
 log = structlog.get_logger("kvdepot.storage")
 
 T = TypeVar("T")
 R = TypeVar("R", OpResult, LoadResult)
+V = TypeVar("V")
 
 DEGRADED_WINDOW_S = 30.0
 CLOSE_WAIT_S = 5.0
@@ -169,8 +180,9 @@ class HealthTracker:
         return Health(state=state, last_error=self._last_error, errors_total=self.errors_total)
 
 
-class AdapterCore(ABC):
-    """Base of every adapter: the public L2Adapter operations around the subclass's primitives."""
+class AdapterCore(ABC, Generic[V]):
+    """Base of every adapter: the public L2Adapter operations around the subclass's primitives.
+    `V` is what the subclass keeps per key in `_held`."""
 
     kind: ClassVar[str]
 
@@ -183,6 +195,7 @@ class AdapterCore(ABC):
         self._started = False
         self._start_lock = asyncio.Lock()
         self._closed = False
+        self._held: Holdings[V] = Holdings()
 
     # --- identity and snapshots ----------------------------------------------------------------
 
@@ -222,6 +235,33 @@ class AdapterCore(ABC):
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
         await self._set_capacity(capacity_bytes)
+
+    def bind_accounting(self, salt_of: SaltOf, hook: HoldingsHook) -> None:
+        self._held.bind(salt_of, hook)
+
+    def unbind_accounting(self) -> None:
+        self._held.unbind()
+
+    async def evict_salt(self, salt: str, nbytes: int) -> int:
+        """See storage.base. Returns the bytes freed (0 when closed or on a backend failure)."""
+        if nbytes <= 0 or self._closed:
+            return 0
+        started = time.perf_counter()
+        try:
+            freed = await self._gate.run(self._started_then(lambda: self._evict_salt(salt, nbytes)))
+        except GateClosed:
+            return 0
+        except BackendError as exc:
+            self._stats.errors += 1
+            self._health.failure(f"evict: {exc}", down=True)
+            return 0
+        except Exception as exc:
+            log.exception("l2_evict_failed", adapter=self._name)
+            self._stats.errors += 1
+            self._health.failure(f"evict: {type(exc).__name__}: {exc}")
+            return 0
+        self._latency.observe("evict", time.perf_counter() - started)
+        return freed
 
     async def close(self) -> None:
         if self._closed:
@@ -331,10 +371,10 @@ class AdapterCore(ABC):
 
     # --- what a subclass provides --------------------------------------------------------------
 
-    async def _start(self) -> None:  # noqa: B027  (optional hook)
+    async def _start(self) -> None:
         """Ready the backend. Default: nothing to do."""
 
-    async def _close(self) -> None:  # noqa: B027  (optional hook)
+    async def _close(self) -> None:
         """Release the backend's resources. Default: nothing to release."""
 
     @abstractmethod
@@ -353,6 +393,21 @@ class AdapterCore(ABC):
 
     @abstractmethod
     async def _delete(self, keys: list[str]) -> list[OpResult]: ...
+
+    async def _evict_salt(self, salt: str, nbytes: int) -> int:
+        """Default, for a backend that keeps nothing but `_held` (memory): forget the tenant's
+        least recently used entries. Returns the bytes freed."""
+        freed = 0
+        for key in self._held.oldest(salt, nbytes):
+            held = self._held.pop(key, evicted=True)
+            if held is not None:
+                freed += held.size
+                self._count_eviction(held.size)
+        return freed
+
+    def _count_eviction(self, nbytes: int) -> None:
+        self._stats.evictions += 1
+        self._stats.evicted_bytes += nbytes
 
     @abstractmethod
     def _usage(self) -> Usage: ...

@@ -1,8 +1,9 @@
 """DiskAdapter: the local-disk L2. Crash-safe files, an in-memory index rebuilt from them at start.
 
-State (event loop only): the index key -> (file, size) in least-recently-used order, bytes used,
-bytes reserved by writes in flight, the capacity, and the store in flight per key. Every file
-operation runs in the I/O executor passed in (storage/diskio.py); the loop never touches a file.
+State (event loop only): the index key -> (file, size) in least-recently-used order (`_held`,
+which reports every change to the owner's accounting, storage/holdings.py), bytes reserved by
+writes in flight, the capacity, and the store in flight per key. Every file operation runs in the
+I/O executor passed in (storage/diskio.py); the loop never touches a file.
 
 Placement: a key's blake3 digest picks one of the directories (config.paths, or the default
 directory) and one of its 256 two-hex-digit subdirectories. Each write gets a fresh file name, so
@@ -30,10 +31,14 @@ Primitives in call order:
                    a MISS like a wrong size. A cancelled load_into waits for its reads to finish
   delete(keys)     drops index entries and unlinks their files
   set_capacity(n)  evicts down to n
+  evict_salt(salt, nbytes)
+                   drops the tenant's least recently used index entries (the index's order: write
+                   or load), enough for nbytes, then unlinks their files
   close()          waits (bounded) for file operations already running, releases the directory
                    locks, and shuts the executor down when this adapter owns it
 
 Recency survives a restart only as file mtimes (write times): loads do not touch files.
+The owner's accounting, bound before start(), is told of every blob the scan indexed.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ import errno
 import os
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -67,12 +71,6 @@ T = TypeVar("T")
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-@dataclass(slots=True)
-class _Entry:
-    path: str
-    size: int
-
-
 @dataclass(frozen=True, slots=True)
 class DiskStartup:
     """What start() found on disk."""
@@ -85,7 +83,9 @@ class DiskStartup:
     seconds: float
 
 
-class DiskAdapter(AdapterCore):
+class DiskAdapter(AdapterCore[str]):
+    """`_held` maps each key to its current file's path."""
+
     kind = "disk"
 
     def __init__(
@@ -104,8 +104,6 @@ class DiskAdapter(AdapterCore):
         self._owns_executor = owns_executor
         self._files = BlobFiles(fsync=config.fsync == "always", direct=config.o_direct)
         self._capacity = int(config.capacity_gb * (1 << 30))
-        self._index: OrderedDict[str, _Entry] = OrderedDict()
-        self._bytes = 0
         self._reserved = 0
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()
@@ -124,7 +122,15 @@ class DiskAdapter(AdapterCore):
 
     def keys_lru(self) -> list[str]:
         """Keys from least to most recently used."""
-        return list(self._index)
+        return self._held.keys()
+
+    def path_of(self, key: str) -> str | None:
+        """The current file of `key`, None when it is not indexed."""
+        return self._held.get(key)
+
+    def held_per_salt(self) -> dict[str, tuple[int, int]]:
+        """Per tenant (as the bound `salt_of` says): bytes and blobs indexed. A scan, for tests."""
+        return self._held.per_salt()
 
     # --- executor ------------------------------------------------------------------------------
 
@@ -162,19 +168,16 @@ class DiskAdapter(AdapterCore):
         merged.blobs.sort(key=lambda blob: blob.mtime)
         stale: list[str] = []
         for blob in merged.blobs:  # oldest first: a later file of the same key replaces it
-            previous = self._index.pop(blob.key, None)
+            previous = self._held.put(blob.key, blob.path, blob.size)
             if previous is not None:
-                self._bytes -= previous.size
-                stale.append(previous.path)
-            self._index[blob.key] = _Entry(blob.path, blob.size)
-            self._bytes += blob.size
+                stale.append(previous.value)
         if stale:
             await self._io(self._files.remove, stale)
         await self._evict_to(self._capacity)
         self._stats.integrity_failures += merged.corrupt_removed
         self.startup = DiskStartup(
-            blobs=len(self._index),
-            bytes=self._bytes,
+            blobs=len(self._held),
+            bytes=self._held.bytes,
             temp_removed=merged.temp_removed,
             corrupt_removed=merged.corrupt_removed,
             duplicates_removed=len(stale),
@@ -218,7 +221,7 @@ class DiskAdapter(AdapterCore):
         if size > self._capacity:
             return OpResult(Status.NO_SPACE, f"blob of {size} bytes exceeds capacity {self._capacity}")
         await self._evict_to(self._capacity - self._reserved - size)
-        if self._bytes + self._reserved + size > self._capacity:
+        if self._held.bytes + self._reserved + size > self._capacity:
             return OpResult(Status.NO_SPACE, "no room: capacity held by writes in flight")
         path = self.path_for(key)
         self._reserved += size
@@ -230,17 +233,13 @@ class DiskAdapter(AdapterCore):
             return OpResult.error(f"write failed: {exc}")
         finally:
             self._reserved -= size
-        previous = self._index.pop(key, None)
+        previous = self._held.put(key, path, size)
         if previous is not None:
-            self._bytes -= previous.size
-        self._index[key] = _Entry(path, size)
-        self._bytes += size
-        if previous is not None:
-            await self._io(self._files.remove, [previous.path])
+            await self._io(self._files.remove, [previous.value])
         return OK
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
-        return [OK if key in self._index else MISS for key in keys]
+        return [OK if key in self._held else MISS for key in keys]
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
         return list(await asyncio.gather(*(self._load_one(key) for key in keys)))
@@ -249,28 +248,27 @@ class DiskAdapter(AdapterCore):
         return await gather_all(self._load_one(key, out) for key, out in zip(keys, outs, strict=True))
 
     async def _load_one(self, key: str, out: memoryview | None = None) -> LoadResult:
-        entry = self._index.get(key)
+        entry = self._held.entry(key)
         if entry is None:
             return LoadResult(Status.MISS)
-        self._index.move_to_end(key)
+        self._held.touch(key)
+        path = entry.value
         try:
             if out is None:
-                data: Placed | bytes | memoryview | None = await self._io(
-                    self._files.read, entry.path, entry.size
-                )
+                data: Placed | bytes | memoryview | None = await self._io(self._files.read, path, entry.size)
             else:
-                job = self._submit(self._files.read_into, entry.path, entry.size, codec.header_size(key), out)
+                job = self._submit(self._files.read_into, path, entry.size, codec.header_size(key), out)
                 data = await settled(job)
         except BadFile as exc:
             self._stats.integrity_failures += 1
             log.warning("disk_l2_bad_file", adapter=self.name, error=str(exc))
-            if self._drop(key, entry):
-                await self._io(self._files.remove, [entry.path])
+            if self._held.discard(key, entry):
+                await self._io(self._files.remove, [path])
             return LoadResult(Status.MISS)
         except OSError as exc:
             return LoadResult.error(f"read failed: {exc}")
         if data is None:
-            self._drop(key, entry)
+            self._held.discard(key, entry)  # vanished: forgotten unless a newer write replaced it
             return LoadResult(Status.MISS)
         if isinstance(data, Placed):
             return LoadResult.placed(data.header)
@@ -280,42 +278,46 @@ class DiskAdapter(AdapterCore):
         results: list[OpResult] = []
         paths: list[str] = []
         for key in keys:
-            entry = self._index.pop(key, None)
+            entry = self._held.pop(key)
             if entry is None:
                 results.append(MISS)
             else:
-                self._bytes -= entry.size
-                paths.append(entry.path)
+                paths.append(entry.value)
                 results.append(OK)
         if paths:
             await self._io(self._files.remove, paths)
         return results
 
     def _usage(self) -> Usage:
-        return Usage(bytes_used=self._bytes, objects=len(self._index), capacity_bytes=self._capacity)
+        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
 
     async def _set_capacity(self, capacity_bytes: int) -> None:
         self._capacity = capacity_bytes
         if not self.closed:
             await self._evict_to(capacity_bytes - self._reserved)
 
-    # --- bookkeeping ---------------------------------------------------------------------------
+    async def _evict_salt(self, salt: str, nbytes: int) -> int:
+        paths: list[str] = []
+        freed = 0
+        for key in self._held.oldest(salt, nbytes):
+            entry = self._held.pop(key, evicted=True)
+            assert entry is not None
+            self._count_eviction(entry.size)
+            freed += entry.size
+            paths.append(entry.value)
+        if paths:
+            await self._io(self._files.remove, paths)
+        return freed
 
-    def _drop(self, key: str, entry: _Entry) -> bool:
-        """Remove `key` from the index if `entry` is still its current file."""
-        if self._index.get(key) is not entry:
-            return False
-        del self._index[key]
-        self._bytes -= entry.size
-        return True
+    # --- bookkeeping ---------------------------------------------------------------------------
 
     async def _evict_to(self, limit: int) -> None:
         paths: list[str] = []
-        while self._bytes > limit and self._index:
-            _, entry = self._index.popitem(last=False)
-            self._bytes -= entry.size
-            self._stats.evictions += 1
-            self._stats.evicted_bytes += entry.size
-            paths.append(entry.path)
+        while self._held.bytes > limit:
+            oldest = self._held.pop_oldest()
+            if oldest is None:
+                break
+            self._count_eviction(oldest[1].size)
+            paths.append(oldest[1].value)
         if paths:
             await self._io(self._files.remove, paths)

@@ -1,8 +1,8 @@
 """MockAdapter: an in-memory L2 with capacity, simulated bandwidth and latency, and injected faults.
 
 For tests and benchmarks of everything above storage/. State (event loop only): key -> blob bytes
-in least-recently-used order, bytes used, capacity, and a seeded RNG, so a given seed and call
-sequence always injects the same faults.
+in least-recently-used order (`_held`, which reports every change to the owner's accounting),
+capacity, and a seeded RNG, so a given seed and call sequence always injects the same faults.
 
 Simulation, per batch: sleep `latency_ms`, plus bytes moved / `bandwidth_gbps` (read as 10**9
 bytes per second) when set. Faults, per key, drawn in key order:
@@ -10,9 +10,11 @@ bytes per second) when set. Faults, per key, drawn in key order:
   - corrupt_rate  a load returns the blob with one byte flipped, which codec.decode_into rejects
   - hang          every operation waits forever; close() ends them with ERROR results
 
-Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity, close
-(AdapterCore). Room is made on store by evicting least-recently-used blobs; a blob larger than the
-whole capacity is NO_SPACE. Loads refresh recency; contains does not.
+Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity,
+evict_salt, close (AdapterCore). Room is made on store by evicting least-recently-used blobs; a blob
+larger than the whole capacity is NO_SPACE (and what the key held before is gone). Loads refresh
+recency; contains does not. evict_salt forgets the tenant's least recently used blobs (no faults,
+no simulated time). close() drops every blob.
 
 load_into behaves as a real tier's: after the same simulation and faults as load, a blob whose
 header says raw with a payload of len(out) (codec.fits_in_place) has its payload copied into out
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import OrderedDict
 
 from app.settings import MockAdapterConfig
 from storage import codec
@@ -36,15 +37,13 @@ from storage.common import AdapterCore
 INJECTED = "injected fault"
 
 
-class MockAdapter(AdapterCore):
+class MockAdapter(AdapterCore[bytes]):
     kind = "mock"
 
     def __init__(self, config: MockAdapterConfig) -> None:
         super().__init__(config.name)
         self.config = config
         self._capacity = int(config.capacity_gb * (1 << 30))
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()
-        self._bytes = 0
         self._rng = random.Random(config.seed)
 
     # --- simulation ----------------------------------------------------------------------------
@@ -73,13 +72,13 @@ class MockAdapter(AdapterCore):
             if self._fails():
                 results.append(OpResult.error(INJECTED))
                 continue
-            self._remove(key)
             if blob.nbytes > self._capacity:
+                self._held.pop(key)
                 results.append(OpResult(Status.NO_SPACE, f"blob of {blob.nbytes} bytes exceeds capacity"))
                 continue
-            self._evict_to(self._capacity - blob.nbytes)
-            self._blobs[key] = blob.to_bytes()
-            self._bytes += blob.nbytes
+            previous = self._held.entry(key)
+            self._evict_to(self._capacity - blob.nbytes + (0 if previous is None else previous.size), key)
+            self._held.put(key, blob.to_bytes(), blob.nbytes)
             results.append(OK)
         return results
 
@@ -89,24 +88,24 @@ class MockAdapter(AdapterCore):
         for key in keys:
             if self._fails():
                 results.append(OpResult.error(INJECTED))
-            elif key in self._blobs:
+            elif key in self._held:
                 results.append(OK)
             else:
                 results.append(MISS)
         return results
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
-        await self._simulate(sum(len(self._blobs.get(key, b"")) for key in keys))
+        await self._simulate(sum(len(self._held.get(key) or b"") for key in keys))
         results: list[LoadResult] = []
         for key in keys:
             if self._fails():
                 results.append(LoadResult.error(INJECTED))
                 continue
-            data = self._blobs.get(key)
+            data = self._held.get(key)
             if data is None:
                 results.append(LoadResult(Status.MISS))
                 continue
-            self._blobs.move_to_end(key)
+            self._held.touch(key)
             if data and self._corrupts():
                 flipped = bytearray(data)
                 flipped[self._rng.randrange(len(flipped))] ^= 0xFF
@@ -133,36 +132,39 @@ class MockAdapter(AdapterCore):
             if self._fails():
                 results.append(OpResult.error(INJECTED))
             else:
-                results.append(OK if self._remove(key) else MISS)
+                results.append(OK if self._held.pop(key) is not None else MISS)
         return results
 
     def _usage(self) -> Usage:
-        return Usage(bytes_used=self._bytes, objects=len(self._blobs), capacity_bytes=self._capacity)
+        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
 
     async def _set_capacity(self, capacity_bytes: int) -> None:
         self._capacity = capacity_bytes
         self._evict_to(capacity_bytes)
 
     async def _close(self) -> None:
-        self._blobs.clear()
-        self._bytes = 0
+        self._held.clear()
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
     def keys_lru(self) -> list[str]:
         """Keys from least to most recently used (tests assert eviction order with it)."""
-        return list(self._blobs)
+        return self._held.keys()
 
-    def _remove(self, key: str) -> bool:
-        data = self._blobs.pop(key, None)
-        if data is None:
-            return False
-        self._bytes -= len(data)
-        return True
+    def held_per_salt(self) -> dict[str, tuple[int, int]]:
+        """Per tenant (as the bound `salt_of` says): bytes and blobs held. A scan, for tests."""
+        return self._held.per_salt()
 
-    def _evict_to(self, limit: int) -> None:
-        while self._bytes > limit and self._blobs:
-            _, data = self._blobs.popitem(last=False)
-            self._bytes -= len(data)
-            self._stats.evictions += 1
-            self._stats.evicted_bytes += len(data)
+    def _evict_to(self, limit: int, keep: str | None = None) -> None:
+        """Evict least recently used blobs until at most `limit` bytes are held; `keep` (the key
+        being stored again) is not evicted: its bytes are replaced, not added."""
+        held = self._held
+        kept = 1 if keep is not None and keep in held else 0
+        while held.bytes > limit and len(held) > kept:
+            oldest = next(iter(held))
+            if oldest == keep:
+                held.touch(keep)
+                continue
+            entry = held.pop(oldest, evicted=True)
+            assert entry is not None
+            self._count_eviction(entry.size)

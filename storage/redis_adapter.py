@@ -4,7 +4,8 @@ redis.asyncio (hiredis parser); large values through the bulk lane (storage/redi
 State (event loop only): one redis-py connection pool (max_connections) and a semaphore that keeps
 batches from ever asking it for more connections than it has; the bulk lane (its own pool of at
 most max_connections blocking connections, used only by the executor's threads); what this
-adapter wrote: key -> size, for `usage()`.
+adapter wrote: key -> size in write order (`_held`, which reports every change to the owner's
+accounting), for `usage()`, the tenant ledger and evict_salt.
 
 Keys are `key_prefix + serialized key`. Only single-key commands are sent (SET, EXISTS, GET,
 UNLINK on redis-py; SET, STRLEN and GETRANGE on the lane), so the same commands work against Redis
@@ -32,13 +33,20 @@ command (e.g. OOM when Redis is out of memory: NO_SPACE) affects only that key. 
 (close(), a caller's deadline) shuts its lane sockets down and returns only once the lane's threads
 are done with the caller's buffers.
 
-usage(): bytes and objects that THIS adapter stored and has not deleted; keys found missing on
-load/contains (expired by ttl_s, evicted by Redis, deleted by another sidecar) are forgotten then.
-It does not see other sidecars' writes. capacity_bytes is config.capacity_gb, 0 when unset
-(unknown: Redis evicts by its own maxmemory policy). set_capacity only changes the reported figure.
+usage() and the per-tenant figures reported to the owner: bytes and objects that THIS adapter
+stored and has not seen deleted; keys found missing on load/contains (expired by ttl_s, evicted by
+Redis, deleted by another sidecar) are forgotten then, so until then they still count. It does not
+see other sidecars' writes, even of the same keys. capacity_bytes is config.capacity_gb, 0 when
+unset (unknown: Redis evicts by its own maxmemory policy). set_capacity only changes the reported
+figure.
 
-Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity, close
-(AdapterCore).
+evict_salt(salt, nbytes): the tenant's keys this adapter wrote, oldest written first (loads do not
+refresh them: Redis keeps no recency we can read cheaply), UNLINKed in one pipeline; each key is
+forgotten once its UNLINK answered (a key already gone counts as freed too), a key whose UNLINK
+failed is kept.
+
+Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity,
+evict_salt, close (AdapterCore).
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ JOIN_INLINE_BYTES = 256 * 1024
 R = TypeVar("R", OpResult, LoadResult)
 
 
-class RedisAdapter(AdapterCore):
+class RedisAdapter(AdapterCore[None]):
     kind = "redis"
 
     def __init__(
@@ -99,8 +107,6 @@ class RedisAdapter(AdapterCore):
         if executor is not None and target is not None and config.bulk_min_kib is not None:
             self.lane = RespLane(target, max_connections=config.max_connections, timeout_s=config.timeout_s)
         self._bulk_min = (config.bulk_min_kib or 0) * 1024
-        self._sizes: dict[str, int] = {}
-        self._bytes = 0
 
     def redis_key(self, key: str) -> bytes:
         return self._prefix + key.encode("utf-8")
@@ -172,14 +178,10 @@ class RedisAdapter(AdapterCore):
         return [by_index[i] for i in range(count)]
 
     def _forget(self, key: str) -> None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self._bytes -= size
+        self._held.pop(key)
 
     def _remember(self, key: str, size: int) -> None:
-        self._forget(key)
-        self._sizes[key] = size
-        self._bytes += size
+        self._held.put(key, None, size)
 
     # --- operations ----------------------------------------------------------------------------
 
@@ -286,8 +288,28 @@ class RedisAdapter(AdapterCore):
             results.append(OK if reply else MISS)
         return results
 
+    async def _evict_salt(self, salt: str, nbytes: int) -> int:
+        victims = [(key, self._held.entry(key)) for key in self._held.oldest(salt, nbytes)]
+        if not victims:
+            return 0
+
+        def build(pipe: Pipeline) -> None:
+            for key, _ in victims:
+                pipe.unlink(self.redis_key(key))
+
+        freed = 0
+        for (key, held), reply in zip(victims, await self._run(build), strict=True):
+            if isinstance(reply, Exception) or held is None:
+                continue
+            # Unless the key was written again while its UNLINK was on the way: that newer write
+            # stays in the books (Redis may hold it or not; a later miss will tell).
+            if self._held.discard(key, held, evicted=True):
+                freed += held.size
+                self._count_eviction(held.size)
+        return freed
+
     def _usage(self) -> Usage:
-        return Usage(bytes_used=self._bytes, objects=len(self._sizes), capacity_bytes=self._capacity)
+        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
 
     async def _set_capacity(self, capacity_bytes: int) -> None:
         self._capacity = capacity_bytes

@@ -1,18 +1,28 @@
-"""Tiny factories for real engine objects (no mocks): an arena in /dev/shm, an L1 cache, an engine."""
+"""Tiny factories for real engine objects (no mocks): an arena in /dev/shm, an L1 cache, an engine,
+an engine with its L2 machinery (tiers, write-behind, prefetch) as app/main wires them."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
-from engine.facade import CacheEngine
+from app.settings import AdapterConfig
+from engine.facade import CacheEngine, L2Parts
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.eviction import LRUPolicy
+from engine.l2.prefetch import PrefetchController
+from engine.l2.store import StoreController
+from engine.l2.tiers import L2Tiers
+from engine.tenants.ledger import TenantLedger
+from storage import codec
+from storage.base import L2Adapter
 
 
 @dataclass
@@ -73,3 +83,52 @@ def engine(
             CacheEngine(arena=a, cache=cache, chunk_size=chunk_size, read_lease_s=read_lease_s, clock=clock),
             clock,
         )
+
+
+@asynccontextmanager
+async def l2_engine(
+    capacity: int, adapters: Sequence[AdapterConfig], build: Callable[[AdapterConfig], L2Adapter],
+    *, chunk_size: int = 16, store_policy: str = "all", store_workers: int = 1,
+    ledger: TenantLedger | None = None,
+) -> AsyncIterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
+    """An engine whose L1 writes go behind to `adapters` (built by `build`, started, accounted in
+    the engine's tenant ledger, a fresh one unless given), with `store_workers` write-behind workers
+    running; `engine.l2.store.wait_idle` tells when what was committed has been written."""
+    clock = FakeClock()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="test-codec")
+    with arena(capacity) as a:
+        cache = L1Cache(
+            ExtentAllocator(a.size, 4096), LRUPolicy(), high_watermark=1.0, low_watermark=1.0,
+            write_lease_s=10.0, ledger=ledger if ledger is not None else TenantLedger(),
+        )  # fmt: skip
+        tiers = L2Tiers(build, ledger=cache.ledger)
+        store = StoreController(
+            cache=cache, arena=a, tiers=tiers, policy=store_policy, queue_depth=1024,
+            codec_options=lambda reg: codec.CodecOptions(), executor=executor,
+        )  # fmt: skip
+        prefetch = PrefetchController(
+            cache=cache, arena=a, tiers=tiers, deadline_s=10.0, max_inflight=8, executor=executor,
+            clock=clock,
+        )  # fmt: skip
+        eng = CacheEngine(
+            arena=a, cache=cache, chunk_size=chunk_size, read_lease_s=20.0,
+            l2=L2Parts(tiers=tiers, store=store, prefetch=prefetch), clock=clock,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        workers = [
+            loop.create_task(store.run_worker(), name=f"test-l2-store-{i}") for i in range(store_workers)
+        ]
+        try:
+            for config in adapters:
+                await tiers.add(config)
+            yield eng, clock
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.wait(workers)
+            await prefetch.close()
+            await tiers.close()
+            executor.shutdown(wait=True)
+        for worker in workers:
+            if not worker.cancelled():
+                worker.result()  # a worker that crashed fails the test with its exception

@@ -2,15 +2,34 @@
 
 State: a bounded FIFO of pending chunks, each holding a read lock on its L1 object (so it is not
 evicted or reused before it is written), a bounded record of how often each chunk was seen (for
-the `seen_twice` policy), counters. Owned by the event loop; encoding (a checksum over the whole
-chunk, optional FP8/lz4) runs in the codec executor, adapter I/O in the adapters.
+the `seen_twice` policy), the bytes being written per (tenant, tier), counters. Owned by the event
+loop; encoding (a checksum over the whole chunk, optional FP8/lz4) runs in the codec executor,
+adapter I/O in the adapters.
 
 Primitives in call order:
   note_seen(keys)          lookups and stores report the chunks they saw (seen_twice policy)
   submit(obj, reg)         after COMMIT: queue the chunk if the policy wants it; when the queue
                            is full the OLDEST pending chunk is dropped (its lock released), counted
   run_worker()             supervised loop(s): take a batch, encode, store to the tiers the policy
-                           chooses at that moment, release the locks
+                           chooses at that moment (each blob within its tenant's quota there),
+                           release the locks
+
+Tenant quotas in L2 (`l2_bytes`, a limit per adapter; the ledger is `tiers.ledger`, into which
+each adapter reports what it holds). Before a blob of tenant s is written to tier t, with L the
+limit of (s, t), H what s holds there and P the bytes of s being written there by other batches:
+- H + P + size <= L: written.
+- otherwise s's own least recently used blobs in that adapter are evicted (`evict_salt`, never
+  another tenant's) until it fits; if that cannot make it fit (the blob is larger than L, or P
+  alone leaves no room), the blob is not written to t and a quota refusal is noted for (s, t);
+  s is still brought down to L. Hence a lowered quota takes effect at the tenant's next write to
+  that tier, quota 0 stores nothing, and in allowlist mode (limit 0 without a quota) neither do
+  salts without a quota. A chunk whose tenant has limit 0 and holds nothing in every target tier
+  is refused at `submit` (no lock, no encoding).
+- Bytes being written count against the limit until the write returns, so concurrent batches
+  cannot overshoot it together; they are never evicted. The blobs of a batch are admitted in
+  order, so when not all of a tenant's chunks in one batch fit, the first ones (the start of a
+  chain, useful without the rest) are written and the rest refused. The check takes a blob written
+  again (its key is held already) as new: it may evict a little more than needed.
 """
 
 from __future__ import annotations
@@ -31,6 +50,7 @@ from engine.l1.lifecycle import L1Object
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
 from storage import codec
+from storage.base import OpResult
 
 log = structlog.get_logger("kvdepot.l2.store")
 
@@ -42,10 +62,16 @@ BATCH = 8
 class StoreCounters:
     submitted: int = 0
     skipped_policy: int = 0
+    skipped_quota: int = 0
+    """Chunks not queued: their tenant may store nothing in any target tier (quota 0, allowlist)."""
     dropped: int = 0
     written: int = 0
     written_bytes: int = 0
     failed: int = 0
+    quota_refused: int = 0
+    """Queued blobs not written to a tier for the tenant's quota there (one per blob and tier)."""
+    quota_evicted_bytes: int = 0
+    """Bytes of a tenant's own blobs evicted to make room within its quota."""
 
 
 @dataclass(slots=True)
@@ -78,6 +104,7 @@ class StoreController:
         self._wakeup = asyncio.Event()
         self._seen: OrderedDict[ObjectKey, int] = OrderedDict()
         self._busy = 0
+        self._writing: dict[tuple[str, str], int] = {}  # (salt, tier) -> bytes being written
         self._idle = asyncio.Event()
         self._idle.set()
         cache.shed = self.shed
@@ -116,6 +143,8 @@ class StoreController:
         """Queue a ready chunk for write-behind. False when the policy does not want it."""
         if obj.in_l2 or not self.wants(obj.key):
             self.counters.skipped_policy += 1
+            return False
+        if self._refused_everywhere(obj.key.salt):
             return False
         obj.in_l2 = True  # queued once; a failed write clears it so a later commit/hit retries
         self.cache.lock(obj, obj.last_access)
@@ -174,6 +203,60 @@ class StoreController:
         active = self.tiers.active()
         return active[:1] if self.policy == "first" else active
 
+    # --- tenant quotas -------------------------------------------------------------------------
+
+    def _refused_everywhere(self, salt: str) -> bool:
+        """True (refusals noted) when `salt` may store nothing in any target tier and holds
+        nothing there that a write would have to evict."""
+        ledger = self.tiers.ledger
+        targets = self._targets()
+        if ledger is None or not targets:
+            return False
+        for tier in targets:
+            if ledger.limit(salt, tier.name) != 0 or ledger.held(salt, tier.name):
+                return False
+        for tier in targets:
+            ledger.note_refusal(salt, tier.name)
+        self.counters.skipped_quota += 1
+        return True
+
+    async def _admit(self, tier: Tier, salt: str, size: int) -> bool:
+        """Whether a blob of `salt` and `size` bytes may be written to `tier` (module docstring).
+        True: its bytes count as being written until `_written(tier, salt, size)`."""
+        slot = (salt, tier.name)
+        writing = self._writing.get(slot, 0)
+        ledger = self.tiers.ledger
+        limit = None if ledger is None else ledger.limit(salt, tier.name)
+        if ledger is None or limit is None:
+            self._writing[slot] = writing + size
+            return True
+        fits = size + writing <= limit  # once all it holds there is evicted, at the worst
+        over = ledger.held(salt, tier.name) + writing - (limit - size if fits else limit)
+        if fits:
+            self._writing[slot] = writing + size  # before awaiting: concurrent batches see it
+        try:
+            if over > 0:
+                self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
+        except BaseException:
+            if fits:
+                self._written(tier, salt, size)
+            raise
+        if fits and ledger.held(salt, tier.name) + self._writing[slot] <= limit:
+            return True
+        if fits:
+            self._written(tier, salt, size)
+        ledger.note_refusal(salt, tier.name)
+        self.counters.quota_refused += 1
+        return False
+
+    def _written(self, tier: Tier, salt: str, size: int) -> None:
+        slot = (salt, tier.name)
+        left = self._writing[slot] - size
+        if left:
+            self._writing[slot] = left
+        else:
+            del self._writing[slot]
+
     async def _write(self, batch: list[_Pending]) -> None:
         targets = self._targets()
         if not targets:
@@ -182,14 +265,11 @@ class StoreController:
             return
         loop = asyncio.get_running_loop()
         blobs = await loop.run_in_executor(self._executor, self._encode, batch)
+        salts = [item.obj.key.salt for item in batch]
         ok = [False] * len(batch)
         for tier in targets:
-            items = [(blob.key, blob) for blob in blobs]
-            start = time.perf_counter()
-            with tier.use():
-                results = await tier.adapter.store(items)
-            tier.adapter.latency.observe("store_batch", time.perf_counter() - start)
-            for i, result in enumerate(results):
+            admitted, results = await self._store_to(tier, blobs, salts)
+            for i, result in zip(admitted, results, strict=True):
                 if result.ok:
                     ok[i] = True
                 else:
@@ -200,6 +280,26 @@ class StoreController:
                 self.counters.written_bytes += blob.nbytes
             else:
                 item.obj.in_l2 = False
+
+    async def _store_to(
+        self, tier: Tier, blobs: list[codec.EncodedBlob], salts: list[str]
+    ) -> tuple[list[int], list[OpResult]]:
+        """Write the blobs each tenant's quota admits to `tier`: their indices and results."""
+        admitted: list[int] = []
+        with tier.use():
+            try:
+                for i, blob in enumerate(blobs):
+                    if await self._admit(tier, salts[i], blob.nbytes):
+                        admitted.append(i)
+                if not admitted:
+                    return [], []
+                start = time.perf_counter()
+                results = await tier.adapter.store([(blobs[i].key, blobs[i]) for i in admitted])
+                tier.adapter.latency.observe("store_batch", time.perf_counter() - start)
+                return admitted, results
+            finally:
+                for i in admitted:
+                    self._written(tier, salts[i], blobs[i].nbytes)
 
     def _encode(self, batch: list[_Pending]) -> list[codec.EncodedBlob]:
         """In the codec executor: header + checksum (+ FP8/lz4) over the locked L1 bytes."""

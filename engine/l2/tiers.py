@@ -1,11 +1,20 @@
 """L2Tiers: the ordered set of attached L2 adapters, changed at runtime without a restart.
 
-State: name -> Tier (adapter, its config, active/draining, operations in flight). Owned by the
-event loop. Controllers take `active()` at the moment they start an operation and wrap it in
+State: name -> Tier (adapter, its config, active/draining, operations in flight), and the tenant
+ledger the adapters report into (None: no accounting, as in tests of the controllers alone). Owned
+by the event loop. Controllers take `active()` at the moment they start an operation and wrap it in
 `tier.use()`, so a tier being detached is never chosen again and in-flight work is counted.
 
+Tenant accounting: each adapter is given, before it starts, `keys.salt_of` and a hook that turns
+every change of what it holds (storage.base: key, delta bytes, delta objects, evicted) into a
+ledger charge or credit for (salt of the key, adapter name), and an eviction into
+`note_eviction`. So the ledger's figures for a tier are, per tenant, the bytes of the blobs that
+adapter holds (the disk adapter's start reports the blobs it found; Redis: what this sidecar wrote
+and has not seen deleted). When the adapter is detached its hook is unbound first, then the
+ledger forgets the tier, then the adapter closes: a new adapter of the same name starts from zero.
+
 Primitives in call order:
-  add(config)               build and start an adapter; Conflict on a duplicate name
+  add(config)               build, bind the accounting, start; Conflict on a duplicate name
   active()                  the tiers new work may use, in order
   tier.use()                context manager counting an operation in flight
   resize(name, bytes)       runtime capacity change (the adapter evicts when shrinking)
@@ -26,7 +35,9 @@ import structlog
 
 from app.errors import Conflict, NotFound
 from app.settings import AdapterConfig
-from storage.base import L2Adapter
+from engine.keys import salt_of
+from engine.tenants.ledger import TierAccounting
+from storage.base import HoldingsHook, L2Adapter
 
 log = structlog.get_logger("kvdepot.l2")
 
@@ -86,10 +97,16 @@ class Tier:
 
 
 class L2Tiers:
-    def __init__(self, build: Callable[[AdapterConfig], L2Adapter], drain_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        build: Callable[[AdapterConfig], L2Adapter],
+        drain_timeout_s: float = 30.0,
+        ledger: TierAccounting | None = None,
+    ) -> None:
         self._build = build
         self._tiers: dict[str, Tier] = {}
         self.drain_timeout_s = drain_timeout_s
+        self.ledger = ledger
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -112,10 +129,13 @@ class L2Tiers:
         adapter = self._build(config)
         tier = Tier(adapter, config)
         self._tiers[config.name] = tier  # reserve the name before awaiting
+        if self.ledger is not None:
+            adapter.bind_accounting(salt_of, self._hook(config.name, self.ledger))
         try:
             await adapter.start()
         except BaseException:
             del self._tiers[config.name]
+            self._forget(adapter)
             await adapter.close()
             raise
         log.info("l2_adapter_added", name=config.name, type=adapter.kind)
@@ -135,6 +155,7 @@ class L2Tiers:
         if mode == "drain" and not await tier.wait_idle(self.drain_timeout_s):
             log.warning("l2_drain_timeout", name=name, inflight=tier.inflight)
         self._tiers.pop(name, None)
+        self._forget(tier.adapter)
         await tier.adapter.close()
         log.info("l2_adapter_removed", name=name, mode=mode)
 
@@ -143,5 +164,26 @@ class L2Tiers:
             tier.draining = True
         for tier in list(self._tiers.values()):
             await tier.wait_idle(1.0)
+            self._forget(tier.adapter)
             await tier.adapter.close()
         self._tiers.clear()
+
+    # --- tenant accounting ---------------------------------------------------------------------
+
+    @staticmethod
+    def _hook(tier: str, ledger: TierAccounting) -> HoldingsHook:
+        def report(key: str, delta_bytes: int, delta_objects: int, evicted: bool) -> None:
+            salt = salt_of(key)
+            if delta_bytes >= 0 and delta_objects >= 0:
+                ledger.charge(salt, tier, delta_bytes, delta_objects)
+                return
+            ledger.credit(salt, tier, -delta_bytes, -delta_objects)
+            if evicted:
+                ledger.note_eviction(salt, tier, -delta_bytes)
+
+        return report
+
+    def _forget(self, adapter: L2Adapter) -> None:
+        if self.ledger is not None:
+            adapter.unbind_accounting()
+            self.ledger.forget_tier(adapter.name)

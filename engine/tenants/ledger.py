@@ -1,9 +1,11 @@
 """TenantLedger: what each tenant (cache_salt) may hold per tier, what it holds, and its counters.
 
 Role: the one place that knows quotas (and the allowlist mode) and usage per (tenant, tier). L1
-reports into it from L1Cache; an L2 tier reports the same way, through `TierAccounting`, with its
-adapter name as the tier. The quota *check* is the reporting tier's: `limit()` and `held()` are all
-it needs (L1Cache: on reserve, evicting the tenant's own LRU chunks to make room).
+reports into it from L1Cache; each L2 adapter reports the same way, through `TierAccounting`, with
+its adapter name as the tier (the hook L2Tiers binds to it). The quota *check* is the tier's owner's:
+`limit()` and `held()` are all it needs (L1Cache: on reserve, evicting the tenant's own LRU chunks
+to make room; StoreController: before each write-behind, evicting the tenant's own blobs in that
+adapter).
 
 State (owned by the event loop, no locks):
   quotas    salt -> Quota
@@ -23,6 +25,13 @@ Ledger semantics (L1):
   or temporary object. Storing a key that is present is EXISTS and charges nothing. Hence, at all
   times, held(salt, "l1") == the aligned sizes of that salt's objects in the arena, summed, and the
   sum over all salts == the allocator's used bytes.
+
+Ledger semantics (L2, tier = adapter name): a tenant is charged the blob size (header included)
+when the adapter holds the blob (the write returned; the disk adapter's start reports what it
+found), credited when it no longer does (evicted for capacity or quota, deleted, found missing or
+corrupt), charged or credited the difference when a key is written again. Hence held(salt, name)
+== the sizes of that salt's blobs in the adapter, summed (Redis: of what this sidecar wrote and
+has not seen deleted). A detached adapter's tier is forgotten.
 
 Primitives in call order:
   limit(salt, tier) / held(salt, tier)           what may be held (None = unlimited) / what is
@@ -92,7 +101,7 @@ class TenantAccount:
 
 
 class TierAccounting(Protocol):
-    """What a tier reports into the ledger: L1Cache now, an L2 tier with its adapter name later."""
+    """What a tier reports into the ledger: L1Cache as `l1`, each L2 adapter under its name."""
 
     def limit(self, salt: str, tier: str) -> int | None: ...
 

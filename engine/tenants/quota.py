@@ -1,9 +1,10 @@
 """Quota: one tenant's byte limits per tier, and the names every tenant module shares.
 
 A tenant is a `cache_salt`; the empty salt is the default tenant, written `_default` in URLs and
-metric labels. A tier is `l1` or the name of an L2 adapter. `l1_bytes` limits the tenant's bytes
-in L1; `l2_bytes` limits its bytes in each L2 adapter separately (enforced once the L2 tiers report
-into the ledger). None means unlimited; 0 means the tenant stores nothing in that tier.
+metric labels. A tier is `l1` or the name of an L2 adapter (no adapter may be named `l1`).
+`l1_bytes` limits the tenant's bytes in L1 (engine/l1/cache.py); `l2_bytes` limits its bytes in
+each L2 adapter separately (engine/l2/store.py, at write-behind). None means unlimited; 0 means the
+tenant stores nothing in that tier.
 
 Pure values, no state; nothing here imports the rest of the package.
 """

@@ -27,7 +27,6 @@ def run_client(*args: str) -> subprocess.Popen[str]:
     )
 
 
-
 def test_client_process_stores_and_retrieves_identical_bytes(sidecar_factory: StartSidecar) -> None:
     sc = sidecar_factory(env=CHUNK_ENV, l1_size_gb=0.02)
     proc = run_client("store-retrieve", sc.url, "16", "7")

@@ -32,7 +32,6 @@ def env(adapter: dict[str, Any]) -> dict[str, str]:
     }
 
 
-
 def store(c: KVDepotClient, seed: int, chunks: int = 4) -> None:
     toks = request_tokens(seed, chunks)
     assert c.store(toks, [chunk_data(seed, i) for i in range(chunks)], request_id=f"w{seed}").stored == chunks

@@ -19,7 +19,6 @@ CHUNK_BYTES = LAYOUT.chunk_bytes  # 64 KiB; 1 MiB of L1 holds 16 of them
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-
 @pytest.fixture
 def redis_prefix() -> Iterator[str]:
     prefix = f"kvdepot-test-{uuid.uuid4().hex[:8]}:"

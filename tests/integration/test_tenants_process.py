@@ -4,7 +4,6 @@ quota 0, lowered quotas, quotas that survive a restart, and a corrupt quota file
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -12,59 +11,16 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import torch
 
-from app.bench.sidecar import SidecarProcess
-from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
-from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, chunk_data, client, request_tokens
+from tests.integration.dp_client import CHUNK_TOKENS, client
+from tests.integration.tenant_traffic import CHUNK_BYTES, TOKEN, content, http, read, store
 
 CHUNK_ENV = {"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK_TOKENS)}
 NO_L2 = {"KVDEPOT_L2__ADAPTERS": "[]"}
-CHUNK_BYTES = LAYOUT.chunk_bytes  # 64 KiB
-TOKEN = "tenant-test-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def http(sc: SidecarProcess, method: str, path: str, body: Any = None, token: bool = True) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"} | (AUTH if token else {})
-    req = urllib.request.Request(sc.http + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def sequence(which: int, chunks: int) -> list[int]:
-    """The first `chunks` chunks of sequence `which`: every prefix of it shares its chunk hashes."""
-    return request_tokens(which, 8)[: chunks * CHUNK_TOKENS]
-
-
-def content(tag: int, which: int, chunk: int) -> torch.Tensor:
-    """What tenant `tag` stores for chunk `chunk` of sequence `which`: different per tenant."""
-    return chunk_data(1000 * (tag + 1) + which, chunk)
-
-
-def store(c: KVDepotClient, salt: str, tag: int, which: int, chunks: int, rid: str) -> Any:
-    toks = sequence(which, chunks)
-    return c.store(toks, [content(tag, which, i) for i in range(chunks)], request_id=rid, cache_salt=salt)
-
-
-def read(c: KVDepotClient, salt: str, which: int, chunks: int, rid: str) -> list[torch.Tensor]:
-    """Lookup, then retrieve every chunk it found (the client releases the locks)."""
-    hit = c.lookup(sequence(which, chunks), request_id=rid, cache_salt=salt).hit_chunks
-    outs = [torch.empty(CHUNK_BYTES // 2, dtype=torch.float16) for _ in range(hit)]
-    if hit:
-        assert c.retrieve(rid, outs)
-    else:
-        c.end_request(rid)
-    return outs
 
 
 def same(outs: list[torch.Tensor], *, tag: int, which: int) -> list[bool]:

@@ -161,7 +161,7 @@ async def test_start_removes_temp_files_and_deletes_bad_files(make_disk: MakeDis
     first = make_disk()
     for key in ("good", "truncated", "bad-header", "bad-payload"):
         await first.store([(key, blob(key))])
-    paths = {key: Path(first._index[key].path) for key in first.keys_lru()}
+    paths = {key: Path(str(first.path_of(key))) for key in first.keys_lru()}
     await first.close()
 
     leftover = paths["good"].with_name("crashed-mid-write" + diskio.TMP_SUFFIX)
@@ -192,7 +192,7 @@ async def test_start_removes_temp_files_and_deletes_bad_files(make_disk: MakeDis
 async def test_newest_file_of_a_key_wins_at_start(make_disk: MakeDisk, tmp_path: Path) -> None:
     first = make_disk()
     await first.store([("k", blob("k", 100))])
-    old_path = Path(first._index["k"].path)
+    old_path = Path(str(first.path_of("k")))
     old_copy = old_path.with_suffix(".copy")
     os.link(old_path, old_copy)
     await first.store([("k", blob("k", 200))])
@@ -212,8 +212,8 @@ async def test_newest_file_of_a_key_wins_at_start(make_disk: MakeDisk, tmp_path:
 async def test_files_changed_behind_the_adapters_back_are_misses(make_disk: MakeDisk) -> None:
     disk = make_disk()
     await disk.store([("gone", blob("gone")), ("short", blob("short"))])
-    os.unlink(disk._index["gone"].path)
-    short_path = disk._index["short"].path
+    os.unlink(str(disk.path_of("gone")))
+    short_path = str(disk.path_of("short"))
     os.truncate(short_path, 100)
     results = await disk.load(["gone", "short"])
     assert [r.status for r in results] == [Status.MISS, Status.MISS]
@@ -374,10 +374,11 @@ async def test_load_into_returns_other_blobs_whole(make_disk: MakeDisk, o_direct
 @pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
 async def test_load_into_truncated_or_vanished_files_are_misses(make_disk: MakeDisk, o_direct: bool) -> None:
     disk = make_disk(o_direct=o_direct)
-    await disk.store([("gone", blob("gone", 9000)), ("short", blob("short", 9000))])
-    os.unlink(disk._index["gone"].path)
-    short_path = disk._index["short"].path
-    os.truncate(short_path, disk._index["short"].size - 1)
+    short = blob("short", 9000)
+    await disk.store([("gone", blob("gone", 9000)), ("short", short)])
+    os.unlink(str(disk.path_of("gone")))
+    short_path = str(disk.path_of("short"))
+    os.truncate(short_path, short.nbytes - 1)
     outs = [memoryview(bytearray(9000)), memoryview(bytearray(9000))]
     results = await disk.load_into(["gone", "short"], outs)
     assert [r.status for r in results] == [Status.MISS, Status.MISS]
@@ -391,8 +392,8 @@ async def test_load_into_corruption_is_caught(make_disk: MakeDisk, o_direct: boo
     disk = make_disk(o_direct=o_direct)
     size = 3 * MiB
     await disk.store([("payload", blob("payload", size)), ("header", blob("header", size))])
-    flip_byte(disk._index["payload"].path, codec.header_size("payload") + 2 * MiB)
-    flip_byte(disk._index["header"].path, 20)
+    flip_byte(str(disk.path_of("payload")), codec.header_size("payload") + 2 * MiB)
+    flip_byte(str(disk.path_of("header")), 20)
     outs = [bytearray(size), bytearray(size)]
     results = await disk.load_into(["payload", "header"], [memoryview(o) for o in outs])
     assert all(r.ok for r in results)
@@ -402,3 +403,40 @@ async def test_load_into_corruption_is_caught(make_disk: MakeDisk, o_direct: boo
         with pytest.raises(IntegrityError):
             check(result.data, key, FP, out)
     assert results[0].in_place
+
+
+async def test_evict_salt_removes_the_tenants_lru_files_and_a_restart_reports_what_it_found(
+    make_disk: MakeDisk,
+) -> None:
+    def tenant_of(key: str) -> str:
+        return key.split(":", 1)[0]
+
+    reported: list[tuple[str, int, int, bool]] = []
+
+    def hook(key: str, delta_bytes: int, delta_objects: int, evicted: bool) -> None:
+        reported.append((key, delta_bytes, delta_objects, evicted))
+
+    first = make_disk()
+    first.bind_accounting(tenant_of, hook)
+    for k in ("a:0", "b:0", "a:1", "a:2", "b:1"):  # one at a time: the writes of a batch finish in any order
+        await first.store([(k, blob(k, 1000))])
+    one = blob("a:0", 1000).nbytes
+    await first.load(["a:0"])  # a's least recently used: a:1, a:2, then a:0
+    paths = {k: first.path_of(k) for k in first.keys_lru()}
+    assert await first.evict_salt("a", one + 1) == 2 * one
+    assert first.keys_lru() == ["b:0", "b:1", "a:0"]
+    assert not exists(str(paths["a:1"])) and not exists(str(paths["a:2"]))
+    assert exists(str(paths["b:0"])) and exists(str(paths["a:0"]))
+    assert [r for r in reported if r[3]] == [("a:1", -one, -1, True), ("a:2", -one, -1, True)]
+    await first.store([("b:0", blob("b:0", 1500))])  # again, larger: the difference, no new object
+    assert reported[-1] == ("b:0", blob("b:0", 1500).nbytes - one, 0, False)
+    await first.close()
+
+    found: list[tuple[str, int, int, bool]] = []
+    second = make_disk()
+    second.bind_accounting(tenant_of, lambda *change: found.append(change))
+    await second.start()
+    assert sorted(found) == sorted(
+        [("a:0", one, 1, False), ("b:0", blob("b:0", 1500).nbytes, 1, False), ("b:1", one, 1, False)]
+    )
+    assert second.held_per_salt() == {"a": (one, 1), "b": (one + blob("b:0", 1500).nbytes, 2)}

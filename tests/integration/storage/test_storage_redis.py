@@ -151,3 +151,69 @@ async def test_close_ends_operations_in_flight(make_redis: MakeRedis) -> None:
                 await adapter.close()
     assert sorted(answers) == [[Status.ERROR]] + [[Status.ERROR] * 2] * 3
     assert (await adapter.load(["a"]))[0].message == "adapter closed"
+
+
+def tenant_of(key: str) -> str:
+    return key.split(":", 1)[0]
+
+
+class Books:
+    """The owner's side of the accounting hook: bytes and objects per tenant, as reported."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}
+        self.evicted = 0
+
+    def __call__(self, key: str, delta_bytes: int, delta_objects: int, evicted: bool) -> None:
+        figures = self.held.setdefault(tenant_of(key), [0, 0])
+        figures[0] += delta_bytes
+        figures[1] += delta_objects
+        self.evicted += evicted
+
+    def of(self, tenant: str) -> tuple[int, int]:
+        b, n = self.held.get(tenant, [0, 0])
+        return b, n
+
+
+async def redis_truth(raw: Redis, adapter: Any) -> dict[str, tuple[int, int]]:
+    prefix = adapter.config.key_prefix
+    truth: dict[str, tuple[int, int]] = {}
+    async for name in raw.scan_iter(match=f"{prefix}*"):
+        size = await raw.strlen(name)
+        b, n = truth.get(tenant_of(name.decode()[len(prefix) :]), (0, 0))
+        truth[tenant_of(name.decode()[len(prefix) :])] = (b + size, n + 1)
+    return truth
+
+
+async def test_every_change_is_reported_and_evict_salt_unlinks_the_tenants_oldest_writes(
+    make_redis: MakeRedis, raw_redis: Redis
+) -> None:
+    adapter = make_redis(bulk_min_kib=1)  # blobs of 1 KiB and more take the bulk lane
+    books = Books()
+    adapter.bind_accounting(tenant_of, books)
+    first = [(f"a:{i}", blob(f"a:{i}", 600 * (i + 1))) for i in range(4)]
+    assert all(r.ok for r in await adapter.store([*first, ("b:0", blob("b:0", 3000))]))
+    assert all(r.ok for r in await adapter.store([("a:0", blob("a:0", 5000))]))  # again, larger: newest
+    assert books.of("a") == (sum(b.nbytes for _, b in first[1:]) + blob("a:0", 5000).nbytes, 4)
+    assert await redis_truth(raw_redis, adapter) == {"a": books.of("a"), "b": books.of("b")}
+
+    # Oldest written first: a:1 and a:2 cover 1500 bytes; b is never touched; loads change nothing.
+    await adapter.load(["a:1"])
+    freed = await adapter.evict_salt("a", 1500)
+    assert freed == first[1][1].nbytes + first[2][1].nbytes
+    assert [r.status for r in await adapter.contains(["a:1", "a:2", "a:3", "a:0", "b:0"])] == [
+        Status.MISS, Status.MISS, Status.OK, Status.OK, Status.OK,
+    ]  # fmt: skip
+    assert books.evicted == 2 and adapter.stats.evictions == 2
+    assert await redis_truth(raw_redis, adapter) == {"a": books.of("a"), "b": books.of("b")}
+
+    await raw_redis.unlink(adapter.redis_key("a:3"))  # gone behind its back: counted until seen
+    assert books.of("a")[1] == 2
+    assert (await adapter.contains(["a:3"]))[0].status is Status.MISS
+    assert books.of("a") == (blob("a:0", 5000).nbytes, 1)
+    assert await adapter.evict_salt("c", 10) == 0
+    await adapter.delete(["b:0"])
+    assert books.of("b") == (0, 0)
+    adapter.unbind_accounting()
+    await adapter.store([("b:1", blob("b:1"))])
+    assert books.of("b") == (0, 0)  # no longer reported

@@ -131,6 +131,48 @@ async def test_usage_without_a_quota_is_listed(serve: ServeService) -> None:
         ]
 
 
+async def test_usage_and_limits_per_l2_adapter_are_listed_and_in_the_metrics(serve: ServeService) -> None:
+    mocks = [{"type": "mock", "name": "m1"}, {"type": "mock", "name": "shared.redis-like"}]
+    async with serve(SMALL_CHUNKS | {"l2.adapters": mocks}) as running:
+        limit = 2 * PAGE + 400  # two blobs (header + page), not three
+        assert (await running.client.put("/quotas/a", json={"l2_bytes": limit})).status_code == 200
+        l2 = running.service.l2
+        assert l2 is not None
+        store(running.service, "a", 2)
+        store(running.service, "", 1, start=100)
+        assert await l2.store.wait_idle(10)
+        store(running.service, "a", 1, start=200)  # over the quota: evicts a's oldest blob
+        assert await l2.store.wait_idle(10)
+        tenants = {t["tenant"]: t["tiers"] for t in (await running.client.get("/quotas")).json()["tenants"]}
+        assert set(tenants) == {"a", "_default"}
+        blob = tenants["a"]["m1"]["bytes"] // 2
+        assert PAGE < blob < PAGE + 400
+        for name in ("m1", "shared.redis-like"):
+            a = tenants["a"][name]
+            assert (a["limit_bytes"], a["bytes"], a["objects"], a["evictions"]) == (limit, 2 * blob, 2, 1)
+            assert a["evicted_bytes"] == blob
+            assert tenants["_default"][name]["bytes"] == blob - 1  # the empty salt: a shorter key
+        one = (await running.client.get("/quotas/a")).json()["tiers"]
+        assert set(one) == {"l1", "m1", "shared.redis-like"}
+        assert one["l1"]["bytes"] == 3 * PAGE
+        text = (await running.client.get("/metrics")).text
+        samples = {
+            (s.name, s.labels.get("tenant"), s.labels.get("tier")): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name.startswith("kvdepot_tenant_")
+            for s in f.samples
+        }
+        assert samples[("kvdepot_tenant_bytes", "a", "m1")] == 2 * blob
+        assert samples[("kvdepot_tenant_evictions_total", "a", "shared.redis-like")] == 1
+        assert samples[("kvdepot_tenant_quota_bytes", "a", "m1")] == limit
+
+
+async def test_an_adapter_may_not_be_named_like_the_memory_tier(serve: ServeService) -> None:
+    async with serve(SMALL_CHUNKS | {"l2.adapters": [{"type": "mock", "name": "m1"}]}) as running:
+        r = await running.client.post("/l2/adapters", json={"type": "mock", "name": "l1"})
+        assert_error(r, 422, "invalid_input", "l1")
+
+
 # --- bad input: 4xx with a JSON message, never 5xx --------------------------------------------
 
 

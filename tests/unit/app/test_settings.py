@@ -220,3 +220,9 @@ def test_unknown_environment_variable_is_refused(monkeypatch: pytest.MonkeyPatch
 
 def test_alignment_must_be_a_power_of_two() -> None:
     assert "l1.alignment" in config_error({"l1.alignment": 3000})
+
+
+def test_an_l2_adapter_may_not_be_named_like_the_memory_tier() -> None:
+    message = config_error({"l2.adapters": [{"type": "mock", "name": "l1"}]})
+    assert "l2.adapters" in message and "'l1'" in message
+    assert load_settings({"l2.adapters": [{"type": "mock", "name": "L1"}]}).l2.adapters[0].name == "L1"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher, salt_of
 
 # Pinned: these values must never change, or every cache in every tier silently misses after an
 # upgrade (and sidecars of different versions sharing a Redis would disagree).
@@ -86,3 +86,14 @@ def test_parse_rejects_malformed_keys(text: str) -> None:
 def test_layout_refuses_chunk_not_multiple_of_block() -> None:
     with pytest.raises(ValueError, match="multiple"):
         KVLayout("bfloat16", 8, 8, 64, 128, "vllm-cpu", 200)
+
+
+@given(model=st.text(min_size=1, max_size=40), salt=st.text(max_size=60))
+def test_salt_of_reads_the_tenant_of_any_serialized_key(model: str, salt: str) -> None:
+    key = ObjectKey(Namespace(model, b"\x01" * 8, 3, 1), salt, b"\x02" * 32)
+    assert salt_of(key.serialize()) == salt
+
+
+def test_salt_of_a_string_that_is_not_a_key_is_the_default_tenant() -> None:
+    for text in ("", "k0", "a:1", "kvd0/m=x/l=00/r=0/g=0/s=a/h=00", "s=a/h=00"):
+        assert salt_of(text) == ""

@@ -197,3 +197,24 @@ async def test_load_into_needs_one_writable_out_per_key() -> None:
     with pytest.raises(ValueError, match="writable"):
         await adapter.load_into(["a"], [memoryview(b"read-only")])
     await adapter.close()
+
+
+async def test_evict_salt_takes_the_tenants_least_recently_used_and_every_change_is_reported() -> None:
+    changes: list[tuple[str, int, int, bool]] = []
+    adapter = mock()
+    await adapter.store([("a:0", blob("a:0"))])  # held before the hook is bound: reported at binding
+    adapter.bind_accounting(lambda key: key.split(":")[0], lambda *c: changes.append(c))
+    one = blob("a:0").nbytes
+    assert changes == [("a:0", one, 1, False)]
+    await adapter.store([(k, blob(k)) for k in ("b:0", "a:1", "a:2")])
+    await adapter.load(["a:0"])  # a's order: a:1, a:2, a:0
+    await adapter.store([("a:2", blob("a:2", 1500))])  # again: a:2 is now a's newest
+    assert changes[-1] == ("a:2", 500, 0, False)
+    assert await adapter.evict_salt("a", one + 1) == 2 * one  # a:1, then a:0
+    assert adapter.keys_lru() == ["b:0", "a:2"]
+    assert changes[-2:] == [("a:1", -one, -1, True), ("a:0", -one, -1, True)]
+    assert await adapter.evict_salt("nobody", 100) == 0
+    assert adapter.held_per_salt() == {"a": (one + 500, 1), "b": (one, 1)}
+    assert adapter.stats.evictions == 2
+    await adapter.close()  # drops every blob, reported
+    assert sum(c[1] for c in changes) == 0 and sum(c[2] for c in changes) == 0
