@@ -47,7 +47,7 @@ from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
-from engine.l2.tiers import L2Tiers, Tier
+from engine.l2.tiers import L2Tiers, Tier, wait_set
 from engine.results import Registration
 from storage import codec
 from storage.base import OpResult
@@ -118,12 +118,7 @@ class StoreController:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is queued or being written. False on timeout."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout_s)
 
     # --- called synchronously by the facade ----------------------------------------------------
 

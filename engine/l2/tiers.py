@@ -44,6 +44,16 @@ log = structlog.get_logger("kvdepot.l2")
 RemoveMode = Literal["drain", "drop"]
 
 
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until `event` is set; False when `timeout_s` passed first."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 @dataclass(eq=False)
 class Tier:
     adapter: L2Adapter
@@ -71,12 +81,7 @@ class Tier:
                 self._idle.set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout_s)
 
     def describe(self) -> dict[str, Any]:
         usage = self.adapter.usage()
