@@ -6,6 +6,8 @@ and torch, and never on the sidecar's own packages. Modules:
 - `protocol`: message types, error codes, version (the one definition; the sidecar imports it).
 - `errors`:   the exceptions a client raises.
 - `shm`:      mapping the sidecar's shared-memory arena.
-- `client`:   `KVDepotClient` (blocking) and `AsyncKVDepotClient` (asyncio).
+- `session`:  what both clients share (handshake state, copies to and from the arena).
+- `client`:   `KVDepotClient` (blocking); `aio`: `AsyncKVDepotClient` (asyncio).
+- `handles`:  sharing an engine's KV tensors so the sidecar copies itself (CUDA IPC, shared memory).
 - `vllm`:     `KVDepotConnector`, a vLLM v1 KV connector built on the client.
 """

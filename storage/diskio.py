@@ -106,15 +106,16 @@ def _write_all(fd: int, segments: Sequence[codec.Buffer]) -> None:
             views[0] = views[0][written:]
 
 
-def _open_direct(path: str, size: int) -> int | None:
-    """The file opened with O_DIRECT after checking its size; None when it vanished.
-    `_DirectRefused` when the filesystem does not do O_DIRECT."""
+def _open_sized(path: str, size: int, *, direct: bool = False) -> int | None:
+    """The file opened for reading (O_DIRECT when asked) after checking its size; None when it
+    vanished. `_DirectRefused` when the filesystem does not do O_DIRECT."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if direct and exc.errno == errno.EINVAL:
             raise _DirectRefused from None
         raise
     if os.fstat(fd).st_size != size:
@@ -285,13 +286,10 @@ class BlobFiles:
                 return self._read_direct(path, size)
             except _DirectRefused:
                 self._disable_direct("read")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = _open_sized(path, size)
+        if fd is None:
             return None
         try:
-            if os.fstat(fd).st_size != size:
-                raise BadFile(f"{path}: size differs from the index")
             data = os.read(fd, size)
             if len(data) < size:  # a short read: keep going, then join
                 parts = [data]
@@ -317,13 +315,10 @@ class BlobFiles:
                 return self._read_into_direct(path, size, head_len, out)
             except _DirectRefused:
                 self._disable_direct("read")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = _open_sized(path, size)
+        if fd is None:
             return None
         try:
-            if os.fstat(fd).st_size != size:
-                raise BadFile(f"{path}: size differs from the index")
             head = os.pread(fd, head_len, 0)
             if len(head) < head_len:
                 raise BadFile(f"{path}: shorter than the index says")
@@ -354,7 +349,7 @@ class BlobFiles:
     def _read_into_direct(
         self, path: str, size: int, head_len: int, out: memoryview
     ) -> Placed | memoryview | None:
-        fd = _open_direct(path, size)
+        fd = _open_sized(path, size, direct=True)
         if fd is None:
             return None
         try:
@@ -395,7 +390,7 @@ class BlobFiles:
         return head
 
     def _read_direct(self, path: str, size: int) -> memoryview | None:
-        fd = _open_direct(path, size)
+        fd = _open_sized(path, size, direct=True)
         if fd is None:
             return None
         try:
