@@ -5,7 +5,6 @@ matched by id; copies between tensors and the arena run in a thread. Same operat
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,40 +14,19 @@ import zmq.asyncio
 
 from kvdepot_connector import protocol as p
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import R, Session, StoreOutcome, encode_tokens
+from kvdepot_connector.session import ClientBase, R, StoreOutcome, encode_tokens
 from kvdepot_connector.session import check_reply as _check
 
 
-class AsyncKVDepotClient:
+class AsyncKVDepotClient(ClientBase):
     """asyncio client: many requests in flight on one socket, matched by id; copies in a thread."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        model: str,
-        layout: p.Layout,
-        kv_rank: int = 0,
-        group: int = 0,
-        timeout_s: float = 5.0,
-        map_arena: bool = True,
-        name: str = "",
-    ) -> None:
-        self.url = url
-        self.timeout_s = timeout_s
-        self.name = name
-        self._map_arena = map_arena
-        self._session = Session(model, layout, kv_rank, group)
+    def _open_transport(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
-        self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[p.Reply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._handshake_lock = asyncio.Lock()
-
-    @property
-    def engine_id(self) -> int:
-        return self._session.engine_id
 
     async def connect(self) -> AsyncKVDepotClient:
         await self._handshake()
@@ -87,9 +65,7 @@ class AsyncKVDepotClient:
         async with self._handshake_lock:
             s = self._session
             hello = _check(
-                await self._raw_call(
-                    p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, client=self.name)
-                ),
+                await self._raw_call(self._hello()),
                 p.HelloReply,
             )
             s.accept_hello(hello, self._map_arena)

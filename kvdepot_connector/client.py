@@ -17,7 +17,6 @@ an old id is unknown to it) is re-handshaken transparently on the next call.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -29,50 +28,22 @@ import zmq
 from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import R, Session, StoreOutcome, encode_tokens
+from kvdepot_connector.session import ClientBase, R, StoreOutcome, encode_tokens
 from kvdepot_connector.session import check_reply as _check
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "StoreOutcome", "encode_tokens"]
 
 
-class KVDepotClient:
+class KVDepotClient(ClientBase):
     """Blocking client. Thread-safe: one request at a time per client."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        model: str,
-        layout: p.Layout,
-        kv_rank: int = 0,
-        group: int = 0,
-        timeout_s: float = 5.0,
-        map_arena: bool = True,
-        name: str = "",
-    ) -> None:
-        self.url = url
-        self.timeout_ms = int(timeout_s * 1000)
-        self.name = name
-        self._map_arena = map_arena
-        self._session = Session(model, layout, kv_rank, group)
+    def _open_transport(self) -> None:
+        self.timeout_ms = int(self.timeout_s * 1000)
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
-        self._ids = itertools.count(1)
         self._lock = threading.RLock()
 
     # --- connection ----------------------------------------------------------------------------
-
-    @property
-    def engine_id(self) -> int:
-        return self._session.engine_id
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._session.chunk_bytes
-
-    @property
-    def chunk_size(self) -> int:
-        return self._session.layout.chunk_size
 
     def connect(self) -> KVDepotClient:
         with self._lock:
@@ -110,7 +81,7 @@ class KVDepotClient:
     def _handshake(self) -> None:
         s = self._session
         hello = _check(
-            self._raw_call(p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, client=self.name)),
+            self._raw_call(self._hello()),
             p.HelloReply,
         )
         s.accept_hello(hello, self._map_arena)

@@ -4,6 +4,7 @@ between the caller's tensors and the arena, and reply checking. No I/O here: the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -128,3 +129,46 @@ def check_reply(reply: p.Reply, expected: type[R]) -> R:
     if not isinstance(reply, expected):
         raise SidecarError("internal", f"expected {expected.__name__}, got {type(reply).__name__}", False)
     return reply
+
+
+class ClientBase:
+    """Identity and handshake state common to both clients; each adds its own transport."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        layout: p.Layout,
+        kv_rank: int = 0,
+        group: int = 0,
+        timeout_s: float = 5.0,
+        map_arena: bool = True,
+        name: str = "",
+    ) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.name = name
+        self._map_arena = map_arena
+        self._session = Session(model, layout, kv_rank, group)
+        self._ids = itertools.count(1)
+        self._open_transport()
+
+    def _open_transport(self) -> None:
+        """The subclass's sockets and locks (nothing connects yet)."""
+        raise NotImplementedError
+
+    @property
+    def engine_id(self) -> int:
+        return self._session.engine_id
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._session.chunk_bytes
+
+    @property
+    def chunk_size(self) -> int:
+        return self._session.layout.chunk_size
+
+    def _hello(self) -> p.Hello:
+        return p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, client=self.name)
