@@ -206,10 +206,12 @@ class DataPlaneServer:
     # --- dispatch ------------------------------------------------------------------------------
 
     def handle(self, frame: bytes) -> bytes | Awaitable[bytes]:
-        """The reply to one frame; an awaitable when the answer has to wait (LOOKUP with wait)."""
+        """The reply to one frame; an awaitable when the answer has to wait (LOOKUP with wait,
+        LOAD_BLOCKS, SAVE_BLOCKS). Latency is observed when the reply is ready, awaited or not."""
         start = time.perf_counter()
         op = "malformed"
         rid = -1
+        pending: Awaitable[p.Reply] | None = None
         try:
             if len(frame) > self.max_frame_bytes:
                 raise InvalidInput(f"frame of {len(frame)} bytes exceeds {self.max_frame_bytes}")
@@ -220,29 +222,34 @@ class DataPlaneServer:
                 return self._error(rid, p.ErrorCode.MALFORMED_FRAME, str(exc)[:300], op)
             rid = msg.id
             op = _TAGS[type(msg)]
-            structlog.contextvars.bind_contextvars(op=op, rid=rid)
-            reply = self._handlers[type(msg)](msg)
+            with structlog.contextvars.bound_contextvars(op=op, rid=rid):
+                reply = self._handlers[type(msg)](msg)
             if isinstance(reply, msgspec.Struct):
                 return p.encode(reply)
-            return self._finish_later(rid, op, reply)
+            pending = reply
+            return self._finish_later(rid, op, pending, start)
         except KVDepotError as exc:
             return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("dataplane_handler_failed", op=op)
             return self._error(rid, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], op)
         finally:
-            structlog.contextvars.unbind_contextvars("op", "rid")
-            if self.metrics is not None:
+            if pending is None and self.metrics is not None:
                 self.metrics.observe(op, time.perf_counter() - start)
 
-    async def _finish_later(self, rid: int, op: str, pending: Awaitable[p.Reply]) -> bytes:
+    async def _finish_later(self, rid: int, op: str, pending: Awaitable[p.Reply], start: float) -> bytes:
+        """The awaited part of a handler, under the same log context, timed from the frame's arrival."""
         try:
-            return p.encode(await pending)
+            with structlog.contextvars.bound_contextvars(op=op, rid=rid):
+                return p.encode(await pending)
         except KVDepotError as exc:
             return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
         except Exception as exc:
             log.exception("dataplane_handler_failed", op=op)
             return self._error(rid, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], op)
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(op, time.perf_counter() - start)
 
     def _error(
         self, rid: int, code: p.ErrorCode, message: str, op: str = "malformed", retryable: bool = False

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
+import structlog
+from prometheus_client import CollectorRegistry
 
 from api.dataplane.server import DataPlaneServer
+from api.metrics import DataPlaneMetrics
+from app.settings import AdapterConfig, MockAdapterConfig
 from engine.facade import CacheEngine
 from kvdepot_connector import protocol as p
-from tests.factories import engine, tokens
+from storage.base import L2Adapter
+from storage.mock import MockAdapter
+from tests.factories import engine, l2_engine, tokens
 
 CHUNK = 16
 LAYOUT = p.Layout(dtype="float16", num_layers=2, num_kv_heads=1, head_dim=32, block_size=16, kind="test",
@@ -152,3 +160,78 @@ def test_fuzzed_frames_get_replies_and_change_nothing(server: DataPlaneServer) -
         server, p.Lookup(id=1, engine_id=eid, request_id="again", tokens=tokens(3 * CHUNK, start=1000))
     )
     assert isinstance(look, p.LookupReply) and look.hit_chunks == 3
+
+
+# --- replies that wait ---------------------------------------------------------------------------
+
+
+def build_mock(config: AdapterConfig) -> L2Adapter:
+    assert isinstance(config, MockAdapterConfig)
+    return MockAdapter(config)
+
+
+def latency_sum(registry: CollectorRegistry, op: str) -> float:
+    return registry.get_sample_value("kvdepot_dataplane_request_seconds_sum", {"op": op}) or 0.0
+
+
+@pytest.mark.anyio
+async def test_a_lookup_waiting_for_l2_is_timed_to_its_reply() -> None:
+    latency_s = 0.2
+    slow = [MockAdapterConfig(name="slow", latency_ms=latency_s * 1000)]
+    async with l2_engine(64 * 4096, slow, build_mock, chunk_size=CHUNK) as (eng, _):
+        registry = CollectorRegistry()
+        server = DataPlaneServer(
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+            metrics=DataPlaneMetrics(registry),
+        )  # fmt: skip
+        eid = register(server)
+        toks = tokens(2 * CHUNK)
+        stored = call(server, p.Store(id=2, engine_id=eid, request_id="w", tokens=toks))
+        assert isinstance(stored, p.StoreReply)
+        call(server, p.Commit(id=3, engine_id=eid, oids=[s.oid for s in stored.slots]))
+        assert eng.l2 is not None and await eng.l2.store.wait_idle(10)
+        eng.clear()  # L1 only: the chunks are now in L2 alone
+        before = latency_sum(registry, "lookup")
+
+        lookup = p.Lookup(id=4, engine_id=eid, request_id="r", tokens=toks, wait=True)
+        pending = server.handle(p.encode(lookup))
+        assert not isinstance(pending, bytes)  # the reply waits for the prefetch
+        reply = p.reply_decoder.decode(await pending)
+
+        assert isinstance(reply, p.LookupReply) and reply.hit_chunks == 2
+        assert latency_sum(registry, "lookup") - before >= latency_s
+
+
+class SlowTransfers:
+    """Stands in for the sidecar's KV copies: each load takes `seconds` and notes the log context
+    it ran under."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.contexts: list[dict[str, Any]] = []
+
+    async def load(self, engine_id: int, request_id: str, **_: Any) -> bool:
+        await asyncio.sleep(self.seconds)  # the copy's duration, not a synchronisation
+        self.contexts.append(structlog.contextvars.get_contextvars())
+        return True
+
+
+@pytest.mark.anyio
+async def test_an_awaited_handler_runs_in_its_log_context_and_is_timed_whole() -> None:
+    with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
+        registry = CollectorRegistry()
+        transfers = SlowTransfers(0.05)
+        server = DataPlaneServer(
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+            metrics=DataPlaneMetrics(registry), transfers=transfers,  # type: ignore[arg-type]
+        )  # fmt: skip
+        load = p.LoadBlocks(id=9, engine_id=1, request_id="r", first_chunk=0, num_chunks=1, block_ids=[0])
+        pending = server.handle(p.encode(load))
+        assert isinstance(pending, Awaitable)
+        assert structlog.contextvars.get_contextvars() == {}  # nothing leaks out of handle()
+        reply = p.reply_decoder.decode(await pending)
+
+        assert isinstance(reply, p.ReleaseReply) and reply.valid
+        assert transfers.contexts == [{"op": "load_blocks", "rid": 9}]
+        assert structlog.contextvars.get_contextvars() == {}
+        assert latency_sum(registry, "load_blocks") >= transfers.seconds
