@@ -1,12 +1,15 @@
 """The one error hierarchy of kvdepot.
 
 Every error the core raises is a `KVDepotError` subclass with a stable string `code` and a
-`retryable` flag. The core never raises transport errors: api/ maps these classes to HTTP statuses
-(api/http/errors.py) and to data-plane error codes (api/dataplane/errors.py), each in one place.
-Nothing here imports anything else from the package.
+`retryable` flag, both given in the class statement (`class NotFound(KVDepotError, code=...)`); a
+subclass that names neither keeps its base's. The core never raises transport errors: api/ maps
+these classes to HTTP statuses (api/http/errors.py) and to data-plane error codes
+(api/dataplane/errors.py), each in one place. Nothing here imports anything else from the package.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class KVDepotError(Exception):
@@ -14,6 +17,13 @@ class KVDepotError(Exception):
 
     code: str = "internal"
     retryable: bool = False
+
+    def __init_subclass__(cls, *, code: str | None = None, retryable: bool | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if code is not None:
+            cls.code = code
+        if retryable is not None:
+            cls.retryable = retryable
 
     def __init__(self, message: str, *, retryable: bool | None = None) -> None:
         super().__init__(message)
@@ -25,97 +35,49 @@ class KVDepotError(Exception):
         return self.message
 
 
-class ConfigError(KVDepotError):
+class ConfigError(KVDepotError, code="config"):
     """A setting is invalid or cannot be honoured (bad value, port in use, unknown key)."""
 
-    code = "config"
 
-
-class InvalidInput(KVDepotError):
+class InvalidInput(KVDepotError, code="invalid_input"):
     """A request is well-formed but its values are not acceptable."""
 
-    code = "invalid_input"
 
-
-class ProtocolError(KVDepotError):
+class ProtocolError(KVDepotError, code="protocol"):
     """A data-plane frame could not be decoded or violates the protocol."""
 
-    code = "protocol"
+
+class UnsupportedVersion(ProtocolError, code="unsupported_version"):
+    """A client speaks a protocol version the sidecar does not."""
 
 
-class Unauthorized(KVDepotError):
+class Unauthorized(KVDepotError, code="unauthorized"):
     """A mutating call without the admin token."""
 
-    code = "unauthorized"
 
-
-class NotFound(KVDepotError):
+class NotFound(KVDepotError, code="not_found"):
     """The named thing (adapter, quota, request) does not exist."""
 
-    code = "not_found"
 
-
-class Conflict(KVDepotError):
+class Conflict(KVDepotError, code="conflict"):
     """The thing already exists or is in a state that forbids the operation."""
 
-    code = "conflict"
 
-
-class NotRegistered(KVDepotError):
+class NotRegistered(KVDepotError, code="not_registered", retryable=True):
     """A data-plane call referred to an engine that never registered (or the sidecar restarted)."""
 
-    code = "not_registered"
-    retryable = True
 
-
-class CapacityError(KVDepotError):
-    """No room can be made in a tier."""
-
-    code = "no_space"
-    retryable = True
-
-
-class QuotaExceeded(KVDepotError):
-    """A tenant's quota forbids the operation."""
-
-    code = "quota_exceeded"
-
-
-class LeaseExpired(KVDepotError):
+class LeaseExpired(KVDepotError, code="lease_expired"):
     """A write reservation or read lock outlived its lease; its memory may have been reused."""
 
-    code = "lease_expired"
 
-
-class Overloaded(KVDepotError):
-    """A bounded queue is full; the work was refused."""
-
-    code = "overloaded"
-    retryable = True
-
-
-class BackendError(KVDepotError):
+class BackendError(KVDepotError, code="backend", retryable=True):
     """An L2 backend failed (I/O error, connection refused, timeout)."""
 
-    code = "backend"
-    retryable = True
 
-
-class IntegrityError(KVDepotError):
+class IntegrityError(KVDepotError, code="integrity"):
     """Stored bytes failed their integrity check; they are never returned."""
 
-    code = "integrity"
 
-
-class TransferError(KVDepotError):
+class TransferError(KVDepotError, code="transfer", retryable=True):
     """A copy between device memory and L1 failed."""
-
-    code = "transfer"
-    retryable = True
-
-
-class ShuttingDown(KVDepotError):
-    """The service is stopping and accepts no new work."""
-
-    code = "shutting_down"
-    retryable = True

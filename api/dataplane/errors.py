@@ -8,13 +8,10 @@ from kvdepot_connector.protocol import ErrorCode
 _CODES: dict[type[e.KVDepotError], ErrorCode] = {
     e.InvalidInput: ErrorCode.INVALID_INPUT,
     e.ProtocolError: ErrorCode.MALFORMED_FRAME,
+    e.UnsupportedVersion: ErrorCode.UNSUPPORTED_VERSION,
     e.NotRegistered: ErrorCode.NOT_REGISTERED,
     e.NotFound: ErrorCode.NOT_FOUND,
     e.LeaseExpired: ErrorCode.LEASE_EXPIRED,
-    e.CapacityError: ErrorCode.NO_SPACE,
-    e.QuotaExceeded: ErrorCode.QUOTA_EXCEEDED,
-    e.Overloaded: ErrorCode.OVERLOADED,
-    e.ShuttingDown: ErrorCode.SHUTTING_DOWN,
 }
 
 

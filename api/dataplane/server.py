@@ -6,7 +6,10 @@ objects are visible and the next LOOKUP from anyone sees them.
 
 Every frame is decoded against the protocol's tagged union with bounds on every field; anything
 that fails (garbage, unknown op, wrong types, absurd sizes) gets an ErrorReply and changes nothing.
-An unexpected exception in a handler is logged and answered with code `internal`; the loop goes on.
+Every error reply is made in one place, `_error`: the error's class gives its wire code
+(api/dataplane/errors.py) and the error counter counts it. An unexpected exception in a handler is
+logged and answered with code `internal`; the loop goes on. A handler that has to wait returns an
+awaitable, answered later; its latency is observed and its log context bound until it is done.
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),
 `handle(frame) -> reply bytes` (pure; also what tests and the fuzzer drive), `stop()`.
@@ -29,7 +32,7 @@ import zmq
 from api.dataplane.errors import wire_code
 from api.metrics import DataPlaneMetrics
 from app import __version__
-from app.errors import ConfigError, InvalidInput, KVDepotError
+from app.errors import ConfigError, InvalidInput, KVDepotError, ProtocolError, UnsupportedVersion
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult
@@ -153,7 +156,7 @@ class DataPlaneServer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 2:
                     if frames:
-                        error = self._error(-1, p.ErrorCode.MALFORMED_FRAME, "expected exactly one frame")
+                        error = self._error(-1, "malformed", ProtocolError("expected exactly one frame"))
                         self._send(sock, [frames[0], error])
                     continue
                 reply = self.handle(frames[1])
@@ -182,9 +185,6 @@ class DataPlaneServer:
         task = asyncio.get_running_loop().create_task(send_later(), name="dataplane-deferred-reply")
         self._deferred.add(task)
         task.add_done_callback(self._deferred.discard)
-
-    def stopping(self) -> bool:
-        return self._closing
 
     def stop(self) -> None:
         """Stop accepting: `serve` returns."""
@@ -219,7 +219,7 @@ class DataPlaneServer:
                 msg = p.request_decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 rid = p.salvage_id(frame)
-                return self._error(rid, p.ErrorCode.MALFORMED_FRAME, str(exc)[:300], op)
+                raise ProtocolError(str(exc)[:300]) from None
             rid = msg.id
             op = _TAGS[type(msg)]
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
@@ -228,11 +228,8 @@ class DataPlaneServer:
                 return p.encode(reply)
             pending = reply
             return self._finish_later(rid, op, pending, start)
-        except KVDepotError as exc:
-            return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
-        except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("dataplane_handler_failed", op=op)
-            return self._error(rid, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], op)
+        except Exception as exc:
+            return self._error(rid, op, exc)
         finally:
             if pending is None and self.metrics is not None:
                 self.metrics.observe(op, time.perf_counter() - start)
@@ -242,18 +239,20 @@ class DataPlaneServer:
         try:
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
                 return p.encode(await pending)
-        except KVDepotError as exc:
-            return self._error(rid, wire_code(exc), exc.message, op, exc.retryable)
         except Exception as exc:
-            log.exception("dataplane_handler_failed", op=op)
-            return self._error(rid, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], op)
+            return self._error(rid, op, exc)
         finally:
             if self.metrics is not None:
                 self.metrics.observe(op, time.perf_counter() - start)
 
-    def _error(
-        self, rid: int, code: p.ErrorCode, message: str, op: str = "malformed", retryable: bool = False
-    ) -> bytes:
+    def _error(self, rid: int, op: str, exc: Exception) -> bytes:
+        """The one way an error becomes a reply: the class's data-plane code, counted. Anything
+        but a KVDepotError is a bug: logged, answered with `internal`, and the loop goes on."""
+        if isinstance(exc, KVDepotError):
+            code, message, retryable = wire_code(exc), exc.message, exc.retryable
+        else:
+            log.error("dataplane_handler_failed", op=op, exc_info=exc)
+            code, message, retryable = p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], False
         if self.metrics is not None:
             self.metrics.error(op, code)
         return p.encode(p.ErrorReply(id=rid, code=code.value, message=message, retryable=retryable))
@@ -273,11 +272,7 @@ class DataPlaneServer:
 
     def _hello(self, m: p.Hello) -> p.Reply:
         if m.version != p.PROTOCOL_VERSION:
-            return p.ErrorReply(
-                id=m.id,
-                code=p.ErrorCode.UNSUPPORTED_VERSION.value,
-                message=f"sidecar speaks protocol {p.PROTOCOL_VERSION}, client {m.version}",
-            )
+            raise UnsupportedVersion(f"sidecar speaks protocol {p.PROTOCOL_VERSION}, client {m.version}")
         arena = self.engine.arena
         return p.HelloReply(
             id=m.id,

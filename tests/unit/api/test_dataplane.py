@@ -65,12 +65,21 @@ def store_and_check(server: DataPlaneServer, eid: int, seed: int) -> None:
     assert isinstance(rel, p.ReleaseReply) and rel.valid
 
 
+def errors_counted(registry: CollectorRegistry, op: str, code: str) -> float:
+    return registry.get_sample_value("kvdepot_dataplane_errors_total", {"op": op, "code": code}) or 0.0
+
+
 def test_hello_and_version_check(server: DataPlaneServer) -> None:
+    registry = CollectorRegistry()
+    server.metrics = DataPlaneMetrics(registry)
     hello = call(server, p.Hello(id=7, version=p.PROTOCOL_VERSION))
     assert isinstance(hello, p.HelloReply)
     assert (hello.id, hello.chunk_size, hello.arena_name) == (7, CHUNK, server.engine.arena.name)
     bad = call(server, p.Hello(id=8, version=99))
-    assert isinstance(bad, p.ErrorReply) and bad.code == "unsupported_version"
+    assert isinstance(bad, p.ErrorReply)
+    assert (bad.id, bad.code, bad.retryable) == (8, "unsupported_version", False)
+    assert "protocol 99" in bad.message or "client 99" in bad.message
+    assert errors_counted(registry, "hello", "unsupported_version") == 1
 
 
 def test_full_round_trip(server: DataPlaneServer) -> None:
@@ -103,6 +112,8 @@ def test_token_bytes_are_validated(server: DataPlaneServer) -> None:
 
 
 def test_undecodable_frames_get_malformed_frame_with_salvaged_id(server: DataPlaneServer) -> None:
+    registry = CollectorRegistry()
+    server.metrics = DataPlaneMetrics(registry)
     reply = p.reply_decoder.decode(server.handle(msgspec.msgpack.encode({"id": 42, "op": "nope"})))
     assert isinstance(reply, p.ErrorReply)
     assert (reply.id, reply.code) == (42, "malformed_frame")
@@ -111,6 +122,7 @@ def test_undecodable_frames_get_malformed_frame_with_salvaged_id(server: DataPla
     extra = msgspec.msgpack.encode({"op": "ping", "id": 1, "pickle": b"cos\nsystem\n"})
     reply = p.reply_decoder.decode(server.handle(extra))
     assert isinstance(reply, p.ErrorReply) and reply.code == "malformed_frame"
+    assert errors_counted(registry, "malformed", "malformed_frame") == 3
 
 
 def _hostile_frames(rng: random.Random, valid: list[bytes]) -> Iterator[bytes]:
