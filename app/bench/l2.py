@@ -33,16 +33,18 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from app.main import Service
-from app.settings import load_settings
+from app.settings import Settings, load_settings
 from engine.facade import CacheEngine
-from engine.keys import KVLayout, TokenHasher
-from engine.results import SlotStatus
+from engine.keys import KVLayout
+from engine.results import SlotStatus, StoreSlot
+from kvdepot_connector.client import encode_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,16 +139,39 @@ def _memory_baseline(chunks: list[bytes]) -> tuple[float, float]:
     return store_s, time.perf_counter() - start
 
 
-async def _through_controllers(
-    args: argparse.Namespace,
-    workdir: Path,
-    adapter: dict[str, Any],
-    server_cpu: Callable[[], Awaitable[float]] | None = None,
-) -> dict[str, Any]:
-    layout = KVLayout("float16", args.layers, args.kv_heads, args.head_dim, args.chunk_tokens, "layer-kv",
-                      args.chunk_tokens)  # fmt: skip
+@dataclass
+class _Written:
+    """One request's tokens, the L1 slots its chunks were written to, and the bytes written."""
+
+    tokens: bytes
+    slots: list[StoreSlot]
+    payloads: list[bytes]
+
+
+class _CpuProbe:
+    """The server's CPU seconds at each mark (none without a probe), for the time between marks."""
+
+    def __init__(self, read: Callable[[], Awaitable[float]] | None) -> None:
+        self._read = read
+        self.marks: list[float] = []
+
+    async def mark(self) -> None:
+        if self._read is not None:
+            self.marks.append(await self._read())
+
+    def phases(self) -> dict[str, float]:
+        m = self.marks
+        return {"store": round(m[1] - m[0], 3), "load": round(m[2] - m[1], 3)} if m else {}
+
+
+def _layout(args: argparse.Namespace) -> KVLayout:
+    return KVLayout("float16", args.layers, args.kv_heads, args.head_dim, args.chunk_tokens, "layer-kv",
+                    args.chunk_tokens)  # fmt: skip
+
+
+def _settings(args: argparse.Namespace, workdir: Path, adapter: dict[str, Any], layout: KVLayout) -> Settings:
     n_chunks = args.requests * args.chunks_per_request
-    settings = load_settings(
+    return load_settings(
         {
             "data_dir": workdir / "data", "http.port": 0, "l1.chunk_size": args.chunk_tokens,
             "l1.size_gb": layout.chunk_bytes * n_chunks * 1.3 / (1 << 30) + 0.05,
@@ -154,71 +179,94 @@ async def _through_controllers(
             "data_plane.url": f"ipc://{workdir}/bench.sock",
         }
     )  # fmt: skip
-    service = Service(settings)
+
+
+def _fill(engine: CacheEngine, eid: int, args: argparse.Namespace) -> list[_Written]:
+    """Reserve every request's chunks in L1 and fill them with random bytes (not committed yet)."""
+    gen = torch.Generator().manual_seed(0)
+    requests = []
+    for r in range(args.requests):
+        ids = torch.randint(0, 50_000, (args.chunks_per_request * args.chunk_tokens,), generator=gen)
+        tokens = encode_tokens(ids.tolist())
+        slots = engine.store(eid, f"w{r}", tokens, "")
+        if any(s.status is not SlotStatus.RESERVED for s in slots):
+            raise RuntimeError("L1 too small for the benchmark")
+        for s in slots:
+            engine.arena.tensor(s.offset, s.size).copy_(
+                torch.randint(0, 256, (s.size,), dtype=torch.uint8, generator=gen)
+            )
+        requests.append(_Written(tokens, slots, [bytes(engine.arena.view(s.offset, s.size)) for s in slots]))
+    return requests
+
+
+async def _time_store(engine: CacheEngine, eid: int, requests: list[_Written]) -> tuple[float, int]:
+    """Commit everything (queued for write-behind); seconds until the store controller is idle,
+    and the chunks it wrote."""
+    assert engine.l2 is not None
+    start = time.perf_counter()
+    for req in requests:
+        engine.commit(eid, [s.oid for s in req.slots])
+    if not await engine.l2.store.wait_idle(600):
+        raise RuntimeError("write-behind did not finish")
+    return time.perf_counter() - start, engine.l2.store.counters.written
+
+
+async def _time_load(engine: CacheEngine, eid: int, requests: list[_Written]) -> tuple[float, list[int]]:
+    """Look every request up again (L1 is empty); seconds until every prefetch is done, and the
+    chunks each request then hits."""
+    start = time.perf_counter()
+    for r, req in enumerate(requests):
+        engine.lookup(eid, f"r{r}", req.tokens, "")
+    hits = [(await engine.wait_prefetch(eid, f"r{r}")).hit_chunks for r in range(len(requests))]
+    return time.perf_counter() - start, hits
+
+
+async def _through_controllers(
+    args: argparse.Namespace,
+    workdir: Path,
+    adapter: dict[str, Any],
+    server_cpu: Callable[[], Awaitable[float]] | None = None,
+) -> dict[str, Any]:
+    layout = _layout(args)
+    n_chunks = args.requests * args.chunks_per_request
+    service = Service(_settings(args, workdir, adapter, layout))
     service.build()
     runner = asyncio.get_running_loop().create_task(service.run())
     try:
         await _wait_ready(service)
         engine = service.engine
         assert engine is not None
-        assert engine.l2 is not None
         eid = engine.register("bench-model", layout).engine_id
-        gen = torch.Generator().manual_seed(0)
-        requests = []
-        for r in range(args.requests):
-            tokens = TokenHasher.encode_tokens(
-                torch.randint(
-                    0, 50_000, (args.chunks_per_request * args.chunk_tokens,), generator=gen
-                ).tolist()
-            )
-            slots = engine.store(eid, f"w{r}", tokens, "")
-            if any(s.status is not SlotStatus.RESERVED for s in slots):
-                raise RuntimeError("L1 too small for the benchmark")
-            for s in slots:
-                engine.arena.tensor(s.offset, s.size).copy_(
-                    torch.randint(0, 256, (s.size,), dtype=torch.uint8, generator=gen)
-                )
-            requests.append((tokens, slots, [bytes(engine.arena.view(s.offset, s.size)) for s in slots]))
+        requests = _fill(engine, eid, args)
 
         # What the process holds by now (torch, the app, the payloads) is moved out of the
         # collector's reach: a full collection over it (~0.1 s) must not land in a timed phase.
         gc.collect()
         gc.freeze()
-        cpu = [await server_cpu()] if server_cpu else []
-        start = time.perf_counter()
-        for _, slots, _ in requests:
-            engine.commit(eid, [s.oid for s in slots])
-        if not await engine.l2.store.wait_idle(600):
-            raise RuntimeError("write-behind did not finish")
-        store_s = time.perf_counter() - start
-        written = engine.l2.store.counters.written
-
+        cpu = _CpuProbe(server_cpu)
+        await cpu.mark()
+        store_s, written = await _time_store(engine, eid, requests)
         engine.clear()
-        cpu += [await server_cpu()] if server_cpu else []
-        start = time.perf_counter()
-        for r, (tokens, _, _) in enumerate(requests):
-            engine.lookup(eid, f"r{r}", tokens, "")
-        hits = [(await engine.wait_prefetch(eid, f"r{r}")).hit_chunks for r in range(len(requests))]
-        load_s = time.perf_counter() - start
-        cpu += [await server_cpu()] if server_cpu else []
+        await cpu.mark()
+        load_s, hits = await _time_load(engine, eid, requests)
+        await cpu.mark()
         ok = written == n_chunks and all(h == args.chunks_per_request for h in hits)
         ok = ok and _identical(engine, eid, requests)
-        payloads = [p for _, _, ps in requests for p in ps]
-        server = {"store": round(cpu[1] - cpu[0], 3), "load": round(cpu[2] - cpu[1], 3)} if cpu else {}
         return {"store_s": store_s, "load_s": load_s, "ok": ok, "chunks": n_chunks,
-                "chunk_bytes": layout.chunk_bytes, "payloads": payloads, "written": written,
-                "hit_chunks": sum(hits), "server_cpu_s": server}  # fmt: skip
+                "chunk_bytes": layout.chunk_bytes, "payloads": [p for req in requests for p in req.payloads],
+                "written": written, "hit_chunks": sum(hits), "server_cpu_s": cpu.phases()}  # fmt: skip
     finally:
         gc.unfreeze()
         service.request_stop()
         await runner
 
 
-def _identical(engine: CacheEngine, eid: int, requests: list[tuple[bytes, Any, list[bytes]]]) -> bool:
-    for r, (_, _, payloads) in enumerate(requests):
-        extents = engine.retrieve(eid, f"r{r}", 0, len(payloads))
+def _identical(engine: CacheEngine, eid: int, requests: list[_Written]) -> bool:
+    for r, req in enumerate(requests):
+        extents = engine.retrieve(eid, f"r{r}", 0, len(req.payloads))
         if any(
-            bytes(engine.arena.view(e.offset, e.size)) != p for e, p in zip(extents, payloads, strict=True)
+            bytes(engine.arena.view(e.offset, e.size)) != p
+            for e, p in zip(extents, req.payloads, strict=True)
         ):
             return False
         engine.release(eid, f"r{r}")
@@ -233,33 +281,36 @@ async def _wait_ready(service: Service) -> None:
     raise RuntimeError(f"service not ready: {service.not_ready()}")
 
 
-def run(args: argparse.Namespace) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="kvdepot-bench-l2-", dir=args.dir))
-    prefix = f"kvdepot-bench-{uuid.uuid4().hex[:8]}:"
-    adapter: dict[str, Any] = {
+def _adapter(args: argparse.Namespace, workdir: Path, prefix: str) -> dict[str, Any]:
+    adapters: dict[str, dict[str, Any]] = {
         "disk": {"type": "disk", "name": "disk", "paths": [str(workdir / "l2")], "capacity_gb": 64},
         "redis": {"type": "redis", "name": "redis", "url": args.redis_url, "key_prefix": prefix},
         "mock": {"type": "mock", "name": "mock", "capacity_gb": 64},
-    }[args.adapter]
-    url = args.redis_url
-    probe = (lambda: _redis_cpu(url)) if args.adapter == "redis" else None
-    try:
-        got = asyncio.run(_through_controllers(args, workdir, adapter, probe))
-        payloads: list[bytes] = got.pop("payloads")
-        if args.adapter == "disk":
-            base_store_s, base_load_s = _disk_baseline(workdir / "baseline", payloads)
-        elif args.adapter == "redis":
-            base_store_s, base_load_s = _redis_baseline(args.redis_url, payloads, got["server_cpu_s"])
-        else:
-            base_store_s, base_load_s = _memory_baseline(payloads)
-    finally:
-        if args.adapter == "redis":
-            import redis
+    }
+    return adapters[args.adapter]
 
-            with redis.Redis.from_url(args.redis_url) as r:
-                for key in r.scan_iter(match=prefix + "*"):
-                    r.unlink(key)
-        shutil.rmtree(workdir, ignore_errors=True)
+
+def _baseline(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -> tuple[float, float]:
+    """The plain baseline's store and load seconds on the same bytes (see the module docstring)."""
+    payloads: list[bytes] = got.pop("payloads")
+    if args.adapter == "disk":
+        return _disk_baseline(workdir / "baseline", payloads)
+    if args.adapter == "redis":
+        return _redis_baseline(args.redis_url, payloads, got["server_cpu_s"])
+    return _memory_baseline(payloads)
+
+
+def _drop_redis_keys(url: str, prefix: str) -> None:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        for key in r.scan_iter(match=prefix + "*"):
+            r.unlink(key)
+
+
+def _result(
+    args: argparse.Namespace, got: dict[str, Any], base_store_s: float, base_load_s: float
+) -> dict[str, Any]:
     total = got["chunks"] * got["chunk_bytes"]
     result = {
         "adapter": args.adapter,
@@ -277,5 +328,21 @@ def run(args: argparse.Namespace) -> int:
     }
     if got["server_cpu_s"]:
         result["redis_cpu_s"] = got["server_cpu_s"]
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="kvdepot-bench-l2-", dir=args.dir))
+    prefix = f"kvdepot-bench-{uuid.uuid4().hex[:8]}:"
+    url = args.redis_url
+    probe = (lambda: _redis_cpu(url)) if args.adapter == "redis" else None
+    try:
+        got = asyncio.run(_through_controllers(args, workdir, _adapter(args, workdir, prefix), probe))
+        base_store_s, base_load_s = _baseline(args, workdir, got)
+    finally:
+        if args.adapter == "redis":
+            _drop_redis_keys(args.redis_url, prefix)
+        shutil.rmtree(workdir, ignore_errors=True)
+    result = _result(args, got, base_store_s, base_load_s)
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -16,10 +16,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from app.bench.sidecar import SidecarProcess
+    from kvdepot_connector.client import KVDepotClient
+    from kvdepot_connector.protocol import Layout
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -46,131 +52,173 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def worker(args: argparse.Namespace) -> dict[str, Any]:
-    """The client side; runs in its own process."""
-    from kvdepot_connector.client import KVDepotClient
+def _layout(args: argparse.Namespace) -> Layout:
     from kvdepot_connector.protocol import Layout
 
-    torch.manual_seed(0)
-    layout = Layout(
+    return Layout(
         dtype=args.dtype, num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.chunk_tokens, kind="bench", chunk_size=args.chunk_tokens,
     )  # fmt: skip
-    chunk_bytes = layout.chunk_bytes
-    n_chunks = args.chunks_per_request
-    elems = chunk_bytes // torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
-    requests = []
-    for r in range(args.requests):
-        tokens = torch.randint(0, 50_000, (n_chunks * args.chunk_tokens,), dtype=torch.int64).tolist()
-        chunks = [torch.randn(elems).to(DTYPES[args.dtype]) for _ in range(n_chunks)]
-        requests.append((f"bench-{r}", tokens, chunks))
-    outs = [[torch.empty_like(c) for c in chunks] for _, _, chunks in requests]
-    for group in outs:
-        for t in group:
-            t.zero_()  # pre-touch, as the memcpy baseline's destination is
-    total = args.requests * n_chunks * chunk_bytes
 
-    def memcpy(chunks: list[torch.Tensor], group: list[torch.Tensor]) -> float:
-        """The baseline: the same bytes copied into preallocated memory by torch."""
+
+@dataclass
+class _Request:
+    """One request's tokens, its chunks, and the preallocated, pre-touched memory they come back to."""
+
+    rid: str
+    tokens: list[int]
+    chunks: list[torch.Tensor]
+    out: list[torch.Tensor]
+
+    def memcpy(self) -> float:
+        """The baseline: the same bytes copied into the preallocated memory by torch."""
         start = time.perf_counter()
-        for src, dst in zip(chunks, group, strict=True):
+        for src, dst in zip(self.chunks, self.out, strict=True):
             dst.copy_(src)
         elapsed = time.perf_counter() - start
-        for t in group:
+        for t in self.out:
             t.zero_()
         return elapsed
 
-    # The baseline is measured right before each store and each retrieve of the same request, so
-    # both sides of the ratio see the same machine (it is shared and its load drifts).
-    ok = True
-    memcpy_store_s = memcpy_retrieve_s = 0.0
-    with KVDepotClient(args.url, model="bench-model", layout=layout, timeout_s=30) as client:
-        store_s = 0.0
-        for (rid, tokens, chunks), group in zip(requests, outs, strict=True):
-            memcpy_store_s += memcpy(chunks, group)
-            start = time.perf_counter()
-            outcome = client.store(tokens, chunks, request_id=rid)
-            store_s += time.perf_counter() - start
-            if outcome.stored != n_chunks:
-                ok = False
-            hit = client.lookup(tokens, request_id=rid)  # the very next lookup sees the commit
-            if hit.hit_chunks != n_chunks:
-                ok = False
-            client.free_lookup_locks(rid)
+    def identical(self) -> bool:
+        return all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(self.chunks, self.out, strict=True)
+        )
 
-        retrieve_s = 0.0
-        for (rid, tokens, chunks), group in zip(requests, outs, strict=True):
-            memcpy_retrieve_s += memcpy(chunks, group)
-            client.lookup(tokens, request_id=rid)
-            start = time.perf_counter()
-            valid = client.retrieve(rid, group)
-            retrieve_s += time.perf_counter() - start
-            ok = ok and valid
-        for (_, _, chunks), group in zip(requests, outs, strict=True):
-            ok = ok and all(
-                torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                for a, b in zip(chunks, group, strict=True)
-            )
 
-        rid, tokens, _ = requests[0]
-        samples = []
-        for _ in range(args.lookups):
-            start = time.perf_counter()
-            reply = client.lookup(tokens, request_id=rid)
-            samples.append(time.perf_counter() - start)
-            ok = ok and reply.hit_chunks == n_chunks
-        client.end_request(rid)
+@dataclass
+class _Timings:
+    store_s: float = 0.0
+    retrieve_s: float = 0.0
+    memcpy_store_s: float = 0.0
+    memcpy_retrieve_s: float = 0.0
+    lookups: list[float] = field(default_factory=list)
+    ok: bool = True
 
+
+def _make_requests(args: argparse.Namespace, chunk_bytes: int) -> list[_Request]:
+    torch.manual_seed(0)
+    dtype = DTYPES[args.dtype]
+    elems = chunk_bytes // torch.tensor([], dtype=dtype).element_size()
+    requests = []
+    for r in range(args.requests):
+        tokens = torch.randint(0, 50_000, (args.chunks_per_request * args.chunk_tokens,), dtype=torch.int64)
+        chunks = [torch.randn(elems).to(dtype) for _ in range(args.chunks_per_request)]
+        out = [torch.zeros_like(c) for c in chunks]  # pre-touched, as the memcpy baseline's destination is
+        requests.append(_Request(f"bench-{r}", tokens.tolist(), chunks, out))
+    return requests
+
+
+# The baseline is measured right before each store and each retrieve of the same request, so both
+# sides of the ratio see the same machine (it is shared and its load drifts).
+
+
+def _store_all(client: KVDepotClient, requests: list[_Request], t: _Timings) -> None:
+    for req in requests:
+        t.memcpy_store_s += req.memcpy()
+        start = time.perf_counter()
+        outcome = client.store(req.tokens, req.chunks, request_id=req.rid)
+        t.store_s += time.perf_counter() - start
+        if outcome.stored != len(req.chunks):
+            t.ok = False
+        hit = client.lookup(req.tokens, request_id=req.rid)  # the very next lookup sees the commit
+        if hit.hit_chunks != len(req.chunks):
+            t.ok = False
+        client.free_lookup_locks(req.rid)
+
+
+def _retrieve_all(client: KVDepotClient, requests: list[_Request], t: _Timings) -> None:
+    for req in requests:
+        t.memcpy_retrieve_s += req.memcpy()
+        client.lookup(req.tokens, request_id=req.rid)
+        start = time.perf_counter()
+        valid = client.retrieve(req.rid, req.out)
+        t.retrieve_s += time.perf_counter() - start
+        t.ok = t.ok and valid
+    for req in requests:
+        t.ok = t.ok and req.identical()
+
+
+def _time_lookups(client: KVDepotClient, req: _Request, samples: int, t: _Timings) -> None:
+    for _ in range(samples):
+        start = time.perf_counter()
+        reply = client.lookup(req.tokens, request_id=req.rid)
+        t.lookups.append(time.perf_counter() - start)
+        t.ok = t.ok and reply.hit_chunks == len(req.chunks)
+    client.end_request(req.rid)
+
+
+def _figures(args: argparse.Namespace, chunk_bytes: int, t: _Timings) -> dict[str, Any]:
+    total = args.requests * args.chunks_per_request * chunk_bytes
     return {
-        "store_gbps": _gbps(total, store_s),
-        "retrieve_gbps": _gbps(total, retrieve_s),
-        "memcpy_gbps": _gbps(2 * total, memcpy_store_s + memcpy_retrieve_s),
-        "store_vs_memcpy": round(memcpy_store_s / store_s, 3),
-        "retrieve_vs_memcpy": round(memcpy_retrieve_s / retrieve_s, 3),
-        "lookup_p50_ms": round(_percentile(samples, 0.50) * 1000, 4),
-        "lookup_p99_ms": round(_percentile(samples, 0.99) * 1000, 4),
-        "lookup_chunks": n_chunks,
+        "store_gbps": _gbps(total, t.store_s),
+        "retrieve_gbps": _gbps(total, t.retrieve_s),
+        "memcpy_gbps": _gbps(2 * total, t.memcpy_store_s + t.memcpy_retrieve_s),
+        "store_vs_memcpy": round(t.memcpy_store_s / t.store_s, 3),
+        "retrieve_vs_memcpy": round(t.memcpy_retrieve_s / t.retrieve_s, 3),
+        "lookup_p50_ms": round(_percentile(t.lookups, 0.50) * 1000, 4),
+        "lookup_p99_ms": round(_percentile(t.lookups, 0.99) * 1000, 4),
+        "lookup_chunks": args.chunks_per_request,
         "chunk_bytes": chunk_bytes,
-        "chunks": args.requests * n_chunks,
+        "chunks": args.requests * args.chunks_per_request,
         "requests": args.requests,
-        "ok": ok,
+        "ok": t.ok,
     }
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """The client side; runs in its own process."""
+    from kvdepot_connector.client import KVDepotClient
+
+    layout = _layout(args)
+    requests = _make_requests(args, layout.chunk_bytes)
+    t = _Timings()
+    with KVDepotClient(args.url, model="bench-model", layout=layout, timeout_s=30) as client:
+        _store_all(client, requests, t)
+        _retrieve_all(client, requests, t)
+        _time_lookups(client, requests[0], args.lookups, t)
+    return _figures(args, layout.chunk_bytes, t)
+
+
+def _start_sidecar(args: argparse.Namespace, tmp: Path) -> SidecarProcess:
+    """A sidecar with an L1 big enough for every request, and no L2."""
+    from app.bench.sidecar import start_sidecar
+
+    need = _layout(args).chunk_bytes * args.requests * args.chunks_per_request
+    size_gb = need * 1.25 / (1 << 30) + 0.0625
+    # L1 and the data plane only: write-behind to L2 would compete for the same cores.
+    env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
+    return start_sidecar(tmp, env=env, l1_size_gb=round(size_gb, 3))
+
+
+def _run_worker(args: argparse.Namespace, url: str) -> dict[str, Any] | int:
+    """The worker's JSON object, or its exit status when it failed (its stderr is printed)."""
+    cmd = [sys.executable, "-m", "app.cli", "bench", "server", "--worker", "--url", url]
+    for name in ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype",
+                 "chunk_tokens", "lookups"):  # fmt: skip
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        print(done.stderr, file=sys.stderr)
+        return done.returncode
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
-    from app.bench.sidecar import start_sidecar
-    from kvdepot_connector.protocol import Layout
-
-    layout = Layout(
-        dtype=args.dtype, num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=args.chunk_tokens, kind="bench", chunk_size=args.chunk_tokens,
-    )  # fmt: skip
-    need = layout.chunk_bytes * args.requests * args.chunks_per_request
-    sidecar = None
     with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp:
-        url = args.url
-        if url is None:
-            size_gb = need * 1.25 / (1 << 30) + 0.0625
-            # L1 and the data plane only: write-behind to L2 would compete for the same cores.
-            env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
-            sidecar = start_sidecar(Path(tmp), env=env, l1_size_gb=round(size_gb, 3))
-            url = sidecar.url
+        sidecar = None if args.url is not None else _start_sidecar(args, Path(tmp))
         try:
-            cmd = [sys.executable, "-m", "app.cli", "bench", "server", "--worker", "--url", url]
-            for name in ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype",
-                         "chunk_tokens", "lookups"):  # fmt: skip
-                cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                print(done.stderr, file=sys.stderr)
-                return done.returncode
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+            result = _run_worker(args, args.url if sidecar is None else sidecar.url)
         finally:
             if sidecar is not None:
                 sidecar.stop()
+    if isinstance(result, int):
+        return result
     result["url"] = "started" if args.url is None else args.url
     print(json.dumps(result))
     return 0 if result["ok"] else 1
