@@ -18,6 +18,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -89,76 +90,111 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(args: argparse.Namespace) -> int:
-    server = _Server(args.url, args.timeout)
-    baseline = _Server(args.baseline_url, args.timeout) if args.baseline_url else None
-    model = args.model or server.first_model()
-    rng = random.Random(args.seed if args.seed is not None else time.time_ns())
+class _Prompts:
+    """Random token-id prompts (every one starts with the same shared prefix) and request bodies."""
 
-    def tokens(n: int) -> list[int]:
-        return [rng.randint(args.token_low, args.token_high) for _ in range(n)]
+    def __init__(self, args: argparse.Namespace, model: str) -> None:
+        self.args = args
+        self.model = model
+        self.rng = random.Random(args.seed if args.seed is not None else time.time_ns())
+        self.shared = self.tokens(min(args.shared_prefix_tokens, args.prompt_tokens))
+        self.prompts = [
+            self.shared + self.tokens(args.prompt_tokens - len(self.shared)) for _ in range(args.requests)
+        ]
 
-    shared = tokens(min(args.shared_prefix_tokens, args.prompt_tokens))
-    prompts = [shared + tokens(args.prompt_tokens - len(shared)) for _ in range(args.requests)]
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randint(self.args.token_low, self.args.token_high) for _ in range(n)]
 
-    def body(prompt: list[int]) -> dict[str, Any]:
+    def body(self, prompt: list[int]) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+            "model": self.model, "prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": 0,
             "logprobs": 1, "stream": True, "ignore_eos": True,
         }  # fmt: skip
-        if args.cache_salt:
-            out["cache_salt"] = args.cache_salt
+        if self.args.cache_salt:
+            out["cache_salt"] = self.args.cache_salt
         return out
 
-    # One short request to each server first: the first request after a start is slow once.
-    warmup = tokens(16)
-    server.ttft(body(warmup))
-    if baseline is not None:
-        baseline.ttft(body(warmup))
 
-    cold: list[float] = []
-    base: list[float] = []
-    first_tokens: list[list[Any]] = []
-    for prompt in prompts:
+@dataclass
+class _Cold:
+    seconds: list[float] = field(default_factory=list)
+    baseline: list[float] = field(default_factory=list)
+    first_tokens: list[list[Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Warm:
+    seconds: list[float] = field(default_factory=list)
+    tokens_identical: bool = True
+    logprob_max_abs_diff: float = 0.0
+
+
+def _cold_pass(server: _Server, baseline: _Server | None, prompts: _Prompts) -> _Cold:
+    """Every prompt once, each right after the same request to the baseline (if any)."""
+    cold = _Cold()
+    for prompt in prompts.prompts:
         if baseline is not None:
-            seconds, _ = baseline.ttft(body(prompt))
-            base.append(seconds)
-        seconds, got = server.ttft(body(prompt))
-        cold.append(seconds)
-        first_tokens.append(got)
-    warm: list[float] = []
-    same = True
-    logprob_diff = 0.0
-    for prompt, expected in zip(prompts, first_tokens, strict=True):
-        seconds, got = server.ttft(body(prompt))
-        warm.append(seconds)
-        same = same and [t for t, _ in got] == [t for t, _ in expected]
+            seconds, _ = baseline.ttft(prompts.body(prompt))
+            cold.baseline.append(seconds)
+        seconds, got = server.ttft(prompts.body(prompt))
+        cold.seconds.append(seconds)
+        cold.first_tokens.append(got)
+    return cold
+
+
+def _warm_pass(server: _Server, prompts: _Prompts, cold: _Cold) -> _Warm:
+    """Every prompt again; the tokens must be those of the cold pass."""
+    warm = _Warm()
+    for prompt, expected in zip(prompts.prompts, cold.first_tokens, strict=True):
+        seconds, got = server.ttft(prompts.body(prompt))
+        warm.seconds.append(seconds)
+        warm.tokens_identical = warm.tokens_identical and [t for t, _ in got] == [t for t, _ in expected]
         for (_, a), (_, b) in zip(got, expected, strict=False):
             if a is not None and b is not None:
-                logprob_diff = max(logprob_diff, abs(a - b))
+                warm.logprob_max_abs_diff = max(warm.logprob_max_abs_diff, abs(a - b))
+    return warm
 
+
+def _result(args: argparse.Namespace, prompts: _Prompts, cold: _Cold, warm: _Warm) -> dict[str, Any]:
+    c, w, base = cold.seconds, warm.seconds, cold.baseline
     result: dict[str, Any] = {
-        "cold_ttft_ms_p50": round(statistics.median(cold) * 1000, 1),
-        "cold_ttft_ms_p90": round(_pct(cold, 0.9) * 1000, 1),
-        "warm_ttft_ms_p50": round(statistics.median(warm) * 1000, 1),
-        "warm_ttft_ms_p90": round(_pct(warm, 0.9) * 1000, 1),
-        "speedup_p50": round(statistics.median(cold) / statistics.median(warm), 2),
+        "cold_ttft_ms_p50": round(statistics.median(c) * 1000, 1),
+        "cold_ttft_ms_p90": round(_pct(c, 0.9) * 1000, 1),
+        "warm_ttft_ms_p50": round(statistics.median(w) * 1000, 1),
+        "warm_ttft_ms_p90": round(_pct(w, 0.9) * 1000, 1),
+        "speedup_p50": round(statistics.median(c) / statistics.median(w), 2),
         "prompt_tokens": args.prompt_tokens,
-        "shared_prefix_tokens": len(shared),
+        "shared_prefix_tokens": len(prompts.shared),
         "requests": args.requests,
         # A reused prefix changes how many rows go through the kernels: logprobs may move in the
         # third decimal (vLLM's own prefix cache does the same); the tokens must not change.
-        "warm_tokens_identical": same,
-        "warm_logprob_max_abs_diff": round(logprob_diff, 5),
+        "warm_tokens_identical": warm.tokens_identical,
+        "warm_logprob_max_abs_diff": round(warm.logprob_max_abs_diff, 5),
     }
     if base:
         result |= {
             "baseline_ttft_ms_p50": round(statistics.median(base) * 1000, 1),
             "baseline_ttft_ms_p90": round(_pct(base, 0.9) * 1000, 1),
-            "warm_speedup_vs_baseline_p50": round(statistics.median(base) / statistics.median(warm), 2),
+            "warm_speedup_vs_baseline_p50": round(statistics.median(base) / statistics.median(w), 2),
             "cold_vs_baseline_p50": round(
-                statistics.median([c / b for c, b in zip(cold, base, strict=True)]), 4
+                statistics.median([x / b for x, b in zip(c, base, strict=True)]), 4
             ),
         }
-    print(json.dumps(result))
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    server = _Server(args.url, args.timeout)
+    baseline = _Server(args.baseline_url, args.timeout) if args.baseline_url else None
+    prompts = _Prompts(args, args.model or server.first_model())
+
+    # One short request to each server first: the first request after a start is slow once.
+    warmup = prompts.body(prompts.tokens(16))
+    server.ttft(warmup)
+    if baseline is not None:
+        baseline.ttft(warmup)
+
+    cold = _cold_pass(server, baseline, prompts)
+    warm = _warm_pass(server, prompts, cold)
+    print(json.dumps(_result(args, prompts, cold, warm)))
     return 0

@@ -1,0 +1,105 @@
+"""The benchmarks as a user runs them (`kvdepot bench ...`), at tiny sizes: the one JSON object they
+print, its keys, and what it says about the run. `bench ttft` talks to a fake OpenAI server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from app.cli import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    status = main(list(argv))
+    out = capsys.readouterr().out.strip().splitlines()
+    return status, json.loads(out[-1])
+
+
+def test_bench_l2_through_the_mock_adapter(capsys: pytest.CaptureFixture[str]) -> None:
+    status, got = run_cli(
+        capsys, "bench", "l2", "--adapter", "mock", "--requests", "2", "--chunks-per-request", "3",
+        "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--chunk-tokens", "16",
+    )  # fmt: skip
+    assert status == 0
+    assert set(got) == {
+        "adapter", "store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps",
+        "store_vs_baseline", "load_vs_baseline", "chunks", "chunk_bytes", "written", "hit_chunks", "ok",
+    }  # fmt: skip
+    assert (got["adapter"], got["chunks"], got["written"], got["hit_chunks"], got["ok"]) == (
+        "mock",
+        6,
+        6,
+        6,
+        True,
+    )
+    assert got["chunk_bytes"] == 2 * 1 * 1 * 16 * 16 * 2  # K and V, layers, heads, head_dim, tokens, fp16
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """/v1/models names one model; /v1/completions streams one token derived from the prompt."""
+
+    prompts: list[list[int]] = []
+
+    def do_GET(self) -> None:
+        self._send(b'{"data": [{"id": "fake-model"}]}', "application/json")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.prompts.append(body["prompt"])
+        token = str(sum(body["prompt"]) % 97)
+        chunk = {"choices": [{"logprobs": {"tokens": [token], "token_logprobs": [-0.25]}}]}
+        self._send(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
+
+    def _send(self, data: bytes, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def openai_url() -> Iterator[str]:
+    FakeOpenAI.prompts = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def test_bench_ttft_cold_then_warm_against_a_baseline(
+    capsys: pytest.CaptureFixture[str], openai_url: str
+) -> None:
+    status, got = run_cli(
+        capsys, "bench", "ttft", "--url", openai_url, "--baseline-url", openai_url, "--requests", "3",
+        "--prompt-tokens", "32", "--shared-prefix-tokens", "8", "--seed", "7",
+    )  # fmt: skip
+    assert status == 0
+    assert set(got) == {
+        "cold_ttft_ms_p50", "cold_ttft_ms_p90", "warm_ttft_ms_p50", "warm_ttft_ms_p90", "speedup_p50",
+        "prompt_tokens", "shared_prefix_tokens", "requests", "warm_tokens_identical",
+        "warm_logprob_max_abs_diff", "baseline_ttft_ms_p50", "baseline_ttft_ms_p90",
+        "warm_speedup_vs_baseline_p50", "cold_vs_baseline_p50",
+    }  # fmt: skip
+    assert (got["prompt_tokens"], got["shared_prefix_tokens"], got["requests"]) == (32, 8, 3)
+    assert (got["warm_tokens_identical"], got["warm_logprob_max_abs_diff"]) == (True, 0.0)
+    # A warm-up to each server; each cold prompt to the baseline, then to the server; then warm.
+    prompts = FakeOpenAI.prompts
+    assert len(prompts) == 2 + 3 * 2 + 3
+    assert prompts[0] == prompts[1] and len(prompts[0]) == 16
+    cold = prompts[2:8]
+    assert cold[0::2] == cold[1::2] == prompts[8:]
+    assert all(len(p) == 32 and p[:8] == prompts[8][:8] for p in prompts[8:])
+    assert len({tuple(p) for p in prompts[8:]}) == 3
