@@ -1,5 +1,6 @@
 """L2 storage adapters and the blob codec. Knows nothing of engine/ or api/.
 
+config         each adapter's config model and AdapterConfig, their union (app/settings composes them)
 codec          blob = checked header + payload (optional FP8 values, lz4); decode_into checks all,
                verify_in_place checks a payload read straight into L1
 base           the L2Adapter protocol and its result values (OpResult, LoadResult, Usage, Health)

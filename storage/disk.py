@@ -58,11 +58,11 @@ from typing import Any, TypeVar
 import blake3
 import structlog
 
-from app.settings import DiskAdapterConfig
 from storage import codec
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
 from storage.common import CLOSE_WAIT_S, AdapterCore, gather_all, settled
+from storage.config import DiskAdapterConfig
 from storage.diskio import BLOB_SUFFIX, SUBDIRS, BadFile, BlobFiles, Placed, ScanReport
 
 log = structlog.get_logger("kvdepot.storage.disk")

@@ -28,11 +28,11 @@ from __future__ import annotations
 import asyncio
 import random
 
-from app.settings import MockAdapterConfig
 from storage import codec
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
+from storage.config import MockAdapterConfig
 
 INJECTED = "injected fault"
 

@@ -64,11 +64,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from app.errors import BackendError
-from app.settings import RedisAdapterConfig
 from storage import codec
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore, gather_all, settled
+from storage.config import RedisAdapterConfig
 from storage.redis_lane import LaneCancelled, LaneDown, LaneJob, RespLane
 from storage.resp import target_from_url
 

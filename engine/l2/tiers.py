@@ -34,10 +34,10 @@ from typing import Any, Literal
 import structlog
 
 from app.errors import Conflict, NotFound
-from app.settings import AdapterConfig
 from engine.keys import salt_of
 from engine.tenants.ledger import TierAccounting
 from storage.base import HoldingsHook, L2Adapter
+from storage.config import AdapterConfig
 
 log = structlog.get_logger("kvdepot.l2")
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from app.errors import ConfigError, IntegrityError
-from app.settings import DiskAdapterConfig
 from storage import codec, diskio
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
+from storage.config import DiskAdapterConfig
 from storage.disk import DiskAdapter
 from storage.diskio import BlobFiles
 
