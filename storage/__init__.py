@@ -7,7 +7,9 @@ base           the L2Adapter protocol and its result values (OpResult, LoadResul
 common         AdapterCore: batching contract, close-while-in-flight, health, stats, latency
 holdings       what an adapter holds (key -> value, size) in recency order per tenant; reports
                every change to the accounting hook its owner binds (the tenant ledger)
-disk, diskio   local-disk adapter: crash-safe files, index rebuilt from headers at start
+disk           local-disk adapter: crash-safe files, index rebuilt from headers at start
+diskio         its blob files: atomic writes, reads (buffered or O_DIRECT), removal
+diskdirs       its directories: layout, the lock, the scan at start
 redis_adapter  Redis/Valkey adapter: pipelined single-key commands, timeouts, reconnects
 redis_lane     its bulk lane: large values over blocking sockets in its executor, into L1 in place
 resp           the lane's RESP2 wire protocol over one blocking socket

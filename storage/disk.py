@@ -3,7 +3,7 @@
 State (event loop only): the index key -> (file, size) in least-recently-used order (`_held`,
 which reports every change to the owner's accounting, storage/holdings.py), bytes reserved by
 writes in flight, the capacity, and the store in flight per key. Every file operation runs in the
-I/O executor passed in (storage/diskio.py); the loop never touches a file.
+I/O executor passed in (storage/diskio.py, storage/diskdirs.py); the loop never touches a file.
 
 Placement: a key's blake3 digest picks one of the directories (config.paths, or the default
 directory) and one of its 256 two-hex-digit subdirectories. Each write gets a fresh file name, so
@@ -58,12 +58,13 @@ from typing import Any, TypeVar
 import blake3
 import structlog
 
-from storage import codec
+from storage import codec, diskdirs
 from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
 from storage.codec import EncodedBlob
 from storage.common import CLOSE_WAIT_S, AdapterCore, gather_all, settled
 from storage.config import DiskAdapterConfig
-from storage.diskio import BLOB_SUFFIX, SUBDIRS, BadFile, BlobFiles, Placed, ScanReport
+from storage.diskdirs import BLOB_SUFFIX, SUBDIRS, ScanReport
+from storage.diskio import BadFile, BlobFiles, Placed
 
 log = structlog.get_logger("kvdepot.storage.disk")
 
@@ -149,13 +150,9 @@ class DiskAdapter(AdapterCore[str]):
         started = time.perf_counter()
         try:
             for root in self.dirs:
-                self._lock_fds.append(await self._io(self._files.prepare, root))
+                self._lock_fds.append(await self._io(diskdirs.prepare, root))
             reports = await asyncio.gather(
-                *(
-                    self._io(self._files.scan, os.path.join(root, sub))
-                    for root in self.dirs
-                    for sub in SUBDIRS
-                )
+                *(self._io(diskdirs.scan, os.path.join(root, sub)) for root in self.dirs for sub in SUBDIRS)
             )
         except BaseException:
             await self._release_locks()
@@ -195,7 +192,7 @@ class DiskAdapter(AdapterCore[str]):
 
     async def _release_locks(self) -> None:
         while self._lock_fds:
-            self._files.release(self._lock_fds.pop())  # close(2) of a lock file: never blocks
+            diskdirs.release(self._lock_fds.pop())  # close(2) of a lock file: never blocks
 
     # --- operations ----------------------------------------------------------------------------
 
