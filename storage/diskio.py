@@ -32,8 +32,9 @@ import itertools
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from storage import codec
 from storage.diskdirs import TMP_SUFFIX, unlink
@@ -41,6 +42,8 @@ from storage.diskdirs import TMP_SUFFIX, unlink
 ALIGN = 4096
 BOUNCE_BYTES = 8 << 20
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+T = TypeVar("T")
 
 
 class BadFile(Exception):
@@ -226,38 +229,41 @@ class BlobFiles:
         return buf
 
     def read(self, path: str, size: int) -> bytes | memoryview | None:
-        if self.direct:
-            try:
-                return self._read_direct(path, size)
-            except _DirectRefused:
-                self._disable_direct("read")
-        fd = _open_sized(path, size)
-        if fd is None:
-            return None
-        try:
+        def buffered(fd: int) -> bytes | memoryview:
             return _pread_all(fd, path, size, 0)
-        finally:
-            os.close(fd)
+
+        return self._read(path, size, lambda: self._read_direct(path, size), buffered)
 
     def read_into(
         self, path: str, size: int, head_len: int, out: memoryview
     ) -> Placed | bytes | memoryview | None:
         if size != head_len + out.nbytes:
             return self.read(path, size)
+
+        def buffered(fd: int) -> Placed | bytes:
+            head = _pread_all(fd, path, head_len, 0)
+            if not codec.fits_in_place(head, out.nbytes):
+                return head + _pread_all(fd, path, size - head_len, head_len)
+            _read_full(fd, path, out, head_len)
+            return Placed(head)
+
+        return self._read(path, size, lambda: self._read_into_direct(path, size, head_len, out), buffered)
+
+    def _read(
+        self, path: str, size: int, direct: Callable[[], T | None], buffered: Callable[[int], T]
+    ) -> T | None:
+        """`direct()` while O_DIRECT is on (turned off for good when the filesystem refuses it),
+        else `buffered(fd)` on the file opened for reading; None when the file is gone."""
         if self.direct:
             try:
-                return self._read_into_direct(path, size, head_len, out)
+                return direct()
             except _DirectRefused:
                 self._disable_direct("read")
         fd = _open_sized(path, size)
         if fd is None:
             return None
         try:
-            head = _pread_all(fd, path, head_len, 0)
-            if not codec.fits_in_place(head, out.nbytes):
-                return head + _pread_all(fd, path, size - head_len, head_len)
-            _read_full(fd, path, out, head_len)
-            return Placed(head)
+            return buffered(fd)
         finally:
             os.close(fd)
 
