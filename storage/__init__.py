@@ -4,7 +4,9 @@ config         each adapter's config model and AdapterConfig, their union (app/s
 codec          blob = checked header + payload (optional FP8 values, lz4); decode_into checks all,
                verify_in_place checks a payload read straight into L1
 base           the L2Adapter protocol and its result values (OpResult, LoadResult, Usage, Health)
-common         AdapterCore: batching contract, close-while-in-flight, health, stats, latency
+common         AdapterCore: batching contract, close-while-in-flight, health, stats, latency, usage
+inflight       OpGate (operations in flight, ended by close) and waits on executor work
+health         HealthTracker: ok / degraded / down
 holdings       what an adapter holds (key -> value, size) in recency order per tenant; reports
                every change to the accounting hook its owner binds (the tenant ledger)
 disk           local-disk adapter: crash-safe files, index rebuilt from headers at start

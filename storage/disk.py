@@ -59,12 +59,13 @@ import blake3
 import structlog
 
 from storage import codec, diskdirs
-from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
-from storage.common import CLOSE_WAIT_S, AdapterCore, gather_all, settled
+from storage.common import AdapterCore
 from storage.config import DiskAdapterConfig
 from storage.diskdirs import BLOB_SUFFIX, SUBDIRS, ScanReport
 from storage.diskio import BadFile, BlobFiles, Placed
+from storage.inflight import CLOSE_WAIT_S, gather_all, settled
 
 log = structlog.get_logger("kvdepot.storage.disk")
 
@@ -97,14 +98,13 @@ class DiskAdapter(AdapterCore[str]):
         *,
         owns_executor: bool = False,
     ) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, int(config.capacity_gb * (1 << 30)))
         self.config = config
         self.dirs = [str(p) for p in config.paths] or [str(default_dir)]
         self.startup: DiskStartup | None = None
         self._executor = executor
         self._owns_executor = owns_executor
         self._files = BlobFiles(fsync=config.fsync == "always", direct=config.o_direct)
-        self._capacity = int(config.capacity_gb * (1 << 30))
         self._reserved = 0
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()
@@ -285,11 +285,7 @@ class DiskAdapter(AdapterCore[str]):
             await self._io(self._files.remove, paths)
         return results
 
-    def _usage(self) -> Usage:
-        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
-
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
+    async def _capacity_changed(self, capacity_bytes: int) -> None:
         if not self.closed:
             await self._evict_to(capacity_bytes - self._reserved)
 

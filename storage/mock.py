@@ -29,7 +29,7 @@ import asyncio
 import random
 
 from storage import codec
-from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
 from storage.config import MockAdapterConfig
@@ -41,9 +41,8 @@ class MockAdapter(AdapterCore[bytes]):
     kind = "mock"
 
     def __init__(self, config: MockAdapterConfig) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, int(config.capacity_gb * (1 << 30)))
         self.config = config
-        self._capacity = int(config.capacity_gb * (1 << 30))
         self._rng = random.Random(config.seed)
 
     # --- simulation ----------------------------------------------------------------------------
@@ -135,11 +134,7 @@ class MockAdapter(AdapterCore[bytes]):
                 results.append(OK if self._held.pop(key) is not None else MISS)
         return results
 
-    def _usage(self) -> Usage:
-        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
-
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
+    async def _capacity_changed(self, capacity_bytes: int) -> None:
         self._evict_to(capacity_bytes)
 
     async def _close(self) -> None:

@@ -65,10 +65,11 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from app.errors import BackendError
 from storage import codec
-from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
-from storage.common import AdapterCore, gather_all, settled
+from storage.common import AdapterCore
 from storage.config import RedisAdapterConfig
+from storage.inflight import gather_all, settled
 from storage.redis_lane import LaneCancelled, LaneDown, LaneJob, RespLane
 from storage.resp import target_from_url
 
@@ -87,12 +88,11 @@ class RedisAdapter(AdapterCore[None]):
         *,
         owns_executor: bool = False,
     ) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, int(config.capacity_gb * (1 << 30)) if config.capacity_gb else 0)
         self.config = config
         self._prefix = config.key_prefix.encode("utf-8")
         self._executor = executor
         self._owns_executor = owns_executor
-        self._capacity = int(config.capacity_gb * (1 << 30)) if config.capacity_gb else 0
         self._pool: ConnectionPool = ConnectionPool.from_url(
             config.url,
             max_connections=config.max_connections,
@@ -307,12 +307,6 @@ class RedisAdapter(AdapterCore[None]):
                 freed += held.size
                 self._count_eviction(held.size)
         return freed
-
-    def _usage(self) -> Usage:
-        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
-
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
 
     async def _close(self) -> None:
         try:
