@@ -14,6 +14,7 @@ diskio         its blob files: atomic writes, reads (buffered or O_DIRECT), remo
 diskdirs       its directories: layout, the lock, the scan at start
 redis_adapter  Redis/Valkey adapter: pipelined single-key commands, timeouts, reconnects
 redis_lane     its bulk lane: large values over blocking sockets in its executor, into L1 in place
+redis_read     how the lane reads one value: one GET, or GETRANGE pieces in a sliding window
 resp           the lane's RESP2 wire protocol over one blocking socket
 mock           in-memory adapter with capacity, simulated bandwidth/latency and fault injection
 factory        build_adapter(config, data_dir): one adapter with the executor it needs
