@@ -78,6 +78,10 @@ JOIN_INLINE_BYTES = 256 * 1024
 R = TypeVar("R", OpResult, LoadResult)
 
 
+def _unlink(pipe: Pipeline, key: bytes) -> object:
+    return pipe.unlink(key)
+
+
 class RedisAdapter(AdapterCore[None]):
     kind = "redis"
 
@@ -125,6 +129,15 @@ class RedisAdapter(AdapterCore[None]):
                     return list(await pipe.execute(raise_on_error=False))
             except (RedisError, OSError) as exc:
                 raise BackendError(f"redis {self.config.name}: {type(exc).__name__}: {exc}") from exc
+
+    async def _each(self, keys: list[str], command: Callable[[Pipeline, bytes], object]) -> list[Any]:
+        """`command` for each key (given its Redis key), as one pipeline."""
+
+        def build(pipe: Pipeline) -> None:
+            for key in keys:
+                command(pipe, self.redis_key(key))
+
+        return await self._run(build)
 
     async def _join(self, blob: EncodedBlob) -> bytes:
         if self._executor is None or blob.nbytes < JOIN_INLINE_BYTES:
@@ -225,12 +238,8 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                pipe.exists(self.redis_key(key))
-
         results: list[OpResult] = []
-        for key, reply in zip(keys, await self._run(build), strict=True):
+        for key, reply in zip(keys, await self._each(keys, lambda pipe, k: pipe.exists(k)), strict=True):
             if isinstance(reply, Exception):
                 results.append(OpResult.error(f"redis: {reply}"))
             elif reply:
@@ -241,12 +250,8 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                pipe.get(self.redis_key(key))
-
         results: list[LoadResult] = []
-        for key, reply in zip(keys, await self._run(build), strict=True):
+        for key, reply in zip(keys, await self._each(keys, lambda pipe, k: pipe.get(k)), strict=True):
             if isinstance(reply, Exception):
                 results.append(LoadResult.error(f"redis: {reply}"))
             elif reply is None:
@@ -275,12 +280,8 @@ class RedisAdapter(AdapterCore[None]):
         return await self._split(len(keys), on_lane, lane_call, pipelined, LoadResult.error)
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                pipe.unlink(self.redis_key(key))
-
         results: list[OpResult] = []
-        for key, reply in zip(keys, await self._run(build), strict=True):
+        for key, reply in zip(keys, await self._each(keys, _unlink), strict=True):
             if isinstance(reply, Exception):
                 results.append(OpResult.error(f"redis: {reply}"))
                 continue
@@ -292,13 +293,9 @@ class RedisAdapter(AdapterCore[None]):
         victims = [(key, self._held.entry(key)) for key in self._held.oldest(salt, nbytes)]
         if not victims:
             return 0
-
-        def build(pipe: Pipeline) -> None:
-            for key, _ in victims:
-                pipe.unlink(self.redis_key(key))
-
+        replies = await self._each([key for key, _ in victims], _unlink)
         freed = 0
-        for (key, held), reply in zip(victims, await self._run(build), strict=True):
+        for (key, held), reply in zip(victims, replies, strict=True):
             if isinstance(reply, Exception) or held is None:
                 continue
             # Unless the key was written again while its UNLINK was on the way: that newer write
