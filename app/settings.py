@@ -4,6 +4,9 @@ Sources, highest precedence first: command-line flags (passed as init values), e
 variables (`KVDEPOT_` prefix, `__` between nested names, e.g. `KVDEPOT_L1__SIZE_GB=4`), an optional
 TOML file (`--config`), then the defaults below. Every field is documented and bounded; unknown keys
 are errors. Components receive only the part they need (`settings.l1`, `settings.http`, ...).
+
+A layer's config types live with that layer and are composed here: the L2 adapters' configs are
+storage/config.py (re-exported below for the wiring and the control plane).
 """
 
 from __future__ import annotations
@@ -11,10 +14,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -31,6 +33,31 @@ from pydantic_settings import (
 )
 
 from app.errors import ConfigError
+from storage.config import (
+    AdapterConfig,
+    AdapterName,
+    DiskAdapterConfig,
+    MockAdapterConfig,
+    RedisAdapterConfig,
+)
+
+__all__ = [
+    "AdapterConfig",
+    "AdapterName",
+    "DataPlaneSettings",
+    "DiskAdapterConfig",
+    "HttpSettings",
+    "L1Settings",
+    "L2Settings",
+    "LoggingSettings",
+    "MockAdapterConfig",
+    "RedisAdapterConfig",
+    "Settings",
+    "TenantSettings",
+    "describe_validation_error",
+    "env_overrides_present",
+    "load_settings",
+]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -113,75 +140,6 @@ class L1Settings(BaseModel):
     @property
     def size_bytes(self) -> int:
         return int(self.size_gb * (1 << 30))
-
-
-def _adapter_name(name: str) -> str:
-    if name == "l1":
-        raise ValueError("'l1' is the name of the memory tier in quotas and metrics; choose another")
-    return name
-
-
-AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$"), AfterValidator(_adapter_name)]
-"""An L2 adapter's name: its tier in quotas and metrics, hence never `l1`."""
-
-
-class DiskAdapterConfig(BaseModel):
-    """Local-disk L2: crash-safe files, index rebuilt from the files at start."""
-
-    model_config = _FROZEN
-
-    type: Literal["disk"] = "disk"
-    name: AdapterName = "disk"
-    paths: list[Path] = Field(
-        default_factory=list, max_length=64, description="Directories; empty = <data_dir>/l2-disk."
-    )
-    capacity_gb: float = Field(8.0, gt=0, le=1 << 20, description="LRU eviction keeps usage below this.")
-    fsync: Literal["always", "never"] = Field("always", description="fsync each blob before rename.")
-    o_direct: bool = Field(False, description="Use O_DIRECT where the filesystem allows it.")
-    io_threads: int = Field(4, ge=1, le=64, description="Threads of this adapter's file I/O executor.")
-
-
-class RedisAdapterConfig(BaseModel):
-    """Redis or Valkey L2, shared by many sidecars."""
-
-    model_config = _FROZEN
-
-    type: Literal["redis"] = "redis"
-    name: AdapterName = "redis"
-    url: str = Field("redis://127.0.0.1:6379/0", max_length=1024, description="redis:// or rediss:// URL.")
-    key_prefix: str = Field("kvdepot:", max_length=128, description="Namespace of every key.")
-    ttl_s: int | None = Field(None, ge=1, le=10 * 365 * 86400, description="Expiry of stored blobs.")
-    timeout_s: float = Field(2.0, gt=0, le=300, description="Socket timeout of one command.")
-    max_connections: int = Field(16, ge=1, le=1024, description="Connection pool size.")
-    capacity_gb: float | None = Field(None, gt=0, description="Reported capacity (Redis evicts itself).")
-    bulk_min_kib: int | None = Field(
-        256,
-        ge=1,
-        le=1 << 20,
-        description="Values of at least this many KiB move over blocking sockets in the adapter's "
-        "threads, read straight into L1; None: everything through redis-py (rediss:// always is).",
-    )
-
-
-class MockAdapterConfig(BaseModel):
-    """In-memory L2 with capacity, simulated bandwidth/latency and fault injection."""
-
-    model_config = _FROZEN
-
-    type: Literal["mock"] = "mock"
-    name: AdapterName = "mock"
-    capacity_gb: float = Field(1.0, gt=0, le=1024)
-    bandwidth_gbps: float | None = Field(None, gt=0, description="Simulated transfer rate.")
-    latency_ms: float = Field(0.0, ge=0, le=60_000, description="Simulated latency per batch.")
-    error_rate: float = Field(0.0, ge=0, le=1, description="Probability an operation fails.")
-    hang: bool = Field(False, description="Operations never complete (until detached).")
-    corrupt_rate: float = Field(0.0, ge=0, le=1, description="Probability a load returns flipped bytes.")
-    seed: int = Field(0, ge=0, description="Seed of the fault injector.")
-
-
-AdapterConfig = Annotated[
-    DiskAdapterConfig | RedisAdapterConfig | MockAdapterConfig, Field(discriminator="type")
-]
 
 
 class L2Settings(BaseModel):

@@ -32,7 +32,6 @@ from functools import partial
 from typing import Any
 
 from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
-from app.settings import AdapterConfig
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from engine.l1.allocator import AllocatorError
 from engine.l1.arena import SharedArena
@@ -46,6 +45,7 @@ from engine.results import Extent, LookupResult, Registration, SlotStatus, Store
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1, Quota, check_salt
 from engine.tenants.registry import QuotaRegistry
+from storage.config import AdapterConfig
 
 MAX_ID_LEN = 256
 

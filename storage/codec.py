@@ -14,9 +14,10 @@ A blob is a header followed by the encoded payload. The header (little-endian) i
 Payload encodings (flags):
   - none: the original bytes, byte-exact; `EncodedBlob.segments` then references the caller's buffer,
     so writers send it without a copy (the caller keeps the buffer unchanged until the write ends).
-  - fp8_values: the original bytes are alternating K and V runs of `run_elems` elements of `dtype`.
-    K runs are kept exactly; each V run becomes float8_e4m3fn with one float32 scale per run
-    (scale = absmax / 448, 1.0 for an all-zero run). Encoded as [scales | K runs | V fp8 runs].
+  - fp8_values (storage/fp8.py): the original bytes are alternating K and V runs of `run_elems`
+    elements of `dtype`. K runs are kept exactly; each V run becomes float8_e4m3fn with one
+    float32 scale per run (scale = absmax / 448, 1.0 for an all-zero run). Encoded as
+    [scales | K runs | V fp8 runs].
     LOSSY by design: a decoded V element differs from the original by at most ~1/16 of its
     magnitude plus scale * 2**-10 (e4m3 rounding), plus the rounding to `dtype`; non-finite V values
     are not preserved. Everything else is byte-exact.
@@ -44,14 +45,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import lz4.block
-import numpy as np
-import torch
 import xxhash
 
 from app.errors import IntegrityError
+from storage import fp8
 
 MAGIC = b"KVD2"
 VERSION = 1
@@ -60,7 +60,6 @@ FLAG_LZ4 = 0x2
 _KNOWN_FLAGS = FLAG_FP8_VALUES | FLAG_LZ4
 LAYOUT_FP_SIZE = 8
 MAX_KEY_BYTES = 0xFFFF
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 _FIXED = struct.Struct("<4sHH8sBxHIQQ16s")
 _CHECKSUM = struct.Struct("<Q")
@@ -171,7 +170,7 @@ def encode(key: str, layout_fp: bytes, payload: Buffer, options: CodecOptions) -
                 f"payload of {raw.nbytes} bytes is not a whole number of K/V run pairs "
                 f"({options.pair_bytes} bytes each)"
             )
-        body = _fp8_encode(raw, options.dtype, options.run_elems)
+        body = fp8.encode(raw, options.dtype, options.run_elems)
         flags |= FLAG_FP8_VALUES
         dtype_code = _DTYPE_CODES[options.dtype]
         run_elems = options.run_elems
@@ -328,26 +327,11 @@ def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) ->
         assert header.dtype is not None  # read_header guarantees it
         if body.nbytes != _fp8_encoded_len(header):
             raise IntegrityError("fp8 payload length does not match its run layout")
-        _fp8_decode(body, header.dtype, header.run_elems, dest)
+        fp8.decode(body, header.dtype, header.run_elems, dest)
     else:
         if body.nbytes != dest.nbytes:
             raise IntegrityError(f"payload is {body.nbytes} bytes, header says {dest.nbytes}")
         dest[:] = body
-
-
-# --- FP8 (e4m3) quantization of V runs ----------------------------------------------------------
-#
-# Written to touch as little fresh memory as possible (on CPU, new pages cost more than the math):
-# V is widened to float32 once, scaled in place, narrowed to e4m3; decoding looks each e4m3 byte
-# up in a 256-entry table, scales in place, and narrows straight into the output buffer.
-
-F32Array = np.ndarray[tuple[int, ...], np.dtype[np.float32]]
-_E4M3_TABLE: list[F32Array] = []
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
 
 
 def _fp8_encoded_len(header: BlobHeader) -> int:
@@ -355,60 +339,3 @@ def _fp8_encoded_len(header: BlobHeader) -> int:
     esize = _DTYPE_SIZES[header.dtype]
     pairs = header.orig_len // (2 * header.run_elems * esize)
     return pairs * (4 + header.run_elems * esize + header.run_elems)
-
-
-def _e4m3_table() -> F32Array:
-    """float32 value of each of the 256 float8_e4m3fn bit patterns."""
-    if not _E4M3_TABLE:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        _E4M3_TABLE.append(codes.view(torch.float8_e4m3fn).to(torch.float32).numpy())
-    return _E4M3_TABLE[0]
-
-
-def _widen(runs: np.ndarray[Any, np.dtype[np.uint8]], dtype: ValueDtype) -> F32Array:
-    """A new float32 array of the values in `runs` (pairs x run bytes, read-only is fine)."""
-    if dtype == "float16":  # torch's conversion is vectorized; it needs memory it may write
-        return torch.from_numpy(np.ascontiguousarray(runs)).view(torch.float16).float().numpy()
-    if dtype == "float32":
-        return runs.view(np.float32).astype(np.float32)
-    wide = runs.view(np.uint16).astype(np.uint32)  # bfloat16 is the top half of a float32
-    wide <<= 16
-    return wide.view(np.float32)
-
-
-def _fp8_encode(raw: memoryview, dtype: ValueDtype, run_elems: int) -> memoryview:
-    """[scales f32 x pairs | K runs | V runs as e4m3] from alternating K and V runs."""
-    esize = _DTYPE_SIZES[dtype]
-    run_bytes = run_elems * esize
-    pairs = raw.nbytes // (2 * run_bytes)
-    out = np.empty(pairs * (4 + run_bytes + run_elems), dtype=np.uint8)
-    if pairs == 0:
-        return out.data
-    src = np.frombuffer(raw, dtype=np.uint8).reshape(pairs, 2, run_bytes)
-    k_end = pairs * (4 + run_bytes)
-    out[pairs * 4 : k_end].reshape(pairs, run_bytes)[:] = src[:, 0, :]
-    values = _widen(src[:, 1, :], dtype)
-    scales = np.maximum(values.max(axis=1), -values.min(axis=1)) / np.float32(FP8_MAX)
-    scales[~(scales > 0)] = 1.0  # all-zero (or non-finite) runs
-    values /= scales[:, None]
-    np.clip(values, -FP8_MAX, FP8_MAX, out=values)
-    out[: pairs * 4] = scales.view(np.uint8)
-    out[k_end:] = torch.from_numpy(values).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
-    return out.data
-
-
-def _fp8_decode(body: memoryview, dtype: ValueDtype, run_elems: int, dest: memoryview) -> None:
-    esize = _DTYPE_SIZES[dtype]
-    run_bytes = run_elems * esize
-    pairs = dest.nbytes // (2 * run_bytes)
-    if pairs == 0:
-        return
-    src = np.frombuffer(body, dtype=np.uint8)
-    k_end = pairs * (4 + run_bytes)
-    dst = np.frombuffer(dest, dtype=np.uint8).reshape(pairs, 2, run_bytes)
-    dst[:, 0, :] = src[pairs * 4 : k_end].reshape(pairs, run_bytes)
-    scales = src[: pairs * 4].view(np.float32)
-    values = _e4m3_table()[src[k_end:].reshape(pairs, run_elems)]
-    values *= scales[:, None]
-    out = torch.frombuffer(dest, dtype=torch.uint8).view(pairs, 2, run_bytes).view(_TORCH_DTYPES[dtype])
-    out[:, 1, :].copy_(torch.from_numpy(values))  # narrows to dtype (round to nearest even)

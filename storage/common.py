@@ -1,12 +1,14 @@
 """AdapterCore: what every L2 adapter shares, so each adapter only says how it talks to its backend.
 
-State (event loop only): the adapter's counters, latency histograms, health tracker, the set of
-operations in flight, and `_held` (storage/holdings.py): what the adapter holds, key -> (its value,
-size), which the subclass keeps its index in, so that every change is reported to the owner's
-accounting hook. Subclasses implement `_store`, `_contains`, `_load`, `_delete` (batch in, one result
-per key out), `_usage`, `_set_capacity`, and optionally `_load_into` (default: `_load`, every blob
-returned whole), `_evict_salt` (default: the tenant's oldest entries are forgotten, for a backend
-that keeps nothing but `_held`), `_start` and `_close`.
+State (event loop only): the adapter's counters, latency histograms, health tracker
+(storage/health.py), the gate of operations in flight (storage/inflight.py), the capacity, and
+`_held` (storage/holdings.py): what the adapter holds, key -> (its value, size), which the subclass
+keeps its index in, so that every change is reported to the owner's accounting hook. Usage is read
+from `_held` and the capacity, the same for every adapter. Subclasses implement `_store`,
+`_contains`, `_load`, `_delete` (batch in, one result per key out), and optionally `_load_into`
+(default: `_load`, every blob returned whole), `_evict_salt` (default: the tenant's oldest entries
+are forgotten, for a backend that keeps nothing but `_held`), `_capacity_changed` (default: nothing
+but the reported figure changes), `_start` and `_close`.
 
 Primitives in call order:
   start()                       runs `_start` once (the first operation calls it when nobody did)
@@ -14,8 +16,8 @@ Primitives in call order:
                                 each batch runs inside the OpGate, is timed, counted and turned into
                                 ERROR results if anything escapes: callers never see an exception.
                                 load_into is timed and counted as "load" (payload bytes included)
-  usage() / health()            snapshots
-  set_capacity(bytes)           runtime resize
+  usage() / health()            snapshots: bytes and objects in `_held`, the capacity; health
+  set_capacity(bytes)           runtime resize: the capacity, then `_capacity_changed`
   bind_accounting(salt_of, hook) / unbind_accounting()
                                 the owner's per-tenant accounting (storage.base), on `_held`
   evict_salt(salt, nbytes)      inside the OpGate, timed as "evict": the subclass's `_evict_salt`;
@@ -35,12 +37,10 @@ through, before those threads are done with them (the caller reuses the memory a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ClassVar, Generic, TypeVar
 
 import structlog
 
@@ -48,7 +48,6 @@ from app.errors import BackendError
 from storage.base import (
     AdapterStats,
     Health,
-    HealthState,
     HoldingsHook,
     LatencyRecorder,
     LoadResult,
@@ -58,47 +57,15 @@ from storage.base import (
     Usage,
 )
 from storage.codec import EncodedBlob
+from storage.health import HealthTracker
 from storage.holdings import Holdings
+from storage.inflight import CLOSED_MESSAGE, GateClosed, OpGate
 
 log = structlog.get_logger("kvdepot.storage")
 
 T = TypeVar("T")
 R = TypeVar("R", OpResult, LoadResult)
 V = TypeVar("V")
-
-DEGRADED_WINDOW_S = 30.0
-CLOSE_WAIT_S = 5.0
-CLOSED_MESSAGE = "adapter closed"
-
-
-async def settled(job: concurrent.futures.Future[T], interrupt: Callable[[], None] | None = None) -> T:
-    """The result of `job`, a call running in an executor thread. A cancellation goes through only
-    once the call has finished (or was dropped before it started), never while it may still touch
-    memory the caller hands back when cancelled; `interrupt` (called on the loop) makes a running
-    call stop early."""
-    fut = asyncio.wrap_future(job)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        job.cancel()
-        if interrupt is not None:
-            interrupt()
-        while not fut.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([fut])
-        if not fut.cancelled():
-            fut.exception()  # retrieved: the caller was cancelled and will not look
-        raise
-
-
-async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
-    """asyncio.gather that waits for every awaitable before it raises, the first exception then, or
-    lets a cancellation through: none is left running with the caller's buffers."""
-    results = await asyncio.gather(*aws, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return cast(list[T], results)
 
 
 def _writable_bytes(out: memoryview) -> memoryview:
@@ -108,86 +75,15 @@ def _writable_bytes(out: memoryview) -> memoryview:
     return view
 
 
-class GateClosed(Exception):
-    """The adapter closed before the operation finished."""
-
-
-class OpGate:
-    """Operations in flight, so that `close()` can end them. Event loop only."""
-
-    def __init__(self) -> None:
-        self._closed = False
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def is_closed(self) -> bool:
-        return self._closed
-
-    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """The coroutine's result, or GateClosed when the gate closes first."""
-        if self._closed:
-            coro.close()
-            raise GateClosed
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self.is_closed() and task.cancelled() and (current is None or not current.cancelling()):
-                raise GateClosed from None
-            raise
-
-    async def close(self) -> None:
-        """Cancel what is in flight and wait (bounded) for it to unwind."""
-        self._closed = True
-        pending = list(self._tasks)
-        for task in pending:
-            task.cancel(CLOSED_MESSAGE)
-        if pending:
-            _, still = await asyncio.wait(pending, timeout=CLOSE_WAIT_S)
-            if still:
-                log.warning("l2_close_left_tasks", count=len(still))
-
-
-class HealthTracker:
-    """ok / degraded (an error within DEGRADED_WINDOW_S) / down (backend failed, or closed)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._down = False
-        self._last_error: str | None = None
-        self._last_error_at = float("-inf")
-        self.errors_total = 0
-
-    def success(self) -> None:
-        self._down = False
-
-    def failure(self, message: str, count: int = 1, *, down: bool = False) -> None:
-        self.errors_total += count
-        self._last_error = message
-        self._last_error_at = self._clock()
-        self._down = self._down or down
-
-    def snapshot(self, closed: bool) -> Health:
-        state: HealthState
-        if closed or self._down:
-            state = "down"
-        elif self._clock() - self._last_error_at < DEGRADED_WINDOW_S:
-            state = "degraded"
-        else:
-            state = "ok"
-        return Health(state=state, last_error=self._last_error, errors_total=self.errors_total)
-
-
 class AdapterCore(ABC, Generic[V]):
     """Base of every adapter: the public L2Adapter operations around the subclass's primitives.
     `V` is what the subclass keeps per key in `_held`."""
 
     kind: ClassVar[str]
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, capacity_bytes: int = 0) -> None:
         self._name = name
+        self._capacity = capacity_bytes
         self._stats = AdapterStats()
         self._latency = LatencyRecorder()
         self._health = HealthTracker()
@@ -216,7 +112,7 @@ class AdapterCore(ABC, Generic[V]):
         return self._closed
 
     def usage(self) -> Usage:
-        return self._usage()
+        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
 
     def health(self) -> Health:
         return self._health.snapshot(self._closed)
@@ -234,7 +130,8 @@ class AdapterCore(ABC, Generic[V]):
     async def set_capacity(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
-        await self._set_capacity(capacity_bytes)
+        self._capacity = capacity_bytes
+        await self._capacity_changed(capacity_bytes)
 
     def bind_accounting(self, salt_of: SaltOf, hook: HoldingsHook) -> None:
         self._held.bind(salt_of, hook)
@@ -409,8 +306,6 @@ class AdapterCore(ABC, Generic[V]):
         self._stats.evictions += 1
         self._stats.evicted_bytes += nbytes
 
-    @abstractmethod
-    def _usage(self) -> Usage: ...
-
-    @abstractmethod
-    async def _set_capacity(self, capacity_bytes: int) -> None: ...
+    async def _capacity_changed(self, capacity_bytes: int) -> None:
+        """The capacity is now `capacity_bytes` (`_capacity`). Default: only the reported figure
+        changes; an adapter that enforces its capacity evicts here."""

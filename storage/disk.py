@@ -3,7 +3,7 @@
 State (event loop only): the index key -> (file, size) in least-recently-used order (`_held`,
 which reports every change to the owner's accounting, storage/holdings.py), bytes reserved by
 writes in flight, the capacity, and the store in flight per key. Every file operation runs in the
-I/O executor passed in (storage/diskio.py); the loop never touches a file.
+I/O executor passed in (storage/diskio.py, storage/diskdirs.py); the loop never touches a file.
 
 Placement: a key's blake3 digest picks one of the directories (config.paths, or the default
 directory) and one of its 256 two-hex-digit subdirectories. Each write gets a fresh file name, so
@@ -58,12 +58,14 @@ from typing import Any, TypeVar
 import blake3
 import structlog
 
-from app.settings import DiskAdapterConfig
-from storage import codec
-from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage import codec, diskdirs
+from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
-from storage.common import CLOSE_WAIT_S, AdapterCore, gather_all, settled
-from storage.diskio import BLOB_SUFFIX, SUBDIRS, BadFile, BlobFiles, Placed, ScanReport
+from storage.common import AdapterCore
+from storage.config import DiskAdapterConfig
+from storage.diskdirs import BLOB_SUFFIX, SUBDIRS, ScanReport
+from storage.diskio import BadFile, BlobFiles, Placed
+from storage.inflight import CLOSE_WAIT_S, gather_all, settled
 
 log = structlog.get_logger("kvdepot.storage.disk")
 
@@ -96,14 +98,13 @@ class DiskAdapter(AdapterCore[str]):
         *,
         owns_executor: bool = False,
     ) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, int(config.capacity_gb * (1 << 30)))
         self.config = config
         self.dirs = [str(p) for p in config.paths] or [str(default_dir)]
         self.startup: DiskStartup | None = None
         self._executor = executor
         self._owns_executor = owns_executor
         self._files = BlobFiles(fsync=config.fsync == "always", direct=config.o_direct)
-        self._capacity = int(config.capacity_gb * (1 << 30))
         self._reserved = 0
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()
@@ -149,13 +150,9 @@ class DiskAdapter(AdapterCore[str]):
         started = time.perf_counter()
         try:
             for root in self.dirs:
-                self._lock_fds.append(await self._io(self._files.prepare, root))
+                self._lock_fds.append(await self._io(diskdirs.prepare, root))
             reports = await asyncio.gather(
-                *(
-                    self._io(self._files.scan, os.path.join(root, sub))
-                    for root in self.dirs
-                    for sub in SUBDIRS
-                )
+                *(self._io(diskdirs.scan, os.path.join(root, sub)) for root in self.dirs for sub in SUBDIRS)
             )
         except BaseException:
             await self._release_locks()
@@ -195,7 +192,7 @@ class DiskAdapter(AdapterCore[str]):
 
     async def _release_locks(self) -> None:
         while self._lock_fds:
-            self._files.release(self._lock_fds.pop())  # close(2) of a lock file: never blocks
+            diskdirs.release(self._lock_fds.pop())  # close(2) of a lock file: never blocks
 
     # --- operations ----------------------------------------------------------------------------
 
@@ -288,11 +285,7 @@ class DiskAdapter(AdapterCore[str]):
             await self._io(self._files.remove, paths)
         return results
 
-    def _usage(self) -> Usage:
-        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
-
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
+    async def _capacity_changed(self, capacity_bytes: int) -> None:
         if not self.closed:
             await self._evict_to(capacity_bytes - self._reserved)
 

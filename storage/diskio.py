@@ -1,18 +1,10 @@
 """BlobFiles: the blocking file operations of the disk adapter. Called only from its I/O executor.
 
 State: the write policy (fsync, O_DIRECT) and, once O_DIRECT was refused by a filesystem, the
-reason it is no longer used. Threads share it; the only mutation is that one-way switch.
-
-On-disk layout of one directory::
-
-    <root>/.lock                 flock-ed while an adapter owns the directory
-    <root>/<2 hex>/<name>.kvd    one blob (codec header + payload), exactly the blob's bytes
-    <root>/<2 hex>/<name>.tmp    a write in progress; a leftover after a crash, removed at start
+reason it is no longer used. Threads share it; the only mutation is that one-way switch. Where
+files lie, and the scan at start, are storage/diskdirs.py.
 
 Primitives in call order:
-  prepare(root)                     create root and its 256 subdirectories, take the lock -> fd
-  scan(subdir)                      remove temp files, validate each blob's header (never the
-                                    payload), delete files that fail -> ScanReport
   write_atomic(path, segments)      temp file in the same directory, write, fsync (per policy),
                                     rename: readers see the whole blob or nothing
   read(path, size)                  the blob's bytes; None if the file is gone; BadFile if its size
@@ -23,7 +15,9 @@ Primitives in call order:
                                     out -> Placed(header); any other blob -> its bytes, as read does.
                                     None and BadFile (also for a file that ends early) as for read
   remove(paths)                     unlink, ignoring files already gone
-  release(fd)                       drop the directory lock
+
+Every read that must fill a buffer goes through one loop (`_read_full`), which says BadFile when
+the file ends early.
 
 O_DIRECT: writes go through a page-aligned bounce buffer, padded to ALIGN and truncated back;
 reads land in an aligned buffer (read_into: the per-thread bounce buffer, copied into out, since
@@ -34,25 +28,22 @@ EINVAL, the file is redone without O_DIRECT and O_DIRECT stays off (`direct_fall
 from __future__ import annotations
 
 import errno
-import fcntl
 import itertools
 import mmap
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
-from app.errors import ConfigError, IntegrityError
 from storage import codec
+from storage.diskdirs import TMP_SUFFIX, unlink
 
 ALIGN = 4096
 BOUNCE_BYTES = 8 << 20
-BLOB_SUFFIX = ".kvd"
-TMP_SUFFIX = ".tmp"
-LOCK_NAME = ".lock"
-SUBDIRS = tuple(f"{i:02x}" for i in range(256))
-_HEADER_PROBE = 4096
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+T = TypeVar("T")
 
 
 class BadFile(Exception):
@@ -68,21 +59,6 @@ class Placed:
     """read_into put the payload into the caller's out; `header` is the blob's header."""
 
     header: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ScannedBlob:
-    key: str
-    path: str
-    size: int
-    mtime: float
-
-
-@dataclass(slots=True)
-class ScanReport:
-    blobs: list[ScannedBlob] = field(default_factory=list)
-    temp_removed: int = 0
-    corrupt_removed: int = 0
 
 
 def _fresh_buffer(size: int) -> mmap.mmap:
@@ -124,6 +100,37 @@ def _open_sized(path: str, size: int, *, direct: bool = False) -> int | None:
     return fd
 
 
+def _read_full(
+    fd: int, path: str, view: memoryview, offset: int, need: int | None = None, *, direct: bool = False
+) -> None:
+    """Read the file from `offset` into `view` until `need` bytes (all of view by default) are in:
+    the one read-until-full loop. BadFile when the file ends first; under O_DIRECT (`direct`),
+    _DirectRefused when the filesystem answers EINVAL."""
+    need = view.nbytes if need is None else need
+    got = 0
+    while got < need:
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                raise _DirectRefused from None
+            raise
+        if n == 0:
+            raise BadFile(f"{path}: shorter than the index says")
+        got += n
+
+
+def _pread_all(fd: int, path: str, length: int, offset: int) -> bytes:
+    """`length` bytes of the file from `offset` as new bytes: one pread, the loop after a short one."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length:
+        return data
+    buf = bytearray(length)
+    buf[: len(data)] = data
+    _read_full(fd, path, memoryview(buf)[len(data) :], offset + len(data))
+    return bytes(buf)
+
+
 class BlobFiles:
     """File I/O of one disk adapter, safe to call from several executor threads at once."""
 
@@ -133,65 +140,6 @@ class BlobFiles:
         self.direct_fallback: str | None = None
         self._names = itertools.count()
         self._local = threading.local()
-
-    # --- directories ---------------------------------------------------------------------------
-
-    def prepare(self, root: str) -> int:
-        os.makedirs(root, exist_ok=True)
-        for sub in SUBDIRS:
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
-        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(f"disk L2 directory {root} is in use by another adapter") from None
-        return fd
-
-    def release(self, fd: int) -> None:
-        os.close(fd)  # closing the descriptor drops the flock
-
-    def scan(self, subdir: str) -> ScanReport:
-        report = ScanReport()
-        try:
-            entries = list(os.scandir(subdir))
-        except FileNotFoundError:
-            return report
-        for entry in entries:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            if entry.name.endswith(TMP_SUFFIX):
-                self._unlink(entry.path)
-                report.temp_removed += 1
-            elif entry.name.endswith(BLOB_SUFFIX):
-                blob = self._probe(entry.path)
-                if blob is None:
-                    self._unlink(entry.path)
-                    report.corrupt_removed += 1
-                else:
-                    report.blobs.append(blob)
-        return report
-
-    def _probe(self, path: str) -> ScannedBlob | None:
-        """The blob's key and size from its header alone, or None when the file is not whole."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            st = os.fstat(fd)
-            head = os.pread(fd, _HEADER_PROBE, 0)
-            need = codec.header_length(head)
-            if need > len(head):
-                head = os.pread(fd, need, 0)
-            header = codec.read_header(head)
-        except (IntegrityError, OSError):
-            return None
-        finally:
-            os.close(fd)
-        if st.st_size != header.total_len:
-            return None
-        return ScannedBlob(key=header.key, path=path, size=st.st_size, mtime=st.st_mtime)
 
     # --- blobs ---------------------------------------------------------------------------------
 
@@ -208,7 +156,7 @@ class BlobFiles:
         try:
             os.rename(tmp, path)
         except BaseException:
-            self._unlink(tmp)
+            unlink(tmp)
             raise
 
     def _write_file(self, tmp: str, segments: Sequence[codec.Buffer], *, direct: bool) -> None:
@@ -232,7 +180,7 @@ class BlobFiles:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            self._unlink(tmp)
+            unlink(tmp)
             raise
         os.close(fd)
 
@@ -281,70 +229,43 @@ class BlobFiles:
         return buf
 
     def read(self, path: str, size: int) -> bytes | memoryview | None:
-        if self.direct:
-            try:
-                return self._read_direct(path, size)
-            except _DirectRefused:
-                self._disable_direct("read")
-        fd = _open_sized(path, size)
-        if fd is None:
-            return None
-        try:
-            data = os.read(fd, size)
-            if len(data) < size:  # a short read: keep going, then join
-                parts = [data]
-                got = len(data)
-                while got < size:
-                    more = os.read(fd, size - got)
-                    if not more:
-                        raise BadFile(f"{path}: shorter than the index says")
-                    parts.append(more)
-                    got += len(more)
-                data = b"".join(parts)
-            return data
-        finally:
-            os.close(fd)
+        def buffered(fd: int) -> bytes | memoryview:
+            return _pread_all(fd, path, size, 0)
+
+        return self._read(path, size, lambda: self._read_direct(path, size), buffered)
 
     def read_into(
         self, path: str, size: int, head_len: int, out: memoryview
     ) -> Placed | bytes | memoryview | None:
         if size != head_len + out.nbytes:
             return self.read(path, size)
+
+        def buffered(fd: int) -> Placed | bytes:
+            head = _pread_all(fd, path, head_len, 0)
+            if not codec.fits_in_place(head, out.nbytes):
+                return head + _pread_all(fd, path, size - head_len, head_len)
+            _read_full(fd, path, out, head_len)
+            return Placed(head)
+
+        return self._read(path, size, lambda: self._read_into_direct(path, size, head_len, out), buffered)
+
+    def _read(
+        self, path: str, size: int, direct: Callable[[], T | None], buffered: Callable[[int], T]
+    ) -> T | None:
+        """`direct()` while O_DIRECT is on (turned off for good when the filesystem refuses it),
+        else `buffered(fd)` on the file opened for reading; None when the file is gone."""
         if self.direct:
             try:
-                return self._read_into_direct(path, size, head_len, out)
+                return direct()
             except _DirectRefused:
                 self._disable_direct("read")
         fd = _open_sized(path, size)
         if fd is None:
             return None
         try:
-            head = os.pread(fd, head_len, 0)
-            if len(head) < head_len:
-                raise BadFile(f"{path}: shorter than the index says")
-            if not codec.fits_in_place(head, out.nbytes):
-                return head + self._pread_all(fd, path, size - head_len, head_len)
-            got = 0
-            while got < out.nbytes:
-                n = os.preadv(fd, [out[got:]], head_len + got)
-                if n == 0:
-                    raise BadFile(f"{path}: shorter than the index says")
-                got += n
-            return Placed(head)
+            return buffered(fd)
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _pread_all(fd: int, path: str, length: int, offset: int) -> bytes:
-        parts: list[bytes] = []
-        got = 0
-        while got < length:
-            more = os.pread(fd, length - got, offset + got)
-            if not more:
-                raise BadFile(f"{path}: shorter than the index says")
-            parts.append(more)
-            got += len(more)
-        return b"".join(parts)
 
     def _read_into_direct(
         self, path: str, size: int, head_len: int, out: memoryview
@@ -394,19 +315,8 @@ class BlobFiles:
         if fd is None:
             return None
         try:
-            buf = _fresh_buffer(max(_round_up(size), ALIGN))
-            view = memoryview(buf)
-            got = 0
-            while got < size:
-                try:
-                    n = os.preadv(fd, [view[got:]], got)
-                except OSError as exc:
-                    if exc.errno == errno.EINVAL:
-                        raise _DirectRefused from None
-                    raise
-                if n == 0:
-                    raise BadFile(f"{path}: shorter than the index says")
-                got += n
+            view = memoryview(_fresh_buffer(max(_round_up(size), ALIGN)))
+            _read_full(fd, path, view, 0, size, direct=True)  # whole aligned blocks at a time
             return view[:size]
         finally:
             os.close(fd)
@@ -417,13 +327,6 @@ class BlobFiles:
 
     # --- removal -------------------------------------------------------------------------------
 
-    def remove(self, paths: Sequence[str]) -> int:
-        return sum(1 for path in paths if self._unlink(path))
-
     @staticmethod
-    def _unlink(path: str) -> bool:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        return True
+    def remove(paths: Sequence[str]) -> int:
+        return sum(1 for path in paths if unlink(path))

@@ -19,8 +19,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from app.settings import AdapterConfig, DiskAdapterConfig, MockAdapterConfig, RedisAdapterConfig
 from storage.base import L2Adapter
+from storage.config import AdapterConfig, DiskAdapterConfig, MockAdapterConfig, RedisAdapterConfig
 from storage.disk import DiskAdapter
 from storage.mock import MockAdapter
 from storage.redis_adapter import RedisAdapter

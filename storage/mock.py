@@ -27,23 +27,26 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
+from typing import TypeVar
 
-from app.settings import MockAdapterConfig
 from storage import codec
-from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
+from storage.config import MockAdapterConfig
 
 INJECTED = "injected fault"
+
+R = TypeVar("R", OpResult, LoadResult)
 
 
 class MockAdapter(AdapterCore[bytes]):
     kind = "mock"
 
     def __init__(self, config: MockAdapterConfig) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, int(config.capacity_gb * (1 << 30)))
         self.config = config
-        self._capacity = int(config.capacity_gb * (1 << 30))
         self._rng = random.Random(config.seed)
 
     # --- simulation ----------------------------------------------------------------------------
@@ -84,34 +87,22 @@ class MockAdapter(AdapterCore[bytes]):
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
         await self._simulate(0)
-        results: list[OpResult] = []
-        for key in keys:
-            if self._fails():
-                results.append(OpResult.error(INJECTED))
-            elif key in self._held:
-                results.append(OK)
-            else:
-                results.append(MISS)
-        return results
+        return self._per_key(keys, lambda key: OK if key in self._held else MISS, OpResult.error)
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
         await self._simulate(sum(len(self._held.get(key) or b"") for key in keys))
-        results: list[LoadResult] = []
-        for key in keys:
-            if self._fails():
-                results.append(LoadResult.error(INJECTED))
-                continue
-            data = self._held.get(key)
-            if data is None:
-                results.append(LoadResult(Status.MISS))
-                continue
-            self._held.touch(key)
-            if data and self._corrupts():
-                flipped = bytearray(data)
-                flipped[self._rng.randrange(len(flipped))] ^= 0xFF
-                data = bytes(flipped)
-            results.append(LoadResult.hit(data))
-        return results
+        return self._per_key(keys, self._load_one, LoadResult.error)
+
+    def _load_one(self, key: str) -> LoadResult:
+        data = self._held.get(key)
+        if data is None:
+            return LoadResult(Status.MISS)
+        self._held.touch(key)
+        if data and self._corrupts():
+            flipped = bytearray(data)
+            flipped[self._rng.randrange(len(flipped))] ^= 0xFF
+            data = bytes(flipped)
+        return LoadResult.hit(data)
 
     async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
         results = await self._load(keys)
@@ -127,19 +118,13 @@ class MockAdapter(AdapterCore[bytes]):
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
         await self._simulate(0)
-        results: list[OpResult] = []
-        for key in keys:
-            if self._fails():
-                results.append(OpResult.error(INJECTED))
-            else:
-                results.append(OK if self._held.pop(key) is not None else MISS)
-        return results
+        return self._per_key(keys, lambda key: MISS if self._held.pop(key) is None else OK, OpResult.error)
 
-    def _usage(self) -> Usage:
-        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
+    def _per_key(self, keys: list[str], answer: Callable[[str], R], error: Callable[[str], R]) -> list[R]:
+        """`answer(key)` for each key in order, or an injected ERROR when the injector draws one."""
+        return [error(INJECTED) if self._fails() else answer(key) for key in keys]
 
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
+    async def _capacity_changed(self, capacity_bytes: int) -> None:
         self._evict_to(capacity_bytes)
 
     async def _close(self) -> None:

@@ -64,17 +64,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from app.errors import BackendError
-from app.settings import RedisAdapterConfig
 from storage import codec
-from storage.base import MISS, OK, LoadResult, OpResult, Status, Usage
+from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
-from storage.common import AdapterCore, gather_all, settled
+from storage.common import AdapterCore
+from storage.config import RedisAdapterConfig
+from storage.inflight import gather_all, settled
 from storage.redis_lane import LaneCancelled, LaneDown, LaneJob, RespLane
 from storage.resp import target_from_url
 
 JOIN_INLINE_BYTES = 256 * 1024
 
 R = TypeVar("R", OpResult, LoadResult)
+
+
+def _unlink(pipe: Pipeline, key: bytes) -> object:
+    return pipe.unlink(key)
 
 
 class RedisAdapter(AdapterCore[None]):
@@ -87,12 +92,11 @@ class RedisAdapter(AdapterCore[None]):
         *,
         owns_executor: bool = False,
     ) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, int(config.capacity_gb * (1 << 30)) if config.capacity_gb else 0)
         self.config = config
         self._prefix = config.key_prefix.encode("utf-8")
         self._executor = executor
         self._owns_executor = owns_executor
-        self._capacity = int(config.capacity_gb * (1 << 30)) if config.capacity_gb else 0
         self._pool: ConnectionPool = ConnectionPool.from_url(
             config.url,
             max_connections=config.max_connections,
@@ -125,6 +129,15 @@ class RedisAdapter(AdapterCore[None]):
                     return list(await pipe.execute(raise_on_error=False))
             except (RedisError, OSError) as exc:
                 raise BackendError(f"redis {self.config.name}: {type(exc).__name__}: {exc}") from exc
+
+    async def _each(self, keys: list[str], command: Callable[[Pipeline, bytes], object]) -> list[Any]:
+        """`command` for each key (given its Redis key), as one pipeline."""
+
+        def build(pipe: Pipeline) -> None:
+            for key in keys:
+                command(pipe, self.redis_key(key))
+
+        return await self._run(build)
 
     async def _join(self, blob: EncodedBlob) -> bytes:
         if self._executor is None or blob.nbytes < JOIN_INLINE_BYTES:
@@ -225,12 +238,8 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                pipe.exists(self.redis_key(key))
-
         results: list[OpResult] = []
-        for key, reply in zip(keys, await self._run(build), strict=True):
+        for key, reply in zip(keys, await self._each(keys, lambda pipe, k: pipe.exists(k)), strict=True):
             if isinstance(reply, Exception):
                 results.append(OpResult.error(f"redis: {reply}"))
             elif reply:
@@ -241,12 +250,8 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                pipe.get(self.redis_key(key))
-
         results: list[LoadResult] = []
-        for key, reply in zip(keys, await self._run(build), strict=True):
+        for key, reply in zip(keys, await self._each(keys, lambda pipe, k: pipe.get(k)), strict=True):
             if isinstance(reply, Exception):
                 results.append(LoadResult.error(f"redis: {reply}"))
             elif reply is None:
@@ -275,12 +280,8 @@ class RedisAdapter(AdapterCore[None]):
         return await self._split(len(keys), on_lane, lane_call, pipelined, LoadResult.error)
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                pipe.unlink(self.redis_key(key))
-
         results: list[OpResult] = []
-        for key, reply in zip(keys, await self._run(build), strict=True):
+        for key, reply in zip(keys, await self._each(keys, _unlink), strict=True):
             if isinstance(reply, Exception):
                 results.append(OpResult.error(f"redis: {reply}"))
                 continue
@@ -292,13 +293,9 @@ class RedisAdapter(AdapterCore[None]):
         victims = [(key, self._held.entry(key)) for key in self._held.oldest(salt, nbytes)]
         if not victims:
             return 0
-
-        def build(pipe: Pipeline) -> None:
-            for key, _ in victims:
-                pipe.unlink(self.redis_key(key))
-
+        replies = await self._each([key for key, _ in victims], _unlink)
         freed = 0
-        for (key, held), reply in zip(victims, await self._run(build), strict=True):
+        for (key, held), reply in zip(victims, replies, strict=True):
             if isinstance(reply, Exception) or held is None:
                 continue
             # Unless the key was written again while its UNLINK was on the way: that newer write
@@ -307,12 +304,6 @@ class RedisAdapter(AdapterCore[None]):
                 freed += held.size
                 self._count_eviction(held.size)
         return freed
-
-    def _usage(self) -> Usage:
-        return Usage(bytes_used=self._held.bytes, objects=len(self._held), capacity_bytes=self._capacity)
-
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
 
     async def _close(self) -> None:
         try:

@@ -16,23 +16,12 @@ Commands (each a single-key command, so Redis Cluster routes it):
                on redis-py (TLS)
   set          SET key value [EX ttl], value = the blob's segments -> OK, NO_SPACE (an OOM reply),
                ERROR (any other error reply)
-  get_into     STRLEN key, GETRANGE of the header, GETRANGEs of PIECE_BYTES over the payload, and
-               GETRANGE of the header again, sent as a sliding window (PIECE_WINDOW pieces asked
-               ahead of the one being received). A value of exactly header + len(out) whose header
+  get_into     one GET for a value up to whole_get_max, else GETRANGE pieces of PIECE_BYTES in a
+               sliding window (storage/redis_read.py, which says why, and how a value replaced
+               during the read is told apart). A value of exactly header + len(out) whose header
                says raw (codec.fits_in_place) has its payload received into out -> placed(header);
-               any other value is received whole into fresh memory -> hit(blob); STRLEN 0 -> MISS
-  Why pieces in a window rather than one GET (or one MULTI/EXEC of pieces): Redis 7 copies a
-  reply into reply blocks it allocates for it, all before writing any of it. For a 32 MiB GET
-  that is one block past jemalloc's oversize threshold (8 MiB), fresh memory page-faulted by the
-  server on every read; a MULTI of 1 MiB pieces still holds 32 MiB of blocks at once. With a few
-  pieces in flight the server reuses a few warm blocks (measured on the 32 MiB bench: ~0.3 s of
-  Redis CPU per GiB read, against ~0.6-0.8 s for a GET or a MULTI of pieces).
-  Consistency without MULTI: each command touches one key (cluster-safe) but the read is not one
-  atomic command. The header read at the end must equal the one read first, and the pieces must
-  add up to the length STRLEN gave; a value replaced meanwhile (another sidecar storing the same
-  key) is then ERROR "changed while it was read" -- a miss, nothing deleted -- never a hit. A value
-  replaced and put back within one read (same header at both ends) fails the caller's payload
-  checksum instead. The Redis user needs SET, STRLEN and GETRANGE (plus AUTH, SELECT).
+               any other value is received whole into fresh memory -> hit(blob); absent -> MISS.
+  The Redis user needs SET, STRLEN, GET and GETRANGE (plus AUTH, SELECT).
 
 Timeouts: every socket call waits at most `timeout_s` for progress, and one command ends by
 timeout_s + its bytes / MIN_BYTES_PER_S at the latest. A frozen or silent Redis is therefore a
@@ -51,7 +40,7 @@ Errors raised to the caller: LaneDown (the backend failed), LaneCancelled.
 Cancellation: RespLane.cancel(job) (from the event loop) shuts the job's socket down, which wakes
 its thread at once (or wakes it from waiting for a connection); the thread drops the connection and
 raises LaneCancelled. The caller waits for the thread before it hands its memory back
-(storage.common.settled).
+(storage.inflight.settled).
 
 Primitives in call order: RespLane(resp.target_from_url(url), ...), LaneJob(lane.epoch),
 set / get_into (in executor threads), cancel(job) (event loop), close().
@@ -67,14 +56,13 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from app.errors import BackendError
-from storage import codec, resp
-from storage.base import LOAD_MISS, OK, LoadResult, OpResult, Status
+from storage import codec, redis_read, resp
+from storage.base import OK, LoadResult, OpResult, Status
 
 R = TypeVar("R")
 
 PIECE_BYTES = 1 << 20
 WHOLE_GET_MAX = 6 << 20  # blobs up to this size are read with one GET
-PIECE_WINDOW = 4  # GETRANGE pieces asked ahead of the one being received
 MIN_BYTES_PER_S = 64e6  # a command may take timeout_s + its bytes at this rate, no longer
 
 
@@ -84,9 +72,6 @@ class LaneDown(BackendError):
 
 class LaneCancelled(Exception):
     """The job was cancelled; its socket I/O stopped."""
-
-
-_CHANGED = LoadResult.error("redis: the value changed while it was read")
 
 
 class LaneJob:
@@ -187,130 +172,10 @@ class RespLane:
     def get_into(self, job: LaneJob, key: bytes, head_len: int, out: memoryview) -> LoadResult:
         total = head_len + out.nbytes
         if total <= self.whole_get_max:
-            return self._call(job, total, lambda conn: self._get_whole(conn, key, head_len, out))
-        header_cmd = resp.command(b"GETRANGE", key, b"0", b"%d" % (head_len - 1))
-        pieces = [
-            resp.command(b"GETRANGE", key, b"%d" % start, b"%d" % (min(start + self.piece_bytes, total) - 1))
-            for start in range(head_len, total, self.piece_bytes)
-        ]
-
-        def run(conn: resp.Connection) -> LoadResult:
-            window = resp.Window(
-                conn, [resp.command(b"STRLEN", key), header_cmd, *pieces, header_cmd], PIECE_WINDOW + 2
-            )
-            return self._read_window(window, key, head_len, out)
-
-        return self._call(job, total, run)
-
-    @staticmethod
-    def _get_whole(conn: resp.Connection, key: bytes, head_len: int, out: memoryview) -> LoadResult:
-        """One GET: atomic, and cheap for the server below jemalloc's oversize threshold."""
-        conn.send([resp.command(b"GET", key)])
-        line = conn.readline()
-        if line[:1] == b"-":
-            return LoadResult.error(f"redis: {resp.error_text(line[1:])}")
-        if line[:1] != b"$":
-            raise resp.ReplyMismatch(f"unexpected GET reply {line[:64]!r}")
-        length = int(line[1:])
-        if length < 0:
-            return LOAD_MISS
-        if length == head_len + out.nbytes:
-            header = bytearray(head_len)
-            conn.read_into(memoryview(header))
-            if codec.fits_in_place(header, out.nbytes):
-                conn.read_into(out)
-                conn.crlf()
-                return LoadResult.placed(bytes(header))
-            blob = bytearray(length)
-            blob[:head_len] = header
-            conn.read_into(memoryview(blob)[head_len:])
-        else:
-            blob = bytearray(length)
-            conn.read_into(memoryview(blob))
-        conn.crlf()
-        return LoadResult.hit(memoryview(blob))
-
-    def _read_window(self, window: resp.Window, key: bytes, head_len: int, out: memoryview) -> LoadResult:
-        """Replies of [STRLEN, header, pieces..., header again], the header piece routed to a small
-        buffer and the payload pieces into out (or the whole value into fresh memory)."""
-        conn = window.conn
-        pieces = len(window.commands) - 3
-        total = head_len + out.nbytes
-        window.next()
-        line = conn.readline()
-        if line[:1] == b"-":
-            window.drain()
-            return LoadResult.error(f"redis: {resp.error_text(line[1:])}")
-        if line[:1] != b":":
-            raise resp.ReplyMismatch(f"unexpected STRLEN reply {line[:64]!r}")
-        length = int(line[1:])
-        if length == 0:
-            window.drain()
-            return LOAD_MISS
-        window.next()
-        n = conn.bulk_len()
-        if n != min(length, head_len):  # replaced since STRLEN
-            conn.skip(n + 2)
-            window.drain()
-            return _CHANGED
-        if length == total:
-            header = bytearray(head_len)
-            conn.read_into(memoryview(header))
-            placed = codec.fits_in_place(header, out.nbytes)
-            if placed:
-                blob, body = header, out
-            else:  # as long as a raw blob, but not one: returned whole
-                blob = bytearray(total)
-                blob[:head_len] = header
-                body = memoryview(blob)[head_len:]
-        else:
-            placed = False
-            blob = bytearray(length)
-            conn.read_into(memoryview(blob)[:n])
-            body = (
-                memoryview(blob)[head_len : min(length, total)] if length > head_len else memoryview(blob)[:0]
-            )
-        conn.crlf()
-        first = bytes(blob[: min(length, head_len)])
-        changed = False
-        offset = 0
-        for _ in range(pieces):
-            window.next()
-            n = conn.bulk_len()
-            if changed or offset + n > body.nbytes:
-                conn.skip(n + 2)
-                changed = True
-                continue
-            conn.read_into(body[offset : offset + n])
-            conn.crlf()
-            offset += n
-        same = self._same_header(conn, window, first)  # always read: every reply is consumed
-        changed = changed or offset != body.nbytes or not same
-        if not changed and length > total:  # longer than any raw blob for this out: the rest
-            window.add(resp.command(b"GETRANGE", key, b"%d" % total, b"-1"), window.commands[1])
-            window.next()
-            n = conn.bulk_len()
-            if n == length - total:
-                conn.read_into(memoryview(blob)[total:])
-                conn.crlf()
-            else:
-                conn.skip(n + 2)
-                changed = True
-            same = self._same_header(conn, window, first)
-            changed = changed or not same
-        if changed:
-            return _CHANGED
-        return LoadResult.placed(bytes(blob)) if placed else LoadResult.hit(memoryview(blob))
-
-    @staticmethod
-    def _same_header(conn: resp.Connection, window: resp.Window, first: bytes) -> bool:
-        """Reads the header again: the same bytes mean the same blob was read throughout."""
-        window.next()
-        n = conn.bulk_len()
-        again = bytearray(n)
-        conn.read_into(memoryview(again))
-        conn.crlf()
-        return again == first
+            return self._call(job, total, lambda conn: redis_read.get_whole(conn, key, head_len, out))
+        return self._call(
+            job, total, lambda conn: redis_read.get_pieces(conn, key, head_len, out, self.piece_bytes)
+        )
 
     # --- connections ---------------------------------------------------------------------------
 
@@ -351,14 +216,8 @@ class RespLane:
     def _acquire(self, job: LaneJob, deadline: float, *, fresh: bool) -> tuple[resp.Connection | None, bool]:
         """An idle connection (reused=True), or None with a slot reserved for a new one. `fresh`:
         the idle connections are dropped first (they outlived a server restart)."""
-        stale: list[resp.Connection] = []
         if fresh:
-            with self._cond:
-                stale, self._idle = self._idle, []
-                self._open -= len(stale)
-                self._cond.notify_all()
-            for conn in stale:
-                conn.close()
+            self._drop_idle()
         with self._cond:
             while True:
                 if self._closed:
@@ -394,20 +253,26 @@ class RespLane:
             self._cond.notify()
 
     def _failed(self, job: LaneJob, message: str) -> None:
-        with self._cond:
+        def record() -> None:
             if job.epoch == self._epoch:
                 self._epoch += 1
                 self.last_error = message
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            self._cond.notify_all()
-        for conn in idle:
-            conn.close()
+
+        self._drop_idle(record)
 
     def close(self) -> None:
         """No new commands; idle connections closed (commands in flight are cancelled by their jobs)."""
-        with self._cond:
+
+        def closing() -> None:
             self._closed = True
+
+        self._drop_idle(closing)
+
+    def _drop_idle(self, then: Callable[[], None] | None = None) -> None:
+        """Close the idle connections; `then` runs first, under the pool's lock."""
+        with self._cond:
+            if then is not None:
+                then()
             idle, self._idle = self._idle, []
             self._open -= len(idle)
             self._cond.notify_all()

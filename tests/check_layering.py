@@ -1,5 +1,6 @@
 """Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; the connector
-imports none of the sidecar. Parses every module (function-level imports included) with `ast`.
+imports none of the sidecar; storage/, gpu/ and engine/ own their config types and use only app's
+error vocabulary (never app.settings). Parses every module (function-level imports included) with `ast`.
 
 Run: python tests/check_layering.py   (exit 1 and one line per violation when a rule is broken)
 """
@@ -13,6 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "api", "engine", "storage", "gpu", "kvdepot_connector")
 SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every layer may use of app/
+# layers below api/ whose config types live with them: only app's error vocabulary is theirs to use
+LOWER_LAYERS = ("storage", "gpu", "engine")
+LOWER_APP = ("app.errors", "app.__version__")
 
 # package -> packages it must never import (prefix match on dotted names)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -45,6 +49,10 @@ def _shared_app(name: str) -> bool:
     return any(_under(name, allowed) for allowed in SHARED_APP)
 
 
+def _lower_app(name: str) -> bool:
+    return any(_under(name, allowed) for allowed in LOWER_APP)
+
+
 def violations(root: Path = ROOT) -> list[str]:
     out: list[str] = []
     for package in PACKAGES:
@@ -57,6 +65,8 @@ def violations(root: Path = ROOT) -> list[str]:
                         out.append(f"{rel}:{lineno}: {package} must not import {name}")
                 if package != "app" and _under(name, "app") and not _shared_app(name):
                     out.append(f"{rel}:{lineno}: {package} may use only app.errors/app.settings, not {name}")
+                elif package in LOWER_LAYERS and _under(name, "app") and not _lower_app(name):
+                    out.append(f"{rel}:{lineno}: {package} may use only app.errors of app/, not {name}")
                 if any(_under(name, w) for w in WIRING_ONLY) and not any(
                     _under(module, w) for w in WIRING_ONLY
                 ):

@@ -14,7 +14,8 @@ and has not seen deleted). When the adapter is detached its hook is unbound firs
 ledger forgets the tier, then the adapter closes: a new adapter of the same name starts from zero.
 
 Primitives in call order:
-  add(config)               build, bind the accounting, start; Conflict on a duplicate name
+  add(config)               build, bind the accounting, start; Conflict on a duplicate name,
+                            ConfigError (and nothing attached) when the adapter cannot start
   active()                  the tiers new work may use, in order
   tier.use()                context manager counting an operation in flight
   resize(name, bytes)       runtime capacity change (the adapter evicts when shrinking)
@@ -33,11 +34,11 @@ from typing import Any, Literal
 
 import structlog
 
-from app.errors import Conflict, NotFound
-from app.settings import AdapterConfig
+from app.errors import ConfigError, Conflict, NotFound
 from engine.keys import salt_of
 from engine.tenants.ledger import TierAccounting
 from storage.base import HoldingsHook, L2Adapter
+from storage.config import AdapterConfig
 
 log = structlog.get_logger("kvdepot.l2")
 
@@ -52,6 +53,10 @@ async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def _cannot_start(config: AdapterConfig, exc: Exception) -> ConfigError:
+    return ConfigError(f"l2.adapters[{config.name}]: cannot start: {exc}")
 
 
 @dataclass(eq=False)
@@ -129,19 +134,27 @@ class L2Tiers:
         return tier
 
     async def add(self, config: AdapterConfig) -> Tier:
+        """Attach a new adapter. Conflict on a duplicate name; ConfigError when the adapter cannot be
+        built or started (a directory it cannot write, a URL it cannot use), and then nothing of it
+        stays attached."""
         if config.name in self._tiers:
             raise Conflict(f"an L2 adapter named {config.name!r} exists already")
-        adapter = self._build(config)
+        try:
+            adapter = self._build(config)
+        except (OSError, ValueError) as exc:
+            raise _cannot_start(config, exc) from None
         tier = Tier(adapter, config)
         self._tiers[config.name] = tier  # reserve the name before awaiting
         if self.ledger is not None:
             adapter.bind_accounting(salt_of, self._hook(config.name, self.ledger))
         try:
             await adapter.start()
-        except BaseException:
+        except BaseException as exc:
             del self._tiers[config.name]
             self._forget(adapter)
             await adapter.close()
+            if isinstance(exc, (OSError, ValueError)):
+                raise _cannot_start(config, exc) from None
             raise
         log.info("l2_adapter_added", name=config.name, type=adapter.kind)
         return tier

@@ -12,7 +12,7 @@ import redis
 
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from storage import codec
-from storage.diskio import BLOB_SUFFIX
+from storage.diskdirs import BLOB_SUFFIX
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, request_tokens
 
 MODEL = "test-model"

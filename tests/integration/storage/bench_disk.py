@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app.settings import DiskAdapterConfig
 from storage import codec
 from storage.codec import CodecOptions
+from storage.config import DiskAdapterConfig
 from storage.disk import DiskAdapter
 
 ROUNDS = 5

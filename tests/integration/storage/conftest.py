@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from app.settings import RedisAdapterConfig
+from storage.config import RedisAdapterConfig
 from storage.redis_adapter import RedisAdapter
 from tests.integration.storage.redis_servers import MakeRedis, RedisServer
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from app.errors import ConfigError, IntegrityError
-from app.settings import DiskAdapterConfig
-from storage import codec, diskio
+from storage import codec, diskdirs, diskio
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
+from storage.config import DiskAdapterConfig
 from storage.disk import DiskAdapter
 from storage.diskio import BlobFiles
 
@@ -46,7 +46,7 @@ def decoded(data: bytes | memoryview | None, key: str, size: int) -> bytes:
 
 
 def blob_files(root: Path) -> list[Path]:
-    return sorted(root.rglob(f"*{diskio.BLOB_SUFFIX}"))
+    return sorted(root.rglob(f"*{diskdirs.BLOB_SUFFIX}"))
 
 
 def exists(path: str | Path) -> bool:
@@ -164,7 +164,7 @@ async def test_start_removes_temp_files_and_deletes_bad_files(make_disk: MakeDis
     paths = {key: Path(str(first.path_of(key))) for key in first.keys_lru()}
     await first.close()
 
-    leftover = paths["good"].with_name("crashed-mid-write" + diskio.TMP_SUFFIX)
+    leftover = paths["good"].with_name("crashed-mid-write" + diskdirs.TMP_SUFFIX)
     leftover.write_bytes(b"half a blob")
     os.truncate(paths["truncated"], paths["truncated"].stat().st_size - 1)
     with paths["bad-header"].open("r+b") as f:

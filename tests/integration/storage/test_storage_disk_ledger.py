@@ -14,9 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from app.settings import AdapterConfig, DiskAdapterConfig
 from engine.l2.tiers import Tier
 from storage.base import L2Adapter
+from storage.config import AdapterConfig, DiskAdapterConfig
 from storage.disk import DiskAdapter
 from storage.factory import build_adapter
 from tests.integration.l2_helpers import blob_files

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import AdapterConfig, DiskAdapterConfig, L2Settings, MockAdapterConfig, RedisAdapterConfig
+from app.settings import L2Settings
 from storage import codec
 from storage.codec import CodecOptions
+from storage.config import AdapterConfig, DiskAdapterConfig, MockAdapterConfig, RedisAdapterConfig
 from storage.factory import build_adapter
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.errors import IntegrityError
-from storage import codec
+from storage import codec, fp8
 from storage.codec import CodecOptions
 
 KEY = "kvd1/m=model/l=0011223344556677/r=0/g=0/s=/h=" + "ab" * 32
@@ -90,7 +90,7 @@ def test_fp8_keeps_k_exact_and_bounds_the_v_error(dtype: torch.dtype, lz4: bool)
 
     assert torch.equal(back[:, 0], kv[:, 0])  # K byte-exact
     v, v_back = kv[:, 1].float(), back[:, 1].float()
-    scale = v.abs().amax(dim=1, keepdim=True) / codec.FP8_MAX
+    scale = v.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX
     out_rounding = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 0.0}[dtype]
     bound = v.abs() * (2**-4 + out_rounding) + scale * 2**-9
     assert bool(((v_back - v).abs() <= bound).all())

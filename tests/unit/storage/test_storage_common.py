@@ -8,9 +8,11 @@ import anyio
 import pytest
 
 from app.errors import BackendError
-from storage.base import LOAD_MISS, OK, Histogram, LoadResult, OpResult, Status, Usage
+from storage.base import LOAD_MISS, OK, Histogram, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
-from storage.common import DEGRADED_WINDOW_S, AdapterCore, HealthTracker, gather_all, settled
+from storage.common import AdapterCore
+from storage.health import DEGRADED_WINDOW_S, HealthTracker
+from storage.inflight import gather_all, settled
 
 pytestmark = pytest.mark.anyio
 
@@ -50,12 +52,6 @@ class ScriptedAdapter(AdapterCore):
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
         return [OpResult.error("disk on fire")] * len(keys)
-
-    def _usage(self) -> Usage:
-        return Usage(0, 0, 0)
-
-    async def _set_capacity(self, capacity_bytes: int) -> None:
-        pass
 
 
 async def test_first_operation_starts_the_adapter_once() -> None:

@@ -7,10 +7,10 @@ import anyio
 import pytest
 
 from app.errors import IntegrityError
-from app.settings import MockAdapterConfig
 from storage import codec
 from storage.base import L2Adapter, Status
 from storage.codec import CodecOptions, EncodedBlob
+from storage.config import MockAdapterConfig
 from storage.mock import MockAdapter
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app.settings import RedisAdapterConfig
+from storage.config import RedisAdapterConfig
 from storage.redis_adapter import RedisAdapter
 from storage.resp import Target, command, target_from_url
 

@@ -1,0 +1,90 @@
+"""Adapter configs: what each L2 adapter can be told, defined beside the adapters that read it.
+
+Role: one frozen pydantic model per adapter kind (disk, redis, mock) and `AdapterConfig`, their
+union discriminated by `type`. app/settings.py composes them into `L2Settings`; the HTTP control
+plane parses `POST /l2/adapters` bodies with the same union. Every field is documented and bounded;
+unknown keys are errors.
+
+State: none (immutable models). Imports nothing else from the package.
+
+Primitives: DiskAdapterConfig / RedisAdapterConfig / MockAdapterConfig, validated as AdapterConfig
+(pydantic picks the model by `type`); AdapterName checks a name (never `l1`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+def _adapter_name(name: str) -> str:
+    if name == "l1":
+        raise ValueError("'l1' is the name of the memory tier in quotas and metrics; choose another")
+    return name
+
+
+AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$"), AfterValidator(_adapter_name)]
+"""An L2 adapter's name: its tier in quotas and metrics, hence never `l1`."""
+
+
+class DiskAdapterConfig(BaseModel):
+    """Local-disk L2: crash-safe files, index rebuilt from the files at start."""
+
+    model_config = _FROZEN
+
+    type: Literal["disk"] = "disk"
+    name: AdapterName = "disk"
+    paths: list[Path] = Field(
+        default_factory=list, max_length=64, description="Directories; empty = <data_dir>/l2-disk."
+    )
+    capacity_gb: float = Field(8.0, gt=0, le=1 << 20, description="LRU eviction keeps usage below this.")
+    fsync: Literal["always", "never"] = Field("always", description="fsync each blob before rename.")
+    o_direct: bool = Field(False, description="Use O_DIRECT where the filesystem allows it.")
+    io_threads: int = Field(4, ge=1, le=64, description="Threads of this adapter's file I/O executor.")
+
+
+class RedisAdapterConfig(BaseModel):
+    """Redis or Valkey L2, shared by many sidecars."""
+
+    model_config = _FROZEN
+
+    type: Literal["redis"] = "redis"
+    name: AdapterName = "redis"
+    url: str = Field("redis://127.0.0.1:6379/0", max_length=1024, description="redis:// or rediss:// URL.")
+    key_prefix: str = Field("kvdepot:", max_length=128, description="Namespace of every key.")
+    ttl_s: int | None = Field(None, ge=1, le=10 * 365 * 86400, description="Expiry of stored blobs.")
+    timeout_s: float = Field(2.0, gt=0, le=300, description="Socket timeout of one command.")
+    max_connections: int = Field(16, ge=1, le=1024, description="Connection pool size.")
+    capacity_gb: float | None = Field(None, gt=0, description="Reported capacity (Redis evicts itself).")
+    bulk_min_kib: int | None = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Values of at least this many KiB move over blocking sockets in the adapter's "
+        "threads, read straight into L1; None: everything through redis-py (rediss:// always is).",
+    )
+
+
+class MockAdapterConfig(BaseModel):
+    """In-memory L2 with capacity, simulated bandwidth/latency and fault injection."""
+
+    model_config = _FROZEN
+
+    type: Literal["mock"] = "mock"
+    name: AdapterName = "mock"
+    capacity_gb: float = Field(1.0, gt=0, le=1024)
+    bandwidth_gbps: float | None = Field(None, gt=0, description="Simulated transfer rate.")
+    latency_ms: float = Field(0.0, ge=0, le=60_000, description="Simulated latency per batch.")
+    error_rate: float = Field(0.0, ge=0, le=1, description="Probability an operation fails.")
+    hang: bool = Field(False, description="Operations never complete (until detached).")
+    corrupt_rate: float = Field(0.0, ge=0, le=1, description="Probability a load returns flipped bytes.")
+    seed: int = Field(0, ge=0, description="Seed of the fault injector.")
+
+
+AdapterConfig = Annotated[
+    DiskAdapterConfig | RedisAdapterConfig | MockAdapterConfig, Field(discriminator="type")
+]
