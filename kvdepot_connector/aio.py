@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from kvdepot_connector import protocol as p
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import ClientBase, R, StoreOutcome, encode_tokens
+from kvdepot_connector.protocol import encode_tokens
+from kvdepot_connector.session import ClientBase, R, StoreOutcome
 from kvdepot_connector.session import check_reply as _check
 
 

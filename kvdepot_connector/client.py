@@ -28,7 +28,8 @@ import zmq
 from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import ClientBase, R, StoreOutcome, encode_tokens
+from kvdepot_connector.protocol import encode_tokens
+from kvdepot_connector.session import ClientBase, R, StoreOutcome
 from kvdepot_connector.session import check_reply as _check
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "StoreOutcome", "encode_tokens"]

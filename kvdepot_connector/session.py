@@ -33,18 +33,6 @@ class StoreOutcome:
         return self.no_space == 0 and self.quota == 0 and self.expired == 0
 
 
-def encode_tokens(tokens: Sequence[int] | bytes) -> bytes:
-    if isinstance(tokens, bytes):
-        return tokens
-    import array
-    import sys
-
-    arr = array.array("I", tokens)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("chunk tensors must be contiguous")

@@ -52,6 +52,7 @@ import torch
 import xxhash
 
 from app.errors import IntegrityError
+from kvdepot_connector.layout import dtype_size
 
 MAGIC = b"KVD2"
 VERSION = 1
@@ -71,7 +72,6 @@ MAX_HEADER_SIZE = _FIXED.size + MAX_KEY_BYTES + _CHECKSUM.size
 ValueDtype = Literal["float16", "bfloat16", "float32"]
 _DTYPE_CODES: dict[str, int] = {"float16": 1, "bfloat16": 2, "float32": 3}
 _DTYPE_NAMES: dict[int, ValueDtype] = {1: "float16", 2: "bfloat16", 3: "float32"}
-_DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 Buffer = bytes | bytearray | memoryview
 
@@ -94,7 +94,7 @@ class CodecOptions:
     @property
     def pair_bytes(self) -> int:
         """Bytes of one K run plus one V run in the original payload."""
-        return 2 * self.run_elems * _DTYPE_SIZES[self.dtype]
+        return 2 * self.run_elems * dtype_size(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,7 @@ def read_header(buf: Buffer) -> BlobHeader:
         dtype = _DTYPE_NAMES.get(dtype_code)
         if dtype is None or run_elems == 0:
             raise IntegrityError("fp8 blob without a valid value dtype and run length")
-        if orig_len % (2 * run_elems * _DTYPE_SIZES[dtype]):
+        if orig_len % (2 * run_elems * dtype_size(dtype)):
             raise IntegrityError("fp8 blob length is not a whole number of K/V run pairs")
     return BlobHeader(
         version=version,
@@ -352,7 +352,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 
 def _fp8_encoded_len(header: BlobHeader) -> int:
     assert header.dtype is not None
-    esize = _DTYPE_SIZES[header.dtype]
+    esize = dtype_size(header.dtype)
     pairs = header.orig_len // (2 * header.run_elems * esize)
     return pairs * (4 + header.run_elems * esize + header.run_elems)
 
@@ -378,7 +378,7 @@ def _widen(runs: np.ndarray[Any, np.dtype[np.uint8]], dtype: ValueDtype) -> F32A
 
 def _fp8_encode(raw: memoryview, dtype: ValueDtype, run_elems: int) -> memoryview:
     """[scales f32 x pairs | K runs | V runs as e4m3] from alternating K and V runs."""
-    esize = _DTYPE_SIZES[dtype]
+    esize = dtype_size(dtype)
     run_bytes = run_elems * esize
     pairs = raw.nbytes // (2 * run_bytes)
     out = np.empty(pairs * (4 + run_bytes + run_elems), dtype=np.uint8)
@@ -398,7 +398,7 @@ def _fp8_encode(raw: memoryview, dtype: ValueDtype, run_elems: int) -> memoryvie
 
 
 def _fp8_decode(body: memoryview, dtype: ValueDtype, run_elems: int, dest: memoryview) -> None:
-    esize = _DTYPE_SIZES[dtype]
+    esize = dtype_size(dtype)
     run_bytes = run_elems * esize
     pairs = dest.nbytes // (2 * run_bytes)
     if pairs == 0:

@@ -1,5 +1,7 @@
 """Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; the connector
-imports none of the sidecar. Parses every module (function-level imports included) with `ast`.
+imports none of the sidecar, and the sidecar uses only the connector's pure modules (the wire
+protocol and the layout arithmetic). Parses every module (function-level imports included) with
+`ast`.
 
 Run: python tests/check_layering.py   (exit 1 and one line per violation when a rule is broken)
 """
@@ -13,17 +15,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "api", "engine", "storage", "gpu", "kvdepot_connector")
 SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every layer may use of app/
+# What the sidecar's packages may use of the connector: pure modules (stdlib and msgspec only).
+CONNECTOR_PURE = ("kvdepot_connector.protocol", "kvdepot_connector.layout")
+SIDECAR = ("app", "api", "engine", "storage", "gpu")
 
 # package -> packages it must never import (prefix match on dotted names)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "storage": ("engine", "api", "gpu", "kvdepot_connector"),
-    "gpu": ("engine", "api", "storage", "kvdepot_connector"),
-    "engine": ("api", "kvdepot_connector"),
+    "storage": ("engine", "api", "gpu"),
+    "gpu": ("engine", "api", "storage"),
+    "engine": ("api",),
     "api": ("storage", "gpu"),
     "kvdepot_connector": ("app", "api", "engine", "storage", "gpu"),
 }
 # modules only the wiring may import
 WIRING_ONLY = ("app.main", "app.cli", "app.bench")
+# the benchmarks play the engine: they drive the sidecar through the connector's client
+ENGINE_SIDE = ("app.bench",)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -45,6 +52,15 @@ def _shared_app(name: str) -> bool:
     return any(_under(name, allowed) for allowed in SHARED_APP)
 
 
+def _connector_pure(name: str) -> bool:
+    return name == "kvdepot_connector" or any(_under(name, pure) for pure in CONNECTOR_PURE)
+
+
+def _pure_dependency(name: str) -> bool:
+    top = name.partition(".")[0]
+    return top in sys.stdlib_module_names or top == "msgspec" or _connector_pure(name)
+
+
 def violations(root: Path = ROOT) -> list[str]:
     out: list[str] = []
     for package in PACKAGES:
@@ -55,6 +71,15 @@ def violations(root: Path = ROOT) -> list[str]:
                 for banned in FORBIDDEN.get(package, ()):
                     if _under(name, banned):
                         out.append(f"{rel}:{lineno}: {package} must not import {name}")
+                if (
+                    package in SIDECAR
+                    and _under(name, "kvdepot_connector")
+                    and not _connector_pure(name)
+                    and not any(_under(module, m) for m in ENGINE_SIDE)
+                ):
+                    out.append(f"{rel}:{lineno}: {package} must not import {name} (not a pure module)")
+                if module in CONNECTOR_PURE and not _pure_dependency(name):
+                    out.append(f"{rel}:{lineno}: a pure module may import the stdlib and msgspec, not {name}")
                 if package != "app" and _under(name, "app") and not _shared_app(name):
                     out.append(f"{rel}:{lineno}: {package} may use only app.errors/app.settings, not {name}")
                 if any(_under(name, w) for w in WIRING_ONLY) and not any(

@@ -41,8 +41,9 @@ import torch
 from app.main import Service
 from app.settings import load_settings
 from engine.facade import CacheEngine
-from engine.keys import KVLayout, TokenHasher
+from engine.keys import KVLayout
 from engine.results import SlotStatus
+from kvdepot_connector.protocol import encode_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,7 +167,7 @@ async def _through_controllers(
         gen = torch.Generator().manual_seed(0)
         requests = []
         for r in range(args.requests):
-            tokens = TokenHasher.encode_tokens(
+            tokens = encode_tokens(
                 torch.randint(
                     0, 50_000, (args.chunks_per_request * args.chunk_tokens,), generator=gen
                 ).tolist()
