@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import zmq
@@ -14,9 +13,7 @@ import zmq.asyncio
 
 from kvdepot_connector import protocol as p
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.protocol import encode_tokens
-from kvdepot_connector.session import ClientBase, R, StoreOutcome
-from kvdepot_connector.session import check_reply as _check
+from kvdepot_connector.session import Call, ClientBase, StoreOutcome, T, Tokens
 
 
 class AsyncKVDepotClient(ClientBase):
@@ -64,24 +61,19 @@ class AsyncKVDepotClient(ClientBase):
 
     async def _handshake(self) -> None:
         async with self._handshake_lock:
-            s = self._session
-            hello = _check(
-                await self._raw_call(self._hello()),
-                p.HelloReply,
-            )
-            s.accept_hello(hello, self._map_arena)
-            reg = _check(await self._raw_call(s.register_msg(next(self._ids))), p.RegisterReply)
-            s.engine_id = reg.engine_id
-            s.chunk_bytes = reg.chunk_bytes
+            await self._call(self._session.hello())
+            await self._call(self._session.register())
 
-    async def _call(self, build: Any, expected: type[R]) -> R:
-        if self._session.engine_id == 0:
+    async def _call(self, call: Call[T]) -> T:
+        """As `KVDepotClient._call`, without blocking the loop."""
+        s = self._session
+        if call.registered and s.engine_id == 0:
             await self._handshake()
-        reply = await self._raw_call(build(next(self._ids), self._session.engine_id))
-        if isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.NOT_REGISTERED:
+        reply = await self._raw_call(s.message(call))
+        if s.stale(call, reply):
             await self._handshake()
-            reply = await self._raw_call(build(next(self._ids), self._session.engine_id))
-        return _check(reply, expected)
+            reply = await self._raw_call(s.message(call))
+        return call.read(reply)
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -89,43 +81,24 @@ class AsyncKVDepotClient(ClientBase):
             await asyncio.gather(self._reader, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
-        if self._session.arena is not None:
-            self._session.arena.close()
-            self._session.arena = None
+        self._session.close_arena()
         self._ctx.term()
 
     async def ping(self) -> float:
-        return _check(await self._raw_call(p.Ping(id=next(self._ids))), p.Pong).server_time
+        return await self._call(self._session.ping())
 
     async def lookup(
-        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", wait: bool = False
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
     ) -> p.LookupReply:
-        """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
-
-        Chunks missing in L1 are fetched from L2 meanwhile: with `wait` the reply comes once they
-        are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
-        many are still coming and `query_prefetch` polls.
-        """
-        data = encode_tokens(tokens)
-        return await self._call(
-            lambda i, e: p.Lookup(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
-            ),
-            p.LookupReply,
-        )
+        """As `KVDepotClient.lookup`."""
+        return await self._call(self._session.lookup(tokens, request_id, cache_salt, wait))
 
     async def query_prefetch(self, request_id: str) -> p.LookupReply:
-        return await self._call(
-            lambda i, e: p.QueryPrefetch(id=i, engine_id=e, request_id=request_id), p.LookupReply
-        )
+        return await self._call(self._session.query_prefetch(request_id))
 
     async def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
-        reply = await self._call(
-            lambda i, e: p.Retrieve(
-                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=len(outs)
-            ),
-            p.RetrieveReply,
-        )
+        """As `KVDepotClient.retrieve`; the copies run in a thread."""
+        reply = await self._call(self._session.retrieve(request_id, first_chunk, len(outs)))
         try:
             await asyncio.to_thread(self._session.copy_out, reply, outs)
         finally:
@@ -133,56 +106,33 @@ class AsyncKVDepotClient(ClientBase):
         return valid
 
     async def release(self, request_id: str) -> bool:
-        reply = await self._call(
-            lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id), p.ReleaseReply
-        )
-        return reply.valid
+        return await self._call(self._session.release(request_id))
 
     async def store(
         self,
-        tokens: Sequence[int] | bytes,
+        tokens: Tokens,
         chunks: Sequence[torch.Tensor],
         *,
         request_id: str,
         cache_salt: str = "",
         first_chunk: int = 0,
     ) -> StoreOutcome:
-        data = encode_tokens(tokens)
-        reply = await self._call(
-            lambda i, e: p.Store(
-                id=i,
-                engine_id=e,
-                request_id=request_id,
-                tokens=data,
-                cache_salt=cache_salt,
-                first_chunk=first_chunk,
-            ),
-            p.StoreReply,
-        )
+        """As `KVDepotClient.store`; the copies run in a thread."""
+        s = self._session
+        reply = await self._call(s.reserve(tokens, request_id, cache_salt, first_chunk))
         try:
-            oids = await asyncio.to_thread(self._session.copy_in, reply, chunks, first_chunk)
+            oids = await asyncio.to_thread(s.copy_in, reply, chunks, first_chunk)
         except BaseException:
-            reserved = [s.oid for s in reply.slots if s.status is p.SlotStatus.RESERVED]
-            await self._call(lambda i, e: p.Abort(id=i, engine_id=e, oids=reserved), p.CountReply)
+            await self._call(s.abort(s.reserved(reply)))
             raise
-        committed: list[bool] = []
-        if oids:
-            committed = (
-                await self._call(lambda i, e: p.Commit(id=i, engine_id=e, oids=oids), p.CommitReply)
-            ).ok
-        return self._session.outcome(reply, committed)
+        committed = await self._call(s.commit(oids)) if oids else []
+        return s.outcome(reply, committed)
 
     async def free_lookup_locks(self, request_id: str) -> int:
-        reply = await self._call(
-            lambda i, e: p.FreeLookupLocks(id=i, engine_id=e, request_id=request_id), p.CountReply
-        )
-        return reply.count
+        return await self._call(self._session.free_lookup_locks(request_id))
 
     async def end_request(self, request_id: str) -> int:
-        reply = await self._call(
-            lambda i, e: p.EndRequest(id=i, engine_id=e, request_id=request_id), p.CountReply
-        )
-        return reply.count
+        return await self._call(self._session.end_request(request_id))
 
     async def clear(self, cache_salt: str | None = None) -> int:
-        return (await self._call(lambda i, e: p.Clear(id=i, cache_salt=cache_salt), p.CountReply)).count
+        return await self._call(self._session.clear(cache_salt))

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot.connector")
 
+
 class KVDepotConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
