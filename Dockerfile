@@ -14,9 +14,10 @@ COPY api ./api
 COPY engine ./engine
 COPY storage ./storage
 COPY gpu ./gpu
-COPY kvdepot_connector ./kvdepot_connector
-# The same install step as the README (CPU torch wheel pinned in pyproject.toml).
-RUN python -m pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu . \
+COPY connector ./connector
+# The same install step as the README (CPU torch wheel pinned in pyproject.toml): the sidecar and
+# the connector distribution it depends on (its wire protocol and layout arithmetic).
+RUN python -m pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu ./connector . \
  && mkdir -p /data && chown kvdepot /data
 
 USER kvdepot

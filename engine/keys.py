@@ -2,7 +2,8 @@
 
 - `TokenHasher` cuts a token sequence into chunks of `chunk_size` tokens (only full chunks count)
   and chains them: h(0) = H(SEED || tokens 0), h(i) = H(h(i-1) || tokens i). H is blake3 (32
-  bytes); tokens are hashed as unsigned 32-bit little-endian integers. No Python `hash()`, no random
+  bytes); tokens are hashed as unsigned 32-bit little-endian integers
+  (`kvdepot_connector.protocol.encode_tokens`, the wire format). No Python `hash()`, no random
   seed: the same tokens give the same hashes everywhere.
 - `KVLayout` describes one engine's KV memory (dtype, layers, kv heads, head dim, block size, layout
   kind, chunk size); its `fingerprint` is a stable 8-byte digest of the canonical form.
@@ -26,27 +27,12 @@ from urllib.parse import quote, unquote
 
 import blake3
 
+from kvdepot_connector import layout
+from kvdepot_connector.protocol import TOKEN_BYTES
+
 HASH_BYTES = 32
-TOKEN_BYTES = 4
 SEED = blake3.blake3(b"kvdepot/token-chain/v1").digest()
 KEY_VERSION = "kvd1"
-
-_DTYPE_SIZES = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "uint8": 1,
-    "int8": 1,
-}
-
-
-def dtype_size(dtype: str) -> int:
-    try:
-        return _DTYPE_SIZES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; one of {sorted(_DTYPE_SIZES)}") from None
 
 
 class TokenHasher:
@@ -77,17 +63,6 @@ class TokenHasher:
             out.append(prev)
         return out
 
-    @staticmethod
-    def encode_tokens(tokens: list[int]) -> bytes:
-        """Tokens as the uint32 little-endian bytes the hasher and the wire protocol use."""
-        import array
-        import sys
-
-        arr = array.array("I", tokens)
-        if sys.byteorder != "little":
-            arr.byteswap()
-        return arr.tobytes()
-
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -103,17 +78,14 @@ class KVLayout:
     fingerprint: bytes = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        dtype_size(self.dtype)
+        layout.dtype_size(self.dtype)
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "chunk_size"):
             value = getattr(self, name)
             if not 0 < value <= 1 << 20:
                 raise ValueError(f"{name} must be in 1..{1 << 20}, got {value}")
         if not self.kind or len(self.kind) > 64:
             raise ValueError("layout kind must be 1..64 characters")
-        if self.chunk_size % self.block_size:
-            raise ValueError(
-                f"chunk_size {self.chunk_size} must be a multiple of the engine block size {self.block_size}"
-            )
+        layout.blocks_per_chunk(self.chunk_size, self.block_size)
         canonical = (
             f"dtype={self.dtype};layers={self.num_layers};kv_heads={self.num_kv_heads};"
             f"head_dim={self.head_dim};block={self.block_size};kind={self.kind};chunk={self.chunk_size}"
@@ -123,9 +95,10 @@ class KVLayout:
     @property
     def chunk_bytes(self) -> int:
         """Bytes of one chunk: K and V of every layer for `chunk_size` tokens."""
-        return (
-            2 * self.num_layers * self.num_kv_heads * self.head_dim * self.chunk_size * dtype_size(self.dtype)
-        )
+        return layout.chunk_bytes(
+            self.dtype, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, chunk_size=self.chunk_size,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,10 @@ Used where the engine can share its KV cache with the sidecar (CUDA IPC handles 
 shared-memory region with the CPU stub): the engine then sends block ids instead of copying.
 
 State: per registered engine, its KV planes opened by the device (one per layer, or per K/V plane
-where they are separate), each viewed as [blocks, block bytes]. Owned by the event loop; the
-copies themselves run through gpu.TransferEngine (a stream, an event awaited in an executor), so
-the loop never blocks on them.
+where they are separate), each viewed as [blocks, block bytes], and their chunk format
+(`kvdepot_connector.layout.ChunkFormat`: which block of which plane is where in a chunk). Owned
+by the event loop; the copies themselves run through gpu.TransferEngine (a stream, an event
+awaited in an executor), so the loop never blocks on them.
 
 Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
@@ -29,6 +30,7 @@ from engine.facade import CacheEngine
 from engine.results import SlotStatus
 from gpu.device import HandleError
 from gpu.transfer import TransferEngine
+from kvdepot_connector.layout import ChunkFormat, blocks_per_chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,7 @@ class KVTransfers:
     def __init__(self, engine: CacheEngine, transfer: TransferEngine) -> None:
         self.engine = engine
         self.transfer = transfer
-        self._planes: dict[int, list[torch.Tensor]] = {}
+        self._planes: dict[int, tuple[list[torch.Tensor], ChunkFormat]] = {}
 
     def register(self, engine_id: int, handles: Sequence[dict[str, Any]]) -> int:
         reg = self.engine.registration(engine_id)
@@ -56,55 +58,49 @@ class KVTransfers:
                 planes.append(tensor.view(torch.uint8).view(tensor.shape[0], -1))
         except HandleError as exc:
             raise InvalidInput(str(exc)) from None
-        blocks = {p.shape[0] for p in planes}
+        if len({p.shape[0] for p in planes}) != 1:
+            raise InvalidInput(f"KV planes {[tuple(p.shape) for p in planes]} differ in number of blocks")
         lay = reg.layout
-        bpc = lay.chunk_size // lay.block_size
-        if len(blocks) != 1 or sum(p.shape[1] for p in planes) * bpc != reg.chunk_bytes:
-            raise InvalidInput(
-                f"KV planes {[tuple(p.shape) for p in planes]} do not add up to the registered layout "
-                f"({reg.chunk_bytes} bytes per chunk of {bpc} blocks)"
-            )
-        for old in self._planes.pop(engine_id, []):
-            device.close(old)
-        self._planes[engine_id] = planes
+        try:
+            bpc = blocks_per_chunk(lay.chunk_size, lay.block_size)
+            fmt = ChunkFormat(tuple(p.shape[1] for p in planes), bpc)
+            fmt.check(reg.chunk_bytes)
+        except ValueError as exc:
+            raise InvalidInput(f"KV planes do not add up to the registered layout: {exc}") from None
+        old, _ = self._planes.pop(engine_id, ([], fmt))
+        for tensor in old:
+            device.close(tensor)
+        self._planes[engine_id] = (planes, fmt)
         return len(planes)
 
-    def _layout(self, engine_id: int) -> tuple[list[torch.Tensor], int]:
-        planes = self._planes.get(engine_id)
-        if planes is None:
+    def _registered(self, engine_id: int) -> tuple[list[torch.Tensor], ChunkFormat]:
+        found = self._planes.get(engine_id)
+        if found is None:
             raise NotFound(f"engine {engine_id} registered no KV cache (REGISTER_KV_CACHE first)")
-        lay = self.engine.registration(engine_id).layout
-        return planes, lay.chunk_size // lay.block_size
+        return found
 
-    def _chunk_view(self, offset: int, size: int, planes: list[torch.Tensor], bpc: int) -> list[torch.Tensor]:
-        """The chunk's bytes in the arena, cut as [plane][block] views."""
+    def _cut(self, offset: int, size: int, fmt: ChunkFormat) -> list[torch.Tensor]:
+        """The chunk's bytes in the arena, as one [block, block bytes] view per plane."""
         region = self.engine.arena.tensor(offset, size)
-        out = []
-        pos = 0
-        for plane in planes:
-            width = plane.shape[1]
-            out.append(region[pos : pos + width * bpc].view(bpc, width))
-            pos += width * bpc
-        return out
+        return [region[pos : pos + n].view(fmt.blocks_per_chunk, -1) for pos, n in fmt.spans()]
 
     async def load(
         self, engine_id: int, request_id: str, *, first_chunk: int, num_chunks: int, block_ids: Sequence[int],
         skip_blocks: int = 0,
     ) -> bool:  # fmt: skip
-        planes, bpc = self._layout(engine_id)
+        planes, fmt = self._registered(engine_id)
+        bpc = fmt.blocks_per_chunk
         if len(block_ids) < (first_chunk + num_chunks) * bpc:
             raise InvalidInput(f"{len(block_ids)} block ids for chunks up to {first_chunk + num_chunks}")
         self._check_blocks(block_ids, planes)
         extents = self.engine.retrieve(engine_id, request_id, first_chunk, num_chunks)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, ext in enumerate(extents):
-            cut = self._chunk_view(ext.offset, ext.size, planes, bpc)
-            base = (first_chunk + i) * bpc
-            for j in range(bpc):
-                if base + j < skip_blocks:
-                    continue
-                block = block_ids[base + j]
-                pairs.extend((plane[block], src[j]) for plane, src in zip(planes, cut, strict=True))
+        cuts = [self._cut(ext.offset, ext.size, fmt) for ext in extents]
+        chunks = range(first_chunk, first_chunk + len(extents))
+        pairs = [
+            (plane[block], src[j])
+            for i, j, block in fmt.block_pairs(chunks, block_ids, skip_blocks=skip_blocks)
+            for plane, src in zip(planes, cuts[i], strict=True)
+        ]
         try:
             await self.transfer.run(pairs)
         except Exception as exc:
@@ -122,20 +118,21 @@ class KVTransfers:
         first_chunk: int,
         block_ids: Sequence[int],
     ) -> SaveOutcome:
-        planes, bpc = self._layout(engine_id)
+        planes, fmt = self._registered(engine_id)
+        bpc = fmt.blocks_per_chunk
         self._check_blocks(block_ids, planes)
         slots = self.engine.store(engine_id, request_id, tokens, salt, first_chunk)
         reserved = [s for s in slots if s.status is SlotStatus.RESERVED]
         if len(block_ids) < len(slots) * bpc:
             self.engine.abort(engine_id, [s.oid for s in reserved])
             raise InvalidInput(f"{len(block_ids)} block ids for {len(slots)} chunks of {bpc} blocks")
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for slot in reserved:
-            cut = self._chunk_view(slot.offset, slot.size, planes, bpc)
-            base = (slot.chunk - first_chunk) * bpc
-            for j in range(bpc):
-                block = block_ids[base + j]
-                pairs.extend((dst[j], plane[block]) for plane, dst in zip(planes, cut, strict=True))
+        cuts = [self._cut(s.offset, s.size, fmt) for s in reserved]
+        chunks = [s.chunk - first_chunk for s in reserved]
+        pairs = [
+            (dst[j], plane[block])
+            for i, j, block in fmt.block_pairs(chunks, block_ids)
+            for plane, dst in zip(planes, cuts[i], strict=True)
+        ]
         try:
             await self.transfer.run(pairs)
         except Exception as exc:

@@ -24,12 +24,12 @@ from typing import Any, Protocol
 
 import torch
 
+from kvdepot_connector.layout import DTYPE_SIZES
+
 SHM_DIR = Path("/dev/shm")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8,
-    "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-}  # fmt: skip
+# Every dtype a KV layout may name, as torch's dtype of the same name.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 
 class Event(Protocol):

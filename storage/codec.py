@@ -51,6 +51,7 @@ import lz4.block
 import xxhash
 
 from app.errors import IntegrityError
+from kvdepot_connector.layout import dtype_size
 from storage import fp8
 
 MAGIC = b"KVD2"
@@ -70,7 +71,6 @@ MAX_HEADER_SIZE = _FIXED.size + MAX_KEY_BYTES + _CHECKSUM.size
 ValueDtype = Literal["float16", "bfloat16", "float32"]
 _DTYPE_CODES: dict[str, int] = {"float16": 1, "bfloat16": 2, "float32": 3}
 _DTYPE_NAMES: dict[int, ValueDtype] = {1: "float16", 2: "bfloat16", 3: "float32"}
-_DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 Buffer = bytes | bytearray | memoryview
 
@@ -93,7 +93,7 @@ class CodecOptions:
     @property
     def pair_bytes(self) -> int:
         """Bytes of one K run plus one V run in the original payload."""
-        return 2 * self.run_elems * _DTYPE_SIZES[self.dtype]
+        return 2 * self.run_elems * dtype_size(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +232,7 @@ def read_header(buf: Buffer) -> BlobHeader:
         dtype = _DTYPE_NAMES.get(dtype_code)
         if dtype is None or run_elems == 0:
             raise IntegrityError("fp8 blob without a valid value dtype and run length")
-        if orig_len % (2 * run_elems * _DTYPE_SIZES[dtype]):
+        if orig_len % (2 * run_elems * dtype_size(dtype)):
             raise IntegrityError("fp8 blob length is not a whole number of K/V run pairs")
     return BlobHeader(
         version=version,
@@ -336,6 +336,6 @@ def decode_into(blob: Buffer, expect_key: str, expect_fp: bytes, out: Buffer) ->
 
 def _fp8_encoded_len(header: BlobHeader) -> int:
     assert header.dtype is not None
-    esize = _DTYPE_SIZES[header.dtype]
+    esize = dtype_size(header.dtype)
     pairs = header.orig_len // (2 * header.run_elems * esize)
     return pairs * (4 + header.run_elems * esize + header.run_elems)

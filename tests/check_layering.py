@@ -1,6 +1,8 @@
 """Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; the connector
-imports none of the sidecar; storage/, gpu/ and engine/ own their config types and use only app's
-error vocabulary (never app.settings). Parses every module (function-level imports included) with `ast`.
+imports none of the sidecar, and the sidecar uses only the connector's pure modules (the wire
+protocol and the layout arithmetic); storage/, gpu/ and engine/ own their config types and use
+only app's error vocabulary (never app.settings). Parses every module (function-level imports
+included) with `ast`.
 
 Run: python tests/check_layering.py   (exit 1 and one line per violation when a rule is broken)
 """
@@ -13,21 +15,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "api", "engine", "storage", "gpu", "kvdepot_connector")
+# where a package lives, when not at the root (the connector is a distribution of its own)
+HOMES = {"kvdepot_connector": ROOT / "connector"}
 SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every layer may use of app/
 # layers below api/ whose config types live with them: only app's error vocabulary is theirs to use
 LOWER_LAYERS = ("storage", "gpu", "engine")
 LOWER_APP = ("app.errors", "app.__version__")
+# What the sidecar's packages may use of the connector: pure modules (stdlib and msgspec only).
+CONNECTOR_PURE = ("kvdepot_connector.protocol", "kvdepot_connector.layout")
+SIDECAR = ("app", "api", "engine", "storage", "gpu")
 
 # package -> packages it must never import (prefix match on dotted names)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "storage": ("engine", "api", "gpu", "kvdepot_connector"),
-    "gpu": ("engine", "api", "storage", "kvdepot_connector"),
-    "engine": ("api", "kvdepot_connector"),
+    "storage": ("engine", "api", "gpu"),
+    "gpu": ("engine", "api", "storage"),
+    "engine": ("api",),
     "api": ("storage", "gpu"),
     "kvdepot_connector": ("app", "api", "engine", "storage", "gpu"),
 }
 # modules only the wiring may import
 WIRING_ONLY = ("app.main", "app.cli", "app.bench")
+# the benchmarks play the engine: they drive the sidecar through the connector's client
+ENGINE_SIDE = ("app.bench",)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -53,16 +62,35 @@ def _lower_app(name: str) -> bool:
     return any(_under(name, allowed) for allowed in LOWER_APP)
 
 
+def _connector_pure(name: str) -> bool:
+    return name == "kvdepot_connector" or any(_under(name, pure) for pure in CONNECTOR_PURE)
+
+
+def _pure_dependency(name: str) -> bool:
+    top = name.partition(".")[0]
+    return top in sys.stdlib_module_names or top == "msgspec" or _connector_pure(name)
+
+
 def violations(root: Path = ROOT) -> list[str]:
     out: list[str] = []
     for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
+        home = root / HOMES[package].relative_to(ROOT) if package in HOMES else root
+        for path in sorted((home / package).rglob("*.py")):
             rel = path.relative_to(root)
-            module = ".".join(rel.with_suffix("").parts)
+            module = ".".join(path.relative_to(home).with_suffix("").parts)
             for lineno, name in _imports(path):
                 for banned in FORBIDDEN.get(package, ()):
                     if _under(name, banned):
                         out.append(f"{rel}:{lineno}: {package} must not import {name}")
+                if (
+                    package in SIDECAR
+                    and _under(name, "kvdepot_connector")
+                    and not _connector_pure(name)
+                    and not any(_under(module, m) for m in ENGINE_SIDE)
+                ):
+                    out.append(f"{rel}:{lineno}: {package} must not import {name} (not a pure module)")
+                if module in CONNECTOR_PURE and not _pure_dependency(name):
+                    out.append(f"{rel}:{lineno}: a pure module may import the stdlib and msgspec, not {name}")
                 if package != "app" and _under(name, "app") and not _shared_app(name):
                     out.append(f"{rel}:{lineno}: {package} may use only app.errors/app.settings, not {name}")
                 elif package in LOWER_LAYERS and _under(name, "app") and not _lower_app(name):

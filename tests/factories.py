@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from app.settings import AdapterConfig
 from engine.facade import CacheEngine, L2Parts
-from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from engine.keys import KVLayout, Namespace, ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
@@ -21,6 +21,7 @@ from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers
 from engine.tenants.ledger import TenantLedger
+from kvdepot_connector.protocol import encode_tokens
 from storage import codec
 from storage.base import L2Adapter
 
@@ -49,7 +50,7 @@ def key(n: int, salt: str = "") -> ObjectKey:
 
 
 def tokens(n: int, start: int = 0) -> bytes:
-    return TokenHasher.encode_tokens(list(range(start, start + n)))
+    return encode_tokens(list(range(start, start + n)))
 
 
 @contextmanager

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# Two distributions: the engine-side connector (./connector) and the sidecar, which depends on it.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ./connector -e '.[test]'
 
 # The e2e suite drives a real vLLM: its own environment (.venv-vllm; quick when already there).
 tests/e2e/setup_vllm.sh
@@ -20,7 +21,7 @@ fi
 echo "== ruff"
 .venv/bin/ruff check .
 echo "== mypy --strict"
-.venv/bin/mypy app api engine storage gpu kvdepot_connector
+.venv/bin/mypy app api engine storage gpu connector/kvdepot_connector
 echo "== layering"
 .venv/bin/python tests/check_layering.py
 echo "== pytest"

@@ -44,7 +44,7 @@ from app.settings import Settings, load_settings
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import SlotStatus, StoreSlot
-from kvdepot_connector.client import encode_tokens
+from kvdepot_connector.protocol import encode_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

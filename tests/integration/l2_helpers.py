@@ -11,6 +11,7 @@ from pathlib import Path
 import redis
 
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from kvdepot_connector.protocol import encode_tokens
 from storage import codec
 from storage.diskdirs import BLOB_SUFFIX
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, request_tokens
@@ -26,7 +27,7 @@ def engine_layout() -> KVLayout:
 
 def request_keys(seed: int, chunks: int, salt: str = "") -> list[str]:
     ns = Namespace(MODEL, engine_layout().fingerprint, 0, 0)
-    toks = TokenHasher.encode_tokens(request_tokens(seed, chunks))
+    toks = encode_tokens(request_tokens(seed, chunks))
     return [ObjectKey(ns, salt, h).serialize() for h in TokenHasher(CHUNK_TOKENS).chunk_hashes(toks)]
 
 

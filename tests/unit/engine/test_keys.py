@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher, salt_of
+from kvdepot_connector.protocol import encode_tokens
 
 # Pinned: these values must never change, or every cache in every tier silently misses after an
 # upgrade (and sidecars of different versions sharing a Redis would disagree).
@@ -16,7 +17,7 @@ GOLDEN_FP = "2f3ba29bc2789d78"
 
 
 def test_hashes_are_pinned() -> None:
-    hashes = TokenHasher(256).chunk_hashes(TokenHasher.encode_tokens(list(range(4096))))
+    hashes = TokenHasher(256).chunk_hashes(encode_tokens(list(range(4096))))
     assert len(hashes) == 16
     assert hashes[0].hex() == GOLDEN_FIRST
     layout = KVLayout("bfloat16", 8, 8, 64, 128, "vllm-cpu", 256)
@@ -26,21 +27,22 @@ def test_hashes_are_pinned() -> None:
 def test_hashes_are_equal_in_another_process() -> None:
     code = (
         "from engine.keys import TokenHasher;"
+        "from kvdepot_connector.protocol import encode_tokens;"
         "print(','.join(h.hex() for h in TokenHasher(256).chunk_hashes("
-        "TokenHasher.encode_tokens(list(range(4096))))))"
+        "encode_tokens(list(range(4096))))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    local = [h.hex() for h in TokenHasher(256).chunk_hashes(TokenHasher.encode_tokens(list(range(4096))))]
+    local = [h.hex() for h in TokenHasher(256).chunk_hashes(encode_tokens(list(range(4096))))]
     assert out.stdout.strip().split(",") == local
 
 
 def test_only_full_chunks_and_chaining() -> None:
     h = TokenHasher(4)
-    a = h.chunk_hashes(TokenHasher.encode_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    a = h.chunk_hashes(encode_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert len(a) == 2
-    b = h.chunk_hashes(TokenHasher.encode_tokens([0, 2, 3, 4, 5, 6, 7, 8]))
+    b = h.chunk_hashes(encode_tokens([0, 2, 3, 4, 5, 6, 7, 8]))
     assert a[0] != b[0] and a[1] != b[1], "a change in chunk 0 must change every later hash"
-    c = h.chunk_hashes(TokenHasher.encode_tokens([1, 2, 3, 4, 0, 0, 0, 0]))
+    c = h.chunk_hashes(encode_tokens([1, 2, 3, 4, 0, 0, 0, 0]))
     assert c[0] == a[0] and c[1] != a[1]
 
 

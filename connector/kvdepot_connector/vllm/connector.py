@@ -39,6 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.handles import export_tensor
+from kvdepot_connector.layout import (
+    KIND_VLLM_CPU,
+    KIND_VLLM_PAGED,
+    ChunkFormat,
+    blocks_per_chunk,
+    canonical_dtype,
+)
 from kvdepot_connector.protocol import Layout
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import StepPlan
@@ -57,11 +64,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot.connector")
 
-_CACHE_DTYPES = {
-    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
-    "bfloat16": "bfloat16", "half": "float16", "float16": "float16", "float": "float32", "float32": "float32",
-}  # fmt: skip
-
 
 class KVDepotConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan) -> None:
@@ -73,10 +75,13 @@ def _layout(vllm_config: VllmConfig, chunk_size: int) -> Layout:
 
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if cc.cache_dtype == "auto":
-        dtype = str(mc.dtype).removeprefix("torch.")
+        dtype = canonical_dtype(str(mc.dtype))
     else:
-        dtype = _CACHE_DTYPES.get(str(cc.cache_dtype), "uint8")
-    kind = "vllm-cpu" if current_platform.is_cpu() else "vllm-paged"
+        try:
+            dtype = canonical_dtype(str(cc.cache_dtype))
+        except ValueError:
+            dtype = "uint8"  # a quantized cache of vLLM's own format: kept as bytes
+    kind = KIND_VLLM_CPU if current_platform.is_cpu() else KIND_VLLM_PAGED
     return Layout(
         dtype=dtype, num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
         head_dim=mc.get_head_size(), block_size=cc.block_size, kind=kind, chunk_size=chunk_size,
@@ -205,12 +210,13 @@ class KVDepotConnector(KVConnectorBase_V1):
         lay = self._layout
         num_blocks = int(self._kv_cache_config.num_blocks)
         planes = [plane for layer in layers for plane in kv_planes(layer, num_blocks)]
-        block_bytes = sum(p[0].numel() * p.element_size() for p in planes)
-        expected = lay.chunk_bytes // (lay.chunk_size // lay.block_size)
-        if len(layers) != lay.num_layers or block_bytes != expected:
+        bpc = blocks_per_chunk(lay.chunk_size, lay.block_size)
+        fmt = ChunkFormat(tuple(p[0].numel() * p.element_size() for p in planes), bpc)
+        if len(layers) != lay.num_layers or fmt.chunk_bytes != lay.chunk_bytes:
             raise ValueError(
-                f"KV cache of {len(layers)} layers x {tuple(layers[0].shape)} ({block_bytes} bytes per block "
-                f"over all layers) does not match the model config ({lay.num_layers} layers, {expected})"
+                f"KV cache of {len(layers)} layers x {tuple(layers[0].shape)} ({fmt.chunk_bytes} bytes per "
+                f"chunk over all layers) does not match the model config ({lay.num_layers} layers, "
+                f"{lay.chunk_bytes})"
             )
         transfer = str(self._kv_transfer_config.get_from_extra_config("kvdepot_transfer", "auto"))
         if transfer not in ("auto", "connector", "sidecar"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import zmq
@@ -28,8 +27,8 @@ import zmq
 from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import ClientBase, R, StoreOutcome, encode_tokens
-from kvdepot_connector.session import check_reply as _check
+from kvdepot_connector.protocol import encode_tokens
+from kvdepot_connector.session import Call, ClientBase, StoreOutcome, T, Tokens
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "StoreOutcome", "encode_tokens"]
 
@@ -79,33 +78,26 @@ class KVDepotClient(ClientBase):
             # A late reply to an earlier request that timed out: skip it.
 
     def _handshake(self) -> None:
-        s = self._session
-        hello = _check(
-            self._raw_call(self._hello()),
-            p.HelloReply,
-        )
-        s.accept_hello(hello, self._map_arena)
-        reg = _check(self._raw_call(s.register_msg(next(self._ids))), p.RegisterReply)
-        s.engine_id = reg.engine_id
-        s.chunk_bytes = reg.chunk_bytes
+        self._call(self._session.hello())
+        self._call(self._session.register())
 
-    def _call(self, build: Any, expected: type[R]) -> R:
-        """Send `build(id, engine_id)`; re-handshake once if the sidecar no longer knows us."""
+    def _call(self, call: Call[T]) -> T:
+        """Send `call`'s message and read the reply; handshake first where the call needs the
+        engine id, and once more if the sidecar no longer knows it."""
+        s = self._session
         with self._lock:
-            if self._session.engine_id == 0:
+            if call.registered and s.engine_id == 0:
                 self._handshake()
-            reply = self._raw_call(build(next(self._ids), self._session.engine_id))
-            if isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.NOT_REGISTERED:
+            reply = self._raw_call(s.message(call))
+            if s.stale(call, reply):
                 self._handshake()
-                reply = self._raw_call(build(next(self._ids), self._session.engine_id))
-            return _check(reply, expected)
+                reply = self._raw_call(s.message(call))
+            return call.read(reply)
 
     def close(self) -> None:
         with self._lock:
             self._drop_socket()
-            if self._session.arena is not None:
-                self._session.arena.close()
-                self._session.arena = None
+            self._session.close_arena()
             self._ctx.term()
 
     def __enter__(self) -> KVDepotClient:
@@ -117,11 +109,10 @@ class KVDepotClient(ClientBase):
     # --- operations ----------------------------------------------------------------------------
 
     def ping(self) -> float:
-        with self._lock:
-            return _check(self._raw_call(p.Ping(id=next(self._ids))), p.Pong).server_time
+        return self._call(self._session.ping())
 
     def lookup(
-        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", wait: bool = False
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
     ) -> p.LookupReply:
         """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
 
@@ -129,18 +120,10 @@ class KVDepotClient(ClientBase):
         are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
         many are still coming and `query_prefetch` polls.
         """
-        data = encode_tokens(tokens)
-        return self._call(
-            lambda i, e: p.Lookup(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
-            ),
-            p.LookupReply,
-        )
+        return self._call(self._session.lookup(tokens, request_id, cache_salt, wait))
 
     def query_prefetch(self, request_id: str) -> p.LookupReply:
-        return self._call(
-            lambda i, e: p.QueryPrefetch(id=i, engine_id=e, request_id=request_id), p.LookupReply
-        )
+        return self._call(self._session.query_prefetch(request_id))
 
     def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """Copy the request's locked chunks `first_chunk..` into `outs`, then release the locks.
@@ -148,12 +131,7 @@ class KVDepotClient(ClientBase):
         False when the locks' lease expired (the bytes may have been overwritten): discard `outs`.
         """
         with self._lock:
-            reply = self._call(
-                lambda i, e: p.Retrieve(
-                    id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=len(outs)
-                ),
-                p.RetrieveReply,
-            )
+            reply = self._call(self._session.retrieve(request_id, first_chunk, len(outs)))
             try:
                 self._session.copy_out(reply, outs)
             finally:
@@ -161,28 +139,18 @@ class KVDepotClient(ClientBase):
             return valid
 
     def release(self, request_id: str) -> bool:
-        return self._call(
-            lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id), p.ReleaseReply
-        ).valid
+        return self._call(self._session.release(request_id))
 
     def locked_views(self, request_id: str, *, first_chunk: int, num_chunks: int) -> list[torch.Tensor]:
         """Arena views (uint8) of the request's locked chunks `first_chunk..`, for callers that copy
         themselves (e.g. scattering into paged KV blocks). Call `release` afterwards: its answer
         says whether the copies are valid."""
-        reply = self._call(
-            lambda i, e: p.Retrieve(
-                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks
-            ),
-            p.RetrieveReply,
-        )
+        reply = self._call(self._session.retrieve(request_id, first_chunk, num_chunks))
         return [self._session.region(ext.offset, ext.size) for ext in reply.extents]
 
     def register_kv_cache(self, layers: Sequence[p.TensorHandle]) -> int:
         """Share the engine's KV planes with the sidecar (it then copies itself)."""
-        handles = list(layers)
-        return self._call(
-            lambda i, e: p.RegisterKVCache(id=i, engine_id=e, layers=handles), p.CountReply
-        ).count
+        return self._call(self._session.register_kv_cache(layers))
 
     def load_blocks(
         self,
@@ -195,18 +163,13 @@ class KVDepotClient(ClientBase):
     ) -> bool:
         """The sidecar copies the request's locked chunks into `block_ids` and releases the locks.
         True when the blocks hold the cached bytes."""
-        ids = list(block_ids)
         return self._call(
-            lambda i, e: p.LoadBlocks(
-                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks,
-                block_ids=ids, skip_blocks=skip_blocks,
-            ),
-            p.ReleaseReply,
-        ).valid  # fmt: skip
+            self._session.load_blocks(request_id, first_chunk, num_chunks, block_ids, skip_blocks)
+        )
 
     def save_blocks(
         self,
-        tokens: Sequence[int] | bytes,
+        tokens: Tokens,
         *,
         request_id: str,
         block_ids: Sequence[int],
@@ -214,44 +177,29 @@ class KVDepotClient(ClientBase):
         first_chunk: int = 0,
     ) -> p.SaveReply:
         """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`."""
-        data = encode_tokens(tokens)
-        ids = list(block_ids)
-        return self._call(
-            lambda i, e: p.SaveBlocks(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
-                first_chunk=first_chunk, block_ids=ids,
-            ),
-            p.SaveReply,
-        )  # fmt: skip
+        return self._call(self._session.save_blocks(tokens, request_id, block_ids, cache_salt, first_chunk))
 
     def slot_view(self, slot: p.Slot) -> torch.Tensor:
         """The arena view (uint8) of a reserved slot, for callers that fill it themselves."""
         return self._session.region(slot.offset, slot.size)
 
     def reserve(
-        self, tokens: Sequence[int] | bytes, *, request_id: str, cache_salt: str = "", first_chunk: int = 0
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0
     ) -> p.StoreReply:
         """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`."""
-        data = encode_tokens(tokens)
-        return self._call(
-            lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
-                                 cache_salt=cache_salt, first_chunk=first_chunk),
-            p.StoreReply,
-        )  # fmt: skip
+        return self._call(self._session.reserve(tokens, request_id, cache_salt, first_chunk))
 
     def commit(self, oids: Sequence[int]) -> list[bool]:
         """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""
-        if not oids:
-            return []
-        return self._call(lambda i, e: p.Commit(id=i, engine_id=e, oids=list(oids)), p.CommitReply).ok
+        return self._call(self._session.commit(oids)) if oids else []
 
     def abort(self, oids: Sequence[int]) -> int:
         """Give reserved slots back unfilled."""
-        return self._call(lambda i, e: p.Abort(id=i, engine_id=e, oids=list(oids)), p.CountReply).count
+        return self._call(self._session.abort(oids))
 
     def store(
         self,
-        tokens: Sequence[int] | bytes,
+        tokens: Tokens,
         chunks: Sequence[torch.Tensor],
         *,
         request_id: str,
@@ -259,26 +207,23 @@ class KVDepotClient(ClientBase):
         first_chunk: int = 0,
     ) -> StoreOutcome:
         """Store `chunks` as the full chunks `first_chunk..` of `tokens`: reserve, copy, commit."""
+        s = self._session
         with self._lock:
             reply = self.reserve(
                 tokens, request_id=request_id, cache_salt=cache_salt, first_chunk=first_chunk
             )
             try:
-                oids = self._session.copy_in(reply, chunks, first_chunk)
+                oids = s.copy_in(reply, chunks, first_chunk)
             except BaseException:
-                self.abort([s.oid for s in reply.slots if s.status is p.SlotStatus.RESERVED])
+                self.abort(s.reserved(reply))
                 raise
-            return self._session.outcome(reply, self.commit(oids))
+            return s.outcome(reply, self.commit(oids))
 
     def free_lookup_locks(self, request_id: str) -> int:
-        return self._call(
-            lambda i, e: p.FreeLookupLocks(id=i, engine_id=e, request_id=request_id), p.CountReply
-        ).count
+        return self._call(self._session.free_lookup_locks(request_id))
 
     def end_request(self, request_id: str) -> int:
-        return self._call(
-            lambda i, e: p.EndRequest(id=i, engine_id=e, request_id=request_id), p.CountReply
-        ).count
+        return self._call(self._session.end_request(request_id))
 
     def clear(self, cache_salt: str | None = None) -> int:
-        return self._call(lambda i, e: p.Clear(id=i, cache_salt=cache_salt), p.CountReply).count
+        return self._call(self._session.clear(cache_salt))

@@ -5,7 +5,8 @@ or one per K and V where a backend keeps them apart), the client of this worker'
 requests whose loads finished this step and block ids whose load failed (reported to vLLM, which
 then recomputes them). Runs on the worker's thread.
 
-Two ways to move the bytes, same chunk format (the chunk's blocks of every plane, plane-major):
+Two ways to move the bytes, same chunk format (`kvdepot_connector.layout.ChunkFormat`: the
+chunk's blocks of every plane, plane-major):
 - the worker copies itself through the mapped L1 arena (CPU engines: their KV is ordinary memory);
 - the sidecar copies (`shared` handles given: CUDA IPC, or a shared-memory region): LOAD_BLOCKS /
   SAVE_BLOCKS carry block ids only, and the sidecar runs the copies on its own streams.
@@ -29,7 +30,8 @@ import torch
 
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.errors import SidecarError
-from kvdepot_connector.protocol import SlotStatus, TensorHandle
+from kvdepot_connector.layout import ChunkFormat, blocks_per_chunk
+from kvdepot_connector.protocol import ErrorCode, SlotStatus, TensorHandle
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec
 from kvdepot_connector.vllm.scheduler import CLIENT_ERRORS
@@ -67,11 +69,10 @@ class WorkerSide:
         self.client = client
         self.chunk_size = chunk_size
         self.block_size = block_size
-        self.blocks_per_chunk = chunk_size // block_size
-        self.num_blocks = first.shape[0]
-        self.block_bytes = first[0].numel() * first.element_size()
-        self.chunk_bytes = self.block_bytes * self.blocks_per_chunk * len(planes)
-        self.planes = [t.view(torch.uint8).view(self.num_blocks, self.block_bytes) for t in planes]
+        num_blocks = first.shape[0]
+        block_bytes = first[0].numel() * first.element_size()
+        self.format = ChunkFormat((block_bytes,) * len(planes), blocks_per_chunk(chunk_size, block_size))
+        self.planes = [t.view(torch.uint8).view(num_blocks, block_bytes) for t in planes]
         self.guard = guard or SidecarGuard()
         self.shared = list(shared) if shared is not None else None
         self._registered_with = 0
@@ -90,7 +91,7 @@ class WorkerSide:
         try:
             return call()
         except SidecarError as exc:
-            if exc.code != "not_found" or self.client.engine_id == self._registered_with:
+            if exc.code != ErrorCode.NOT_FOUND or self.client.engine_id == self._registered_with:
                 raise
         self.client.register_kv_cache(self.shared)  # re-handshaken during the call: register again
         self._registered_with = self.client.engine_id
@@ -135,19 +136,17 @@ class WorkerSide:
         views = self.client.locked_views(
             spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks
         )
-        bpc = self.blocks_per_chunk
-        for i, view in enumerate(views):
-            if view.numel() != self.chunk_bytes:
-                raise ValueError(f"chunk of {view.numel()} bytes, expected {self.chunk_bytes}")
-            chunk = view.view(len(self.planes), bpc, self.block_bytes)
-            base = (spec.first_chunk + i) * bpc
-            for j in range(bpc):
-                if base + j < spec.skip_blocks:
-                    continue
-                block = spec.block_ids[base + j]
-                for plane, src in zip(self.planes, chunk, strict=True):
-                    plane[block].copy_(src[j])
+        cuts = [self._cut(view) for view in views]
+        chunks = range(spec.first_chunk, spec.first_chunk + len(views))
+        for i, j, block in self.format.block_pairs(chunks, spec.block_ids, skip_blocks=spec.skip_blocks):
+            for plane, src in zip(self.planes, cuts[i], strict=True):
+                plane[block].copy_(src[j])
         return self.client.release(spec.request_id)
+
+    def _cut(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """A chunk's bytes (a uint8 view of the arena) as one [block, block bytes] view per plane."""
+        self.format.check(chunk.numel())
+        return [chunk[pos : pos + n].view(self.format.blocks_per_chunk, -1) for pos, n in self.format.spans()]
 
     # --- saves ---------------------------------------------------------------------------------
 
@@ -176,23 +175,17 @@ class WorkerSide:
         reply = self.client.reserve(
             spec.tokens, request_id=spec.request_id, cache_salt=spec.cache_salt, first_chunk=spec.first_chunk
         )
-        bpc = self.blocks_per_chunk
-        oids = []
+        reserved = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
         try:
-            for slot in reply.slots:
-                if slot.status is not SlotStatus.RESERVED:
-                    continue
-                base = (slot.chunk - spec.first_chunk) * bpc
-                chunk = self.client.slot_view(slot).view(len(self.planes), bpc, self.block_bytes)
-                for j in range(bpc):
-                    block = spec.block_ids[base + j]
-                    for plane, dst in zip(self.planes, chunk, strict=True):
-                        dst[j].copy_(plane[block])
-                oids.append(slot.oid)
+            cuts = [self._cut(self.client.slot_view(slot)) for slot in reserved]
+            chunks = [slot.chunk - spec.first_chunk for slot in reserved]
+            for i, j, block in self.format.block_pairs(chunks, spec.block_ids):
+                for plane, dst in zip(self.planes, cuts[i], strict=True):
+                    dst[j].copy_(plane[block])
         except BaseException:
-            self.client.abort([s.oid for s in reply.slots if s.status is SlotStatus.RESERVED])
+            self.client.abort([s.oid for s in reserved])
             raise
-        committed = self.client.commit(oids)
+        committed = self.client.commit([s.oid for s in reserved])
         self.guard.succeeded()
         self.saved_chunks += sum(committed)
 

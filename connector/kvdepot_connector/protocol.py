@@ -5,7 +5,7 @@ encoded with msgpack (msgspec). Every request carries `id`, a client-chosen inte
 reply, so a client may keep several requests in flight. Requests and replies are tagged unions:
 the map's `op` field names the type. No pickle, ever.
 
-Tokens travel as bytes: unsigned 32-bit little-endian integers (4 bytes per token).
+Tokens travel as bytes: unsigned 32-bit little-endian integers (`TOKEN_BYTES`, `encode_tokens`).
 
 Requests, in the order a client uses them:
 
@@ -36,12 +36,18 @@ decoded gets ErrorReply(code="malformed_frame") with id -1 when no id could be r
 
 from __future__ import annotations
 
+import array
 import enum
+import sys
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
 
+from kvdepot_connector import layout
+
 PROTOCOL_VERSION = 1
+TOKEN_BYTES = 4
 MAX_ID_LEN = 256
 MAX_LIST = 1 << 16
 
@@ -91,16 +97,10 @@ class Layout(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     @property
     def chunk_bytes(self) -> int:
-        sizes = {
-            "float16": 2,
-            "bfloat16": 2,
-            "float32": 4,
-            "float8_e4m3fn": 1,
-            "float8_e5m2": 1,
-            "uint8": 1,
-            "int8": 1,
-        }
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.chunk_size * sizes[self.dtype]
+        return layout.chunk_bytes(
+            self.dtype, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, chunk_size=self.chunk_size,
+        )  # fmt: skip
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -335,6 +335,16 @@ _encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
 reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
 _id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+
+
+def encode_tokens(tokens: Sequence[int] | bytes) -> bytes:
+    """Tokens as the wire carries them (and the sidecar hashes them): uint32 little-endian."""
+    if isinstance(tokens, bytes):
+        return tokens
+    arr = array.array("I", tokens)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -1,0 +1,138 @@
+"""`AsyncKVDepotClient`: the asyncio data-plane client, many requests in flight on one socket,
+matched by id; copies between tensors and the arena run in a thread. Same operations as
+`client.KVDepotClient`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+import zmq
+import zmq.asyncio
+
+from kvdepot_connector import protocol as p
+from kvdepot_connector.errors import SidecarUnavailable
+from kvdepot_connector.session import Call, ClientBase, StoreOutcome, T, Tokens
+
+
+class AsyncKVDepotClient(ClientBase):
+    """asyncio client: many requests in flight on one socket, matched by id; copies in a thread."""
+
+    def _open_transport(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[int, asyncio.Future[p.Reply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._handshake_lock = asyncio.Lock()
+
+    async def connect(self) -> AsyncKVDepotClient:
+        await self._handshake()
+        return self
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.url)
+            self._sock = sock
+            self._reader = asyncio.get_running_loop().create_task(self._read(sock))
+        return self._sock
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frame = await sock.recv()
+            reply = p.reply_decoder.decode(frame)
+            fut = self._pending.pop(reply.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def _raw_call(self, msg: p.Request) -> p.Reply:
+        sock = self._socket()
+        fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
+        self._pending[msg.id] = fut
+        try:
+            await sock.send(p.encode(msg))
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            raise SidecarUnavailable(f"no reply from {self.url} within {self.timeout_s} s") from None
+        finally:
+            self._pending.pop(msg.id, None)
+
+    async def _handshake(self) -> None:
+        async with self._handshake_lock:
+            await self._call(self._session.hello())
+            await self._call(self._session.register())
+
+    async def _call(self, call: Call[T]) -> T:
+        """As `KVDepotClient._call`, without blocking the loop."""
+        s = self._session
+        if call.registered and s.engine_id == 0:
+            await self._handshake()
+        reply = await self._raw_call(s.message(call))
+        if s.stale(call, reply):
+            await self._handshake()
+            reply = await self._raw_call(s.message(call))
+        return call.read(reply)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._session.close_arena()
+        self._ctx.term()
+
+    async def ping(self) -> float:
+        return await self._call(self._session.ping())
+
+    async def lookup(
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
+    ) -> p.LookupReply:
+        """As `KVDepotClient.lookup`."""
+        return await self._call(self._session.lookup(tokens, request_id, cache_salt, wait))
+
+    async def query_prefetch(self, request_id: str) -> p.LookupReply:
+        return await self._call(self._session.query_prefetch(request_id))
+
+    async def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
+        """As `KVDepotClient.retrieve`; the copies run in a thread."""
+        reply = await self._call(self._session.retrieve(request_id, first_chunk, len(outs)))
+        try:
+            await asyncio.to_thread(self._session.copy_out, reply, outs)
+        finally:
+            valid = await self.release(request_id)
+        return valid
+
+    async def release(self, request_id: str) -> bool:
+        return await self._call(self._session.release(request_id))
+
+    async def store(
+        self,
+        tokens: Tokens,
+        chunks: Sequence[torch.Tensor],
+        *,
+        request_id: str,
+        cache_salt: str = "",
+        first_chunk: int = 0,
+    ) -> StoreOutcome:
+        """As `KVDepotClient.store`; the copies run in a thread."""
+        s = self._session
+        reply = await self._call(s.reserve(tokens, request_id, cache_salt, first_chunk))
+        try:
+            oids = await asyncio.to_thread(s.copy_in, reply, chunks, first_chunk)
+        except BaseException:
+            await self._call(s.abort(s.reserved(reply)))
+            raise
+        committed = await self._call(s.commit(oids)) if oids else []
+        return s.outcome(reply, committed)
+
+    async def free_lookup_locks(self, request_id: str) -> int:
+        return await self._call(self._session.free_lookup_locks(request_id))
+
+    async def end_request(self, request_id: str) -> int:
+        return await self._call(self._session.end_request(request_id))
+
+    async def clear(self, cache_salt: str | None = None) -> int:
+        return await self._call(self._session.clear(cache_salt))

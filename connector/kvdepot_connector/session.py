@@ -1,0 +1,337 @@
+"""What both data-plane clients share: every operation's request and the reading of its reply, the
+handshake state, the arena mapping and the copy steps between the caller's tensors and the arena.
+No I/O here: the clients (`client.KVDepotClient`, `aio.AsyncKVDepotClient`) only send and receive.
+
+State (`Session`): the engine's identity (model, layout, kv rank, group), the engine id the sidecar
+gave it (0 until the handshake), the request id counter and the mapped arena. Touched by one
+client, under its lock (blocking) or on its event loop (asyncio).
+
+Primitives:
+  Session.hello() / register()          the handshake's two calls
+  Session.lookup(...), retrieve(...), ... one `Call` per operation: the message to send and how
+                                         to read its reply
+  Session.message(call)                 the call's message, with a fresh id and the engine id
+  Session.stale(call, reply)            the sidecar no longer knows this engine (it restarted):
+                                         handshake again and resend
+  Session.copy_in / copy_out / outcome  the copies of a store or a retrieve and their result
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import msgspec
+import torch
+
+from kvdepot_connector import protocol as p
+from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
+from kvdepot_connector.shm import ArenaMapping
+
+R = TypeVar("R", bound=msgspec.Struct)
+T = TypeVar("T")
+Tokens = Sequence[int] | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    stored: int
+    existing: int
+    no_space: int
+    quota: int
+    expired: int
+
+    @property
+    def complete(self) -> bool:
+        """Every requested chunk is now in L1 (stored now or already there)."""
+        return self.no_space == 0 and self.quota == 0 and self.expired == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One request: `build(id, engine_id)` makes its message, `read(reply)` checks the reply and
+    turns it into the operation's result. `registered`: it needs the engine id (so a handshake
+    first, and again when the sidecar no longer knows the id)."""
+
+    build: Callable[[int, int], p.Request]
+    read: Callable[[p.Reply], T]
+    registered: bool = True
+
+
+def check_reply(reply: p.Reply, expected: type[R]) -> R:
+    if isinstance(reply, p.ErrorReply):
+        raise SidecarError(reply.code, reply.message, reply.retryable)
+    if not isinstance(reply, expected):
+        raise SidecarError("internal", f"expected {expected.__name__}, got {type(reply).__name__}", False)
+    return reply
+
+
+def _call(build: Callable[[int, int], p.Request], expected: type[R], pick: Callable[[R], T]) -> Call[T]:
+    return Call(build, lambda reply: pick(check_reply(reply, expected)))
+
+
+def _same(reply: R) -> R:
+    return reply
+
+
+def _as_u8(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("chunk tensors must be contiguous")
+    return t.view(torch.uint8).reshape(-1) if t.dtype != torch.uint8 else t.reshape(-1)
+
+
+class Session:
+    """What both clients share: the operations, the handshake state, the arena, the copy steps."""
+
+    def __init__(
+        self, model: str, layout: p.Layout, kv_rank: int, group: int, *, name: str, map_arena: bool
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.kv_rank = kv_rank
+        self.group = group
+        self.name = name
+        self.map_arena = map_arena
+        self.engine_id = 0
+        self.chunk_bytes = layout.chunk_bytes
+        self.arena: ArenaMapping | None = None
+        self._ids = itertools.count(1)
+
+    def message(self, call: Call[T]) -> p.Request:
+        return call.build(next(self._ids), self.engine_id)
+
+    @staticmethod
+    def stale(call: Call[T], reply: p.Reply) -> bool:
+        return (
+            call.registered and isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.NOT_REGISTERED
+        )
+
+    def close_arena(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    # --- handshake -----------------------------------------------------------------------------
+
+    def hello(self) -> Call[None]:
+        build = lambda i, _: p.Hello(id=i, version=p.PROTOCOL_VERSION, client=self.name)  # noqa: E731
+        return Call(build, lambda r: self._accept_hello(check_reply(r, p.HelloReply)), registered=False)
+
+    def _accept_hello(self, reply: p.HelloReply) -> None:
+        if reply.version != p.PROTOCOL_VERSION:
+            raise ProtocolMismatch(f"sidecar speaks protocol {reply.version}, client {p.PROTOCOL_VERSION}")
+        if reply.chunk_size != self.layout.chunk_size:
+            raise ProtocolMismatch(
+                f"chunk size mismatch: sidecar {reply.chunk_size} tokens, engine {self.layout.chunk_size}"
+            )
+        if self.arena is None or self.arena.name != reply.arena_name:
+            self.close_arena()
+            if self.map_arena:
+                self.arena = ArenaMapping(reply.arena_name, reply.arena_size)
+
+    def register(self) -> Call[None]:
+        def build(i: int, _: int) -> p.Request:
+            return p.Register(
+                id=i, model=self.model, layout=self.layout, kv_rank=self.kv_rank, group=self.group
+            )
+
+        return Call(build, lambda r: self._accept_register(check_reply(r, p.RegisterReply)), registered=False)
+
+    def _accept_register(self, reply: p.RegisterReply) -> None:
+        self.engine_id = reply.engine_id
+        self.chunk_bytes = reply.chunk_bytes
+
+    # --- operations ----------------------------------------------------------------------------
+
+    @staticmethod
+    def ping() -> Call[float]:
+        return Call(lambda i, _: p.Ping(id=i), lambda r: check_reply(r, p.Pong).server_time, registered=False)
+
+    @staticmethod
+    def lookup(tokens: Tokens, request_id: str, cache_salt: str, wait: bool) -> Call[p.LookupReply]:
+        data = p.encode_tokens(tokens)
+        return _call(
+            lambda i, e: p.Lookup(
+                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
+            ),
+            p.LookupReply, _same,
+        )  # fmt: skip
+
+    @staticmethod
+    def query_prefetch(request_id: str) -> Call[p.LookupReply]:
+        return _call(
+            lambda i, e: p.QueryPrefetch(id=i, engine_id=e, request_id=request_id), p.LookupReply, _same
+        )
+
+    @staticmethod
+    def retrieve(request_id: str, first_chunk: int, num_chunks: int) -> Call[p.RetrieveReply]:
+        return _call(
+            lambda i, e: p.Retrieve(
+                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks
+            ),
+            p.RetrieveReply, _same,
+        )  # fmt: skip
+
+    @staticmethod
+    def release(request_id: str) -> Call[bool]:
+        return _call(lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id), p.ReleaseReply, _valid)
+
+    @staticmethod
+    def register_kv_cache(layers: Sequence[p.TensorHandle]) -> Call[int]:
+        handles = list(layers)
+        return _call(lambda i, e: p.RegisterKVCache(id=i, engine_id=e, layers=handles), p.CountReply, _count)
+
+    @staticmethod
+    def load_blocks(
+        request_id: str, first_chunk: int, num_chunks: int, block_ids: Sequence[int], skip_blocks: int
+    ) -> Call[bool]:
+        ids = list(block_ids)
+        return _call(
+            lambda i, e: p.LoadBlocks(
+                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks,
+                block_ids=ids, skip_blocks=skip_blocks,
+            ),
+            p.ReleaseReply, _valid,
+        )  # fmt: skip
+
+    @staticmethod
+    def save_blocks(
+        tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int
+    ) -> Call[p.SaveReply]:
+        data = p.encode_tokens(tokens)
+        ids = list(block_ids)
+        return _call(
+            lambda i, e: p.SaveBlocks(
+                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
+                first_chunk=first_chunk, block_ids=ids,
+            ),
+            p.SaveReply, _same,
+        )  # fmt: skip
+
+    @staticmethod
+    def reserve(tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int) -> Call[p.StoreReply]:
+        data = p.encode_tokens(tokens)
+        return _call(
+            lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
+                                 cache_salt=cache_salt, first_chunk=first_chunk),
+            p.StoreReply, _same,
+        )  # fmt: skip
+
+    @staticmethod
+    def commit(oids: Sequence[int]) -> Call[list[bool]]:
+        ids = list(oids)
+        return _call(lambda i, e: p.Commit(id=i, engine_id=e, oids=ids), p.CommitReply, lambda r: r.ok)
+
+    @staticmethod
+    def abort(oids: Sequence[int]) -> Call[int]:
+        ids = list(oids)
+        return _call(lambda i, e: p.Abort(id=i, engine_id=e, oids=ids), p.CountReply, _count)
+
+    @staticmethod
+    def free_lookup_locks(request_id: str) -> Call[int]:
+        return _call(
+            lambda i, e: p.FreeLookupLocks(id=i, engine_id=e, request_id=request_id), p.CountReply, _count
+        )
+
+    @staticmethod
+    def end_request(request_id: str) -> Call[int]:
+        return _call(
+            lambda i, e: p.EndRequest(id=i, engine_id=e, request_id=request_id), p.CountReply, _count
+        )
+
+    @staticmethod
+    def clear(cache_salt: str | None) -> Call[int]:
+        return _call(lambda i, _: p.Clear(id=i, cache_salt=cache_salt), p.CountReply, _count)
+
+    # --- copies --------------------------------------------------------------------------------
+
+    def region(self, offset: int, size: int) -> torch.Tensor:
+        if self.arena is None:
+            raise SidecarUnavailable("the arena is not mapped")
+        return self.arena.region(offset, size)
+
+    def copy_in(self, reply: p.StoreReply, chunks: Sequence[torch.Tensor], first_chunk: int) -> list[int]:
+        oids = []
+        for slot in reply.slots:
+            if slot.status is not p.SlotStatus.RESERVED:
+                continue
+            src = _as_u8(chunks[slot.chunk - first_chunk])
+            if src.numel() != slot.size:
+                raise ValueError(f"chunk {slot.chunk} has {src.numel()} bytes, the slot {slot.size}")
+            self.region(slot.offset, slot.size).copy_(src)
+            oids.append(slot.oid)
+        return oids
+
+    def copy_out(self, reply: p.RetrieveReply, outs: Sequence[torch.Tensor]) -> None:
+        for ext, dst in zip(reply.extents, outs, strict=True):
+            view = _as_u8(dst)
+            if view.numel() != ext.size:
+                raise ValueError(f"output of {view.numel()} bytes for a chunk of {ext.size}")
+            view.copy_(self.region(ext.offset, ext.size))
+
+    @staticmethod
+    def reserved(reply: p.StoreReply) -> list[int]:
+        """The oids of the slots reserved by a store (what an abort gives back)."""
+        return [s.oid for s in reply.slots if s.status is p.SlotStatus.RESERVED]
+
+    @staticmethod
+    def outcome(reply: p.StoreReply, committed: Sequence[bool]) -> StoreOutcome:
+        counts = {s: 0 for s in p.SlotStatus}
+        for slot in reply.slots:
+            counts[slot.status] += 1
+        expired = sum(1 for ok in committed if not ok)
+        return StoreOutcome(
+            stored=counts[p.SlotStatus.RESERVED] - expired,
+            existing=counts[p.SlotStatus.EXISTS],
+            no_space=counts[p.SlotStatus.NO_SPACE],
+            quota=counts[p.SlotStatus.QUOTA],
+            expired=expired,
+        )
+
+
+def _valid(reply: p.ReleaseReply) -> bool:
+    return reply.valid
+
+
+def _count(reply: p.CountReply) -> int:
+    return reply.count
+
+
+class ClientBase:
+    """Identity and handshake state common to both clients; each adds its own transport."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        layout: p.Layout,
+        kv_rank: int = 0,
+        group: int = 0,
+        timeout_s: float = 5.0,
+        map_arena: bool = True,
+        name: str = "",
+    ) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.name = name
+        self._session = Session(model, layout, kv_rank, group, name=name, map_arena=map_arena)
+        self._open_transport()
+
+    def _open_transport(self) -> None:
+        """The subclass's sockets and locks (nothing connects yet)."""
+        raise NotImplementedError
+
+    @property
+    def engine_id(self) -> int:
+        return self._session.engine_id
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._session.chunk_bytes
+
+    @property
+    def chunk_size(self) -> int:
+        return self._session.layout.chunk_size

@@ -1,0 +1,211 @@
+"""Both clients against a scripted fake sidecar (a ZMQ ROUTER in a thread): the same operations
+give the same messages and results over either transport, including the handshake, the
+re-handshake after a sidecar restart, error replies and the copies of a store."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from kvdepot_connector import protocol as p
+from kvdepot_connector.aio import AsyncKVDepotClient
+from kvdepot_connector.client import KVDepotClient
+from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
+
+LAYOUT = p.Layout(dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kind="test",
+                  chunk_size=4)  # fmt: skip
+CHUNK_BYTES = LAYOUT.chunk_bytes  # 128
+ARENA_BYTES = 4096
+
+
+class FakeSidecar:
+    """Answers every request with `answer(msg)`; registrations get engine ids 7, 8, ..."""
+
+    def __init__(self, tmp: Path, answer: Callable[[Any], p.Reply | None], chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.url = f"ipc://{tmp}/fake.sock"
+        self.answer = answer
+        self.seen: list[Any] = []
+        self.next_engine = 7
+        self.arena_name = f"kvdepot-test-{uuid.uuid4().hex[:12]}"
+        fd = os.open(f"/dev/shm/{self.arena_name}", os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, ARENA_BYTES)
+        self.arena = mmap.mmap(fd, ARENA_BYTES)
+        os.close(fd)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.bind(self.url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, frame = self._sock.recv_multipart()
+            msg = p.request_decoder.decode(frame)
+            self.seen.append(msg)
+            if isinstance(msg, p.Hello):
+                reply: p.Reply | None = p.HelloReply(
+                    id=msg.id, version=p.PROTOCOL_VERSION, server="fake", chunk_size=self.chunk_size,
+                    arena_name=self.arena_name, arena_size=ARENA_BYTES, max_frame_bytes=1 << 20,
+                )  # fmt: skip
+            elif isinstance(msg, p.Register):
+                reply = p.RegisterReply(id=msg.id, engine_id=self.next_engine, chunk_bytes=CHUNK_BYTES,
+                                        layout_fingerprint=b"12345678")  # fmt: skip
+                self.next_engine += 1
+            else:
+                reply = self.answer(msg)
+            if reply is not None:
+                self._sock.send_multipart([ident, p.encode(reply)])
+
+    def ops(self) -> list[str]:
+        return [type(m).__name__ for m in self.seen]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        self.arena.close()
+        os.unlink(f"/dev/shm/{self.arena_name}")
+
+
+class Blocking:
+    """The asyncio client's operations, each run to completion on one private event loop."""
+
+    def __init__(self, client: AsyncKVDepotClient) -> None:
+        self._client = client
+        self._runner = asyncio.Runner()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not asyncio.iscoroutinefunction(method):
+            return method
+        return lambda *a, **kw: self._runner.run(method(*a, **kw))
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.close()
+
+
+Connect = Callable[..., Any]
+
+
+@pytest.fixture(params=["blocking", "asyncio"])
+def connect(request: pytest.FixtureRequest) -> Iterator[Connect]:
+    opened: list[Any] = []
+
+    def make(url: str, **kw: Any) -> Any:
+        kw.setdefault("timeout_s", 2.0)
+        if request.param == "blocking":
+            client: Any = KVDepotClient(url, model="m", layout=LAYOUT, **kw)
+        else:
+            client = Blocking(AsyncKVDepotClient(url, model="m", layout=LAYOUT, **kw))
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        client.close()
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[Callable[..., FakeSidecar]]:
+    started: list[FakeSidecar] = []
+
+    def start(answer: Callable[[Any], p.Reply | None], chunk_size: int = LAYOUT.chunk_size) -> FakeSidecar:
+        started.append(FakeSidecar(tmp_path, answer, chunk_size))
+        return started[-1]
+
+    yield start
+    for sc in started:
+        sc.close()
+
+
+def test_first_call_handshakes_then_sends_with_the_engine_id(sidecar: Any, connect: Connect) -> None:
+    sc = sidecar(lambda m: p.LookupReply(id=m.id, hit_tokens=8, hit_chunks=2, total_chunks=3))
+    client = connect(sc.url, map_arena=False)
+    reply = client.lookup([1, 2, 3, 4, 5], request_id="r", cache_salt="t")
+    assert (reply.hit_tokens, reply.hit_chunks) == (8, 2)
+    assert sc.ops() == ["Hello", "Register", "Lookup"]
+    lookup = sc.seen[2]
+    assert (lookup.engine_id, lookup.request_id, lookup.cache_salt) == (7, "r", "t")
+    assert lookup.tokens == p.encode_tokens([1, 2, 3, 4, 5])
+    assert client.engine_id == 7 and client.chunk_bytes == CHUNK_BYTES
+
+
+def test_a_restarted_sidecar_is_handshaken_again_and_the_call_resent(sidecar: Any, connect: Connect) -> None:
+    def answer(m: Any) -> p.Reply:
+        if m.engine_id == 7 and isinstance(m, p.EndRequest):  # engine 7 is gone: the sidecar restarted
+            return p.ErrorReply(id=m.id, code=p.ErrorCode.NOT_REGISTERED, message="who?")
+        return p.CountReply(id=m.id, count=m.engine_id)
+
+    sc = sidecar(answer)
+    client = connect(sc.url, map_arena=False)
+    assert client.free_lookup_locks("r") == 7
+    assert client.end_request("r") == 8
+    handshake = ["Hello", "Register"]
+    assert sc.ops() == [*handshake, "FreeLookupLocks", "EndRequest", *handshake, "EndRequest"]
+    assert client.engine_id == 8
+
+
+def test_error_replies_raise_with_their_code(sidecar: Any, connect: Connect) -> None:
+    sc = sidecar(lambda m: p.ErrorReply(id=m.id, code=p.ErrorCode.NOT_FOUND, message="no such thing"))
+    client = connect(sc.url, map_arena=False)
+    with pytest.raises(SidecarError) as info:
+        client.release("r")
+    assert info.value.code == p.ErrorCode.NOT_FOUND and not info.value.retryable
+
+
+def test_no_reply_is_unavailable(sidecar: Any, connect: Connect) -> None:
+    sc = sidecar(lambda m: None)
+    client = connect(sc.url, map_arena=False, timeout_s=0.2)
+    with pytest.raises(SidecarUnavailable):
+        client.clear()
+    assert sc.ops() == ["Hello", "Register", "Clear"]
+
+
+def test_a_sidecar_with_another_chunk_size_is_refused(sidecar: Any, connect: Connect) -> None:
+    sc = sidecar(lambda m: p.Pong(id=m.id, server_time=1.0), chunk_size=2 * LAYOUT.chunk_size)
+    client = connect(sc.url, map_arena=False)
+    assert client.ping() == 1.0  # ping needs no handshake
+    with pytest.raises(ProtocolMismatch, match="chunk size"):
+        client.query_prefetch("r")
+    assert sc.ops() == ["Ping", "Hello"]
+
+
+def test_store_copies_into_the_reserved_slots_and_commits(sidecar: Any, connect: Connect) -> None:
+    def answer(m: Any) -> p.Reply:
+        if isinstance(m, p.Store):
+            return p.StoreReply(id=m.id, slots=[
+                p.Slot(chunk=0, status=p.SlotStatus.EXISTS),
+                p.Slot(chunk=1, status=p.SlotStatus.RESERVED, oid=11, offset=256, size=CHUNK_BYTES),
+                p.Slot(chunk=2, status=p.SlotStatus.NO_SPACE),
+            ])  # fmt: skip
+        if isinstance(m, p.Commit):
+            return p.CommitReply(id=m.id, ok=[True] * len(m.oids))
+        return p.CountReply(id=m.id, count=len(m.oids))
+
+    sc = sidecar(answer)
+    client = connect(sc.url)
+    chunks = [torch.full((CHUNK_BYTES // 2,), float(i), dtype=torch.float16) for i in range(3)]
+    out = client.store(list(range(12)), chunks, request_id="w")
+    assert (out.stored, out.existing, out.no_space, out.complete) == (1, 1, 1, False)
+    assert sc.arena[256 : 256 + CHUNK_BYTES] == chunks[1].view(torch.uint8).numpy().tobytes()
+    assert sc.ops()[-2:] == ["Store", "Commit"] and sc.seen[-1].oids == [11]
+    # A chunk of the wrong size: nothing is committed, the reservation is given back.
+    with pytest.raises(ValueError, match="bytes"):
+        client.store(list(range(12)), [chunks[0], chunks[1][:4], chunks[2]], request_id="w")
+    assert sc.ops()[-2:] == ["Store", "Abort"] and sc.seen[-1].oids == [11]
