@@ -22,7 +22,11 @@ from api.http.errors import http_status
 from app import __version__
 from app import errors as e
 from app.main import Service
+from app.settings import RedisAdapterConfig
+from engine.admin import adapter
 from engine.answers import AdapterList, QuotaList, TenantQuota
+from engine.l2.tiers import Tier
+from storage.factory import build_adapter
 from tests.unit.api.conftest import BuildService, RunningService, ServeService
 
 pytestmark = pytest.mark.anyio
@@ -385,3 +389,12 @@ async def test_attaching_a_disk_adapter_on_a_path_that_cannot_be_written_is_a_4x
         assert "'d'" in r.json()["error"]["message"]
         names = [a["name"] for a in (await running.client.get("/l2/adapters")).json()["adapters"]]
         assert names == ["m1"]
+
+
+def test_an_adapters_redis_url_password_is_masked(tmp_path: Path) -> None:
+    config = RedisAdapterConfig(name="r", url="redis://:hunter2@127.0.0.1:6379/0")
+    shown = adapter(Tier(build_adapter(config, tmp_path), config))
+    assert isinstance(shown.config, RedisAdapterConfig)
+    assert shown.config.url == "redis://:***@127.0.0.1:6379/0"
+    assert "hunter2" not in repr(shown)
+    assert config.url.endswith("hunter2@127.0.0.1:6379/0")  # the adapter itself keeps it
