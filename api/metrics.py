@@ -9,11 +9,15 @@ others summed as `other`. When a tenant enters or leaves the top N its series st
 `other` jumps: Prometheus reads a drop of a counter as a reset. The `tier` label is `l1` or an L2
 adapter's name (bounded by the adapters attached; a detached adapter's counters stay under
 `other`).
+
+Each collector is a table: (metric name, help, where the value comes from); one loop per kind of
+family turns a table into metrics, so adding a figure is adding a row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -26,28 +30,108 @@ from engine.facade import CacheEngine
 from engine.tenants.ledger import OTHER
 from engine.tenants.quota import DEFAULT_TENANT
 
-LATENCY_BUCKETS = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+Row = tuple[str, str, str]
+"""(metric name without `kvdepot_`, help, attribute of the object the figures are read from)."""
+
+# EngineCollector: figures of the L1 allocator, the engine's counters and the L1 cache's counters.
+L1_GAUGES: tuple[Row, ...] = (
+    ("l1_capacity_bytes", "L1 arena capacity.", "capacity"),
+    ("l1_used_bytes", "L1 bytes allocated to objects.", "used"),
+    ("l1_free_extents", "Free extents in the L1 allocator.", "free_extents"),
+)
+ENGINE_COUNTERS: tuple[Row, ...] = (
+    ("lookups", "LOOKUP operations.", "lookups"),
+    ("lookup_hit_chunks", "Chunks found by lookups.", "hit_chunks"),
+    ("lookup_miss_chunks", "Full chunks not found by lookups.", "miss_chunks"),
+    ("lookup_hit_tokens", "Tokens found by lookups.", "hit_tokens"),
+    ("lookup_miss_tokens", "Tokens not found by lookups.", "miss_tokens"),
+    ("store_requests", "STORE operations.", "store_requests"),
+    ("stored_chunks", "Chunks reserved for storing.", "stored_chunks"),
+    ("store_existing_chunks", "Chunks a STORE found already present.", "existing_chunks"),
+    ("no_space_chunks", "Chunks refused by STORE for lack of L1 room.", "no_space_chunks"),
+    ("retrieved_chunks", "Chunks handed out by RETRIEVE.", "retrieved_chunks"),
+    ("expired_read_leases", "Requests whose read locks were reclaimed after their lease.", "expired_locks"),
+)
+CACHE_COUNTERS: tuple[Row, ...] = (
+    ("committed_chunks", "Chunks made ready by COMMIT.", "committed"),
+    ("aborted_reservations", "Write reservations dropped.", "aborted"),
+    ("evictions", "L1 objects evicted.", "evicted"),
+    ("evicted_bytes", "L1 bytes evicted.", "evicted_bytes"),
+    ("expired_write_leases", "Write reservations reclaimed after their lease.", "expired_reservations"),
+)
+
+# TenantCollector: per (tenant, tier), from the ledger's TierUsage.
+TENANT_GAUGES: tuple[Row, ...] = (
+    ("tenant_bytes", "Bytes a tenant holds in a tier.", "bytes"),
+    ("tenant_objects", "Objects a tenant holds in a tier.", "objects"),
+)
+TENANT_COUNTERS: tuple[Row, ...] = (
+    ("tenant_hit_chunks", "Chunks a tenant's lookups found.", "hits"),
+    ("tenant_miss_chunks", "Full chunks a tenant's lookups did not find.", "misses"),
+    ("tenant_evictions", "A tenant's objects evicted (quota or full tier).", "evictions"),
+    ("tenant_quota_refused_chunks", "Chunks refused by the tenant's quota.", "quota_refusals"),
+)
+
+# L2Collector: per adapter (its Usage, its AdapterStats), then the controllers' counters.
+ADAPTER_GAUGES: tuple[Row, ...] = (
+    ("l2_bytes", "Bytes held by the adapter.", "bytes_used"),
+    ("l2_objects", "Objects held by the adapter.", "objects"),
+    ("l2_capacity_bytes", "Adapter capacity (0 = unknown).", "capacity_bytes"),
+)
+ADAPTER_COUNTERS: tuple[Row, ...] = tuple(
+    (f"l2_{name}", doc, name)
+    for name, doc in (
+        ("stores", "Blobs stored."), ("store_bytes", "Bytes stored."), ("loads", "Blobs loaded."),
+        ("load_bytes", "Bytes loaded."), ("misses", "Loads that found nothing."),
+        ("errors", "Operations that failed."), ("integrity_failures", "Blobs that failed their check."),
+        ("evictions", "Blobs evicted (for capacity or a tenant's quota)."),
+        ("no_space", "Stores refused for lack of room."),
+    )
+)  # fmt: skip
+HEALTH_VALUE = {"ok": 1.0, "degraded": 0.5, "down": 0.0}
+STORE_COUNTERS: tuple[Row, ...] = (
+    ("l2_store_submitted", "Chunks queued for write-behind.", "submitted"),
+    ("l2_store_dropped", "Queued chunks dropped because the queue was full.", "dropped"),
+    ("l2_store_written", "Chunks written to at least one adapter.", "written"),
+    ("l2_store_failed", "Adapter writes that failed.", "failed"),
+    (
+        "l2_store_skipped_quota",
+        "Chunks not written behind: their tenant may store nothing in L2.",
+        "skipped_quota",
+    ),
+    (
+        "l2_store_quota_refused",
+        "Queued blobs not written to an adapter for the tenant's quota there.",
+        "quota_refused",
+    ),
+    (
+        "l2_store_quota_evicted_bytes",
+        "Bytes of a tenant's own blobs evicted to make room within its quota.",
+        "quota_evicted_bytes",
+    ),
+)
+PREFETCH_COUNTERS: tuple[Row, ...] = (
+    ("l2_prefetch_started", "Prefetches started by lookups.", "started"),
+    ("l2_prefetch_loaded_chunks", "Chunks loaded from L2 into L1.", "chunks_loaded"),
+    ("l2_prefetch_loaded_bytes", "Bytes loaded from L2 into L1.", "bytes_loaded"),
+    ("l2_prefetch_deadline_expired", "Prefetches cut short by the deadline.", "deadline_expired"),
+    ("l2_prefetch_load_errors", "Chunk loads that failed.", "load_errors"),
+    ("l2_prefetch_integrity_failures", "Loaded blobs that failed their check.", "integrity_failures"),
 )
 
 
-def build_registry() -> CollectorRegistry:
+def build_registry(engine: CacheEngine | None = None, tenants_top_n: int = 20) -> CollectorRegistry:
+    """Process, platform and GC metrics; with `engine`, also the engine's collectors below."""
     registry = CollectorRegistry(auto_describe=True)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
+    if engine is not None:
+        registry.register(EngineCollector(engine))
+        registry.register(L2Collector(engine))
+        registry.register(TenantCollector(engine, tenants_top_n))
     return registry
 
 
@@ -78,6 +162,30 @@ class DataPlaneMetrics:
         self._errors.labels(op, code).inc()
 
 
+Family = GaugeMetricFamily | CounterMetricFamily
+FamilyType = Callable[..., Family]
+
+
+def single(kind: FamilyType, rows: Iterable[Row], source: object) -> Iterator[Metric]:
+    """One unlabelled metric per row, its value `getattr(source, attribute)`."""
+    for name, doc, attr in rows:
+        yield kind(f"kvdepot_{name}", doc, value=getattr(source, attr))
+
+
+class Labelled:
+    """One labelled family per row; `add` appends a sample to each from one object's figures."""
+
+    def __init__(self, kind: FamilyType, rows: Iterable[Row], labels: list[str]) -> None:
+        self.rows = [(attr, kind(f"kvdepot_{name}", doc, labels=labels)) for name, doc, attr in rows]
+
+    def add(self, labels: list[str], source: Any) -> None:
+        for attr, family in self.rows:
+            family.add_metric(labels, getattr(source, attr))
+
+    def families(self) -> Iterator[Family]:
+        return (family for _, family in self.rows)
+
+
 class EngineCollector(Collector):
     """L1 and lookup figures, read from the engine when Prometheus scrapes."""
 
@@ -86,45 +194,13 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
-        alloc = engine.cache.allocator
-        yield GaugeMetricFamily("kvdepot_l1_capacity_bytes", "L1 arena capacity.", value=alloc.capacity)
-        yield GaugeMetricFamily("kvdepot_l1_used_bytes", "L1 bytes allocated to objects.", value=alloc.used)
-        yield GaugeMetricFamily(
-            "kvdepot_l1_free_extents", "Free extents in the L1 allocator.", value=alloc.free_extents
-        )
+        yield from single(GaugeMetricFamily, L1_GAUGES, engine.cache.allocator)
         by_state = GaugeMetricFamily("kvdepot_l1_objects", "L1 objects by lifecycle state.", labels=["state"])
         for state, n in engine.cache.state_counts().items():
             by_state.add_metric([state], n)
         yield by_state
-        c = engine.counters
-        l1 = engine.cache.counters
-        for name, doc, value in (
-            ("lookups", "LOOKUP operations.", c.lookups),
-            ("lookup_hit_chunks", "Chunks found by lookups.", c.hit_chunks),
-            ("lookup_miss_chunks", "Full chunks not found by lookups.", c.miss_chunks),
-            ("lookup_hit_tokens", "Tokens found by lookups.", c.hit_tokens),
-            ("lookup_miss_tokens", "Tokens not found by lookups.", c.miss_tokens),
-            ("store_requests", "STORE operations.", c.store_requests),
-            ("stored_chunks", "Chunks reserved for storing.", c.stored_chunks),
-            ("store_existing_chunks", "Chunks a STORE found already present.", c.existing_chunks),
-            ("no_space_chunks", "Chunks refused by STORE for lack of L1 room.", c.no_space_chunks),
-            ("retrieved_chunks", "Chunks handed out by RETRIEVE.", c.retrieved_chunks),
-            ("committed_chunks", "Chunks made ready by COMMIT.", l1.committed),
-            ("aborted_reservations", "Write reservations dropped.", l1.aborted),
-            ("evictions", "L1 objects evicted.", l1.evicted),
-            ("evicted_bytes", "L1 bytes evicted.", l1.evicted_bytes),
-            (
-                "expired_write_leases",
-                "Write reservations reclaimed after their lease.",
-                l1.expired_reservations,
-            ),
-            (
-                "expired_read_leases",
-                "Requests whose read locks were reclaimed after their lease.",
-                c.expired_locks,
-            ),
-        ):
-            yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
+        yield from single(CounterMetricFamily, ENGINE_COUNTERS, engine.counters)
+        yield from single(CounterMetricFamily, CACHE_COUNTERS, engine.cache.counters)
 
 
 class TenantCollector(Collector):
@@ -136,49 +212,24 @@ class TenantCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         ledger = self.engine.tenants
-        rows = ledger.labelled(self.top_n)
         labels = ["tenant", "tier"]
-        gauges = {
-            "bytes": GaugeMetricFamily(
-                "kvdepot_tenant_bytes", "Bytes a tenant holds in a tier.", labels=labels
-            ),
-            "objects": GaugeMetricFamily(
-                "kvdepot_tenant_objects", "Objects a tenant holds in a tier.", labels=labels
-            ),
-        }
-        counters = {
-            "hits": CounterMetricFamily(
-                "kvdepot_tenant_hit_chunks", "Chunks a tenant's lookups found.", labels=labels
-            ),
-            "misses": CounterMetricFamily(
-                "kvdepot_tenant_miss_chunks", "Full chunks a tenant's lookups did not find.", labels=labels
-            ),
-            "evictions": CounterMetricFamily(
-                "kvdepot_tenant_evictions", "A tenant's objects evicted (quota or full tier).", labels=labels
-            ),
-            "quota_refusals": CounterMetricFamily(
-                "kvdepot_tenant_quota_refused_chunks", "Chunks refused by the tenant's quota.", labels=labels
-            ),
-        }
+        gauges = Labelled(GaugeMetricFamily, TENANT_GAUGES, labels)
+        counters = Labelled(CounterMetricFamily, TENANT_COUNTERS, labels)
         limits = GaugeMetricFamily(
             "kvdepot_tenant_quota_bytes",
             "A named tenant's limit in a tier (absent = unlimited).",
             labels=labels,
         )
-        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
-            *gauges.items(),
-            *counters.items(),
-        ]
-        for tenant, tiers in rows.items():
+        for tenant, tiers in ledger.labelled(self.top_n).items():
             salt = "" if tenant == DEFAULT_TENANT else tenant
             for tier, usage in tiers.items():
-                for name, family in families:
-                    family.add_metric([tenant, tier], getattr(usage, name))
+                gauges.add([tenant, tier], usage)
+                counters.add([tenant, tier], usage)
                 limit = None if tenant == OTHER else ledger.limit(salt, tier)
                 if limit is not None:
                     limits.add_metric([tenant, tier], limit)
-        yield from gauges.values()
-        yield from counters.values()
+        yield from gauges.families()
+        yield from counters.families()
         yield limits
 
 
@@ -192,29 +243,11 @@ class L2Collector(Collector):
         l2 = self.engine.l2
         if l2 is None:
             return
-        gauges = {
-            "bytes": GaugeMetricFamily("kvdepot_l2_bytes", "Bytes held by the adapter.", labels=["adapter"]),
-            "objects": GaugeMetricFamily(
-                "kvdepot_l2_objects", "Objects held by the adapter.", labels=["adapter"]
-            ),
-            "capacity": GaugeMetricFamily(
-                "kvdepot_l2_capacity_bytes", "Adapter capacity (0 = unknown).", labels=["adapter"]
-            ),
-            "healthy": GaugeMetricFamily(
-                "kvdepot_l2_up", "1 when the adapter is healthy, 0.5 degraded, 0 down.", labels=["adapter"]
-            ),
-        }
-        counter_names = (
-            ("stores", "Blobs stored."), ("store_bytes", "Bytes stored."), ("loads", "Blobs loaded."),
-            ("load_bytes", "Bytes loaded."), ("misses", "Loads that found nothing."),
-            ("errors", "Operations that failed."), ("integrity_failures", "Blobs that failed their check."),
-            ("evictions", "Blobs evicted (for capacity or a tenant's quota)."),
-            ("no_space", "Stores refused for lack of room."),
-        )  # fmt: skip
-        counters = {
-            name: CounterMetricFamily(f"kvdepot_l2_{name}", doc, labels=["adapter"])
-            for name, doc in counter_names
-        }
+        gauges = Labelled(GaugeMetricFamily, ADAPTER_GAUGES, ["adapter"])
+        up = GaugeMetricFamily(
+            "kvdepot_l2_up", "1 when the adapter is healthy, 0.5 degraded, 0 down.", labels=["adapter"]
+        )
+        counters = Labelled(CounterMetricFamily, ADAPTER_COUNTERS, ["adapter"])
         latency = HistogramMetricFamily(
             "kvdepot_l2_op_seconds",
             "L2 operation latency by adapter and operation.",
@@ -223,61 +256,29 @@ class L2Collector(Collector):
         for tier in l2.tiers.all():
             adapter = tier.adapter
             name = adapter.name
-            usage = adapter.usage()
-            gauges["bytes"].add_metric([name], usage.bytes_used)
-            gauges["objects"].add_metric([name], usage.objects)
-            gauges["capacity"].add_metric([name], usage.capacity_bytes)
-            gauges["healthy"].add_metric(
-                [name], {"ok": 1.0, "degraded": 0.5, "down": 0.0}[adapter.health().state]
-            )
-            for cname, _doc in counter_names:
-                counters[cname].add_metric([name], getattr(adapter.stats, cname))
+            gauges.add([name], adapter.usage())
+            up.add_metric([name], HEALTH_VALUE[adapter.health().state])
+            counters.add([name], adapter.stats)
             for op, hist in adapter.latency.ops.items():
-                cumulative = 0
-                buckets = []
-                for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
-                    cumulative += count
-                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-                latency.add_metric([name, op], buckets, sum_value=hist.sum_s)
-        yield from gauges.values()
-        yield from counters.values()
+                latency.add_metric(
+                    [name, op], cumulative_buckets(hist.bounds, hist.counts), sum_value=hist.sum_s
+                )
+        yield from gauges.families()
+        yield up
+        yield from counters.families()
         yield latency
-        store, prefetch = l2.store.counters, l2.prefetch.counters
-        yield GaugeMetricFamily("kvdepot_l2_store_queue_depth", "Chunks waiting to be written behind.",
-                                value=l2.store.depth)  # fmt: skip
-        for name, doc, value in (
-            ("l2_store_submitted", "Chunks queued for write-behind.", store.submitted),
-            ("l2_store_dropped", "Queued chunks dropped because the queue was full.", store.dropped),
-            ("l2_store_written", "Chunks written to at least one adapter.", store.written),
-            ("l2_store_failed", "Adapter writes that failed.", store.failed),
-            (
-                "l2_store_skipped_quota",
-                "Chunks not written behind: their tenant may store nothing in L2.",
-                store.skipped_quota,
-            ),
-            (
-                "l2_store_quota_refused",
-                "Queued blobs not written to an adapter for the tenant's quota there.",
-                store.quota_refused,
-            ),
-            (
-                "l2_store_quota_evicted_bytes",
-                "Bytes of a tenant's own blobs evicted to make room within its quota.",
-                store.quota_evicted_bytes,
-            ),
-            ("l2_prefetch_started", "Prefetches started by lookups.", prefetch.started),
-            ("l2_prefetch_loaded_chunks", "Chunks loaded from L2 into L1.", prefetch.chunks_loaded),
-            ("l2_prefetch_loaded_bytes", "Bytes loaded from L2 into L1.", prefetch.bytes_loaded),
-            (
-                "l2_prefetch_deadline_expired",
-                "Prefetches cut short by the deadline.",
-                prefetch.deadline_expired,
-            ),
-            ("l2_prefetch_load_errors", "Chunk loads that failed.", prefetch.load_errors),
-            (
-                "l2_prefetch_integrity_failures",
-                "Loaded blobs that failed their check.",
-                prefetch.integrity_failures,
-            ),
-        ):
-            yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "kvdepot_l2_store_queue_depth", "Chunks waiting to be written behind.", value=l2.store.depth
+        )
+        yield from single(CounterMetricFamily, STORE_COUNTERS, l2.store.counters)
+        yield from single(CounterMetricFamily, PREFETCH_COUNTERS, l2.prefetch.counters)
+
+
+def cumulative_buckets(bounds: Iterable[float], counts: Iterable[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (the last one past every bound) as Prometheus' cumulative `le` buckets."""
+    buckets: list[tuple[str, float]] = []
+    total = 0
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        total += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), total))
+    return buckets

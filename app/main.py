@@ -4,7 +4,9 @@
 plane and HTTP binds) and raises ConfigError with one line; `Service.run()` starts the background
 tasks through the supervisor, serves until SIGTERM/SIGINT (or `request_stop()`), then stops
 accepting, drains for `shutdown_timeout_s`, cancels the rest, releases the arena and returns 0.
-Nothing imports this module but the CLI and tests.
+The builders (`build_cache`, `build_l2`, `build_engine`, `build_admin`) wire the engine's parts
+from their settings; `Service.build` and tests/factories.py both use them. Nothing imports this
+module but the CLI and tests.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import gc
 import signal
 import socket
 import time
-from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -26,11 +29,12 @@ import uvicorn
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
 from api.http.context import ControlContext
-from api.metrics import DataPlaneMetrics, EngineCollector, L2Collector, TenantCollector, build_registry
+from api.metrics import DataPlaneMetrics, build_registry
 from app import __version__
 from app.errors import ConfigError
-from app.settings import Settings
+from app.settings import AdapterConfig, L1Settings, L2Settings, Settings
 from app.supervisor import Supervisor
+from engine.admin import Administration
 from engine.facade import CacheEngine, L2Parts
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena, cleanup_stale, instance_id
@@ -40,11 +44,13 @@ from engine.l2.layouts import codec_options
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers
+from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 from engine.transfers import KVTransfers
 from gpu.device import default_device
 from gpu.transfer import TransferEngine
+from storage.base import L2Adapter
 from storage.factory import build_adapter
 
 log = structlog.get_logger("kvdepot")
@@ -73,6 +79,52 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+# --- builders: the wiring of the engine, shared with tests/factories.py ----------------------------
+
+
+def build_cache(l1: L1Settings, capacity: int, ledger: TenantLedger | None = None) -> L1Cache:
+    """An L1 cache over `capacity` bytes of arena, LRU, reporting into `ledger` (a fresh one if None)."""
+    return L1Cache(
+        ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
+        low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger,
+    )  # fmt: skip
+
+
+def build_l2(
+    l2: L2Settings, *, cache: L1Cache, arena: SharedArena, build: Callable[[AdapterConfig], L2Adapter],
+    executor: Executor, drain_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+) -> L2Parts:  # fmt: skip
+    """The L2 machinery (no adapter attached yet): tiers building adapters with `build` and
+    reporting into the cache's ledger, write-behind and prefetch running codecs in `executor`."""
+    tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger)
+    store = StoreController(
+        cache=cache, arena=arena, tiers=tiers, policy=l2.store_policy, queue_depth=l2.store_queue_depth,
+        codec_options=functools.partial(codec_options, fp8_values=l2.fp8_values, lz4=l2.lz4),
+        executor=executor,
+    )  # fmt: skip
+    prefetch = PrefetchController(
+        cache=cache, arena=arena, tiers=tiers, deadline_s=l2.prefetch_deadline_ms / 1000,
+        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock,
+    )  # fmt: skip
+    return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
+
+
+def build_engine(
+    l1: L1Settings, *, arena: SharedArena, cache: L1Cache, l2: L2Parts | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> CacheEngine:  # fmt: skip
+    return CacheEngine(
+        arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock
+    )
+
+
+def build_admin(
+    engine: CacheEngine, quota_file: Path | None = None, executor: Executor | None = None
+) -> Administration:
+    """Quota and L2 administration of `engine`; quotas saved to `quota_file` (None: in memory)."""
+    return Administration(engine.tenants, QuotaRegistry(engine.tenants, quota_file, executor), engine.l2)
+
+
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -85,6 +137,7 @@ class Service:
         self.http_server: _Uvicorn | None = None
         self.http_socket: socket.socket | None = None
         self.l2: L2Parts | None = None
+        self.control: ControlContext | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
         self._state_executor: ThreadPoolExecutor | None = None
@@ -129,26 +182,19 @@ class Service:
         ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
         self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
         try:
-            allocator = ExtentAllocator(self.arena.size, s.l1.alignment)
-            cache = L1Cache(
-                allocator,
-                LRUPolicy(),
-                high_watermark=s.l1.high_watermark,
-                low_watermark=s.l1.low_watermark,
-                write_lease_s=s.l1.write_lease_s,
-                ledger=ledger,
-            )
-            self.l2 = self._build_l2(cache)
+            cache = build_cache(s.l1, self.arena.size, ledger)
+            # Checksums over whole chunks and copies of loaded blobs into the arena run here.
+            self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
+            data_dir = s.data_dir
+            self.l2 = build_l2(
+                s.l2, cache=cache, arena=self.arena, build=lambda config: build_adapter(config, data_dir),
+                executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
+            )  # fmt: skip
+            self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)
             # quotas.json writes (fsync) run here, one at a time.
             self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
-            self.engine = CacheEngine(
-                arena=self.arena, cache=cache, chunk_size=s.l1.chunk_size, read_lease_s=s.l1.read_lease_s,
-                l2=self.l2, quotas=QuotaRegistry(ledger, quota_file, self._state_executor),
-            )  # fmt: skip
-            registry = build_registry()
-            registry.register(EngineCollector(self.engine))
-            registry.register(L2Collector(self.engine))
-            registry.register(TenantCollector(self.engine, s.tenants.metrics_top_n))
+            admin = build_admin(self.engine, quota_file, self._state_executor)
+            registry = build_registry(self.engine, s.tenants.metrics_top_n)
             self.dataplane = DataPlaneServer(
                 self.engine,
                 url=s.data_plane_url,
@@ -159,9 +205,15 @@ class Service:
             )
             self.dataplane.bind()
             self.http_socket = bind_http(s.http.host, s.http.port)
-            app = create_app(ControlContext(settings=s, engine=self.engine, health=self, registry=registry))
+            self.control = ControlContext(
+                settings=s,
+                admin=admin,
+                status=StatusReader(self.engine, admin),
+                health=self,
+                registry=registry,
+            )
             config = uvicorn.Config(
-                app,
+                create_app(self.control),
                 log_config=None,
                 access_log=False,
                 lifespan="off",
@@ -171,29 +223,6 @@ class Service:
         except BaseException:
             self.close()
             raise
-
-    def _build_l2(self, cache: L1Cache) -> L2Parts:
-        s = self.settings
-        assert self.arena is not None
-        # Checksums over whole chunks and copies of loaded blobs into the arena run here.
-        self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
-        data_dir = s.data_dir
-        tiers = L2Tiers(
-            lambda config: build_adapter(config, data_dir),
-            drain_timeout_s=s.shutdown_timeout_s * 10,
-            ledger=cache.ledger,
-        )
-        store = StoreController(
-            cache=cache, arena=self.arena, tiers=tiers, policy=s.l2.store_policy,
-            queue_depth=s.l2.store_queue_depth,
-            codec_options=functools.partial(codec_options, fp8_values=s.l2.fp8_values, lz4=s.l2.lz4),
-            executor=self._codec_executor,
-        )  # fmt: skip
-        prefetch = PrefetchController(
-            cache=cache, arena=self.arena, tiers=tiers, deadline_s=s.l2.prefetch_deadline_ms / 1000,
-            max_inflight=s.l2.prefetch_max_inflight, executor=self._codec_executor, clock=time.monotonic,
-        )  # fmt: skip
-        return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
 
     def _build_transfers(self) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,

@@ -1,4 +1,4 @@
-"""CacheEngine: the one entry point api/ calls for everything the data plane and control plane do.
+"""CacheEngine: the data plane's one entry point (api/dataplane and the sidecar's own transfers).
 
 State: engine registrations, the L1 cache, the per-request lock table, counters. Owned by the
 event loop; every method is synchronous and short (no I/O), so handlers run them inline.
@@ -13,8 +13,10 @@ Primitives in data-plane call order:
   free_lookup_locks / end_request / clear
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
-Tenants (control plane): quotas() / quota(salt) / set_quota(salt, quota) / delete_quota(salt) /
-tenants_status(). A store by a tenant with an L1 limit holds (read-locks) the chunks of that store
+The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
+status snapshots in engine/status.py (they read `registrations()` and `locked_requests()`).
+
+Tenants: a store by a tenant with an L1 limit holds (read-locks) the chunks of that store
 which are present already, until it returns, so the reservations of the same store never evict
 them to make room within the quota: a chain is never cut by its own continuation. L2 usage is in
 the same ledger, one tier per adapter name (engine/l2/tiers.py), and `l2_bytes` is enforced at
@@ -27,25 +29,21 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
-from engine.l1.allocator import AllocatorError
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object
 from engine.l2.prefetch import Prefetch, PrefetchController
 from engine.l2.store import StoreController
-from engine.l2.tiers import L2Tiers, RemoveMode
+from engine.l2.tiers import L2Tiers
 from engine.requests import RequestId, RequestLocks, RequestTable
 from engine.results import Extent, LookupResult, Registration, SlotStatus, StoreSlot
 from engine.tenants.ledger import TenantLedger
-from engine.tenants.quota import L1, Quota, check_salt
-from engine.tenants.registry import QuotaRegistry
-from storage.config import AdapterConfig
+from engine.tenants.quota import L1
 
 MAX_ID_LEN = 256
 
@@ -86,17 +84,13 @@ class CacheEngine:
         chunk_size: int,
         read_lease_s: float,
         l2: L2Parts | None = None,
-        quotas: QuotaRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.arena = arena
         self.cache = cache
         self.tenants: TenantLedger = cache.ledger
-        if quotas is not None and quotas.ledger is not cache.ledger:
-            raise ValueError("the quota registry must write to the L1 cache's ledger")
         if l2 is not None and l2.tiers.ledger is not None and l2.tiers.ledger is not cache.ledger:
             raise ValueError("the L2 tiers must report into the L1 cache's ledger")
-        self.quota_registry = quotas if quotas is not None else QuotaRegistry(cache.ledger)
         self.chunk_size = chunk_size
         self.hasher = TokenHasher(chunk_size)
         self.read_lease_s = read_lease_s
@@ -409,110 +403,9 @@ class CacheEngine:
             await asyncio.sleep(interval_s)
             self.reap()
 
-    def status(self) -> dict[str, Any]:
-        alloc = self.cache.allocator
-        try:
-            alloc.check()
-            allocator_ok, allocator_error = True, None
-        except AllocatorError as exc:
-            allocator_ok, allocator_error = False, str(exc)
-        return {
-            "allocator_ok": allocator_ok,
-            "allocator_error": allocator_error,
-            "arena": self.arena.name,
-            "capacity_bytes": alloc.capacity,
-            "used_bytes": alloc.used,
-            "objects": len(self.cache),
-            "objects_by_state": self.cache.state_counts(),
-            "free_extents": alloc.free_extents,
-            "largest_free_bytes": alloc.largest_free(),
-            "chunk_size": self.chunk_size,
-            "engines": [
-                {
-                    "engine_id": r.engine_id,
-                    "model": r.namespace.model,
-                    "kv_rank": r.namespace.kv_rank,
-                    "layout": r.layout.kind,
-                    "chunk_bytes": r.chunk_bytes,
-                }
-                for r in self._registrations.values()
-            ],
-            "locked_requests": len(self._requests.locks),
-            "counters": asdict(self.counters) | asdict(self.cache.counters),
-        }
-
-    # --- tenants and quotas --------------------------------------------------------------------
-
-    def quotas(self) -> dict[str, Any]:
-        """Every tenant with a quota or usage: its quota, limits and usage per tier."""
-        ledger = self.tenants
-        return {
-            "allowlist": ledger.allowlist,
-            "tenants": [ledger.describe(salt) for salt in ledger.tenants()],
-        }
-
-    def quota(self, salt: str) -> dict[str, Any]:
-        found = self.tenants.describe(check_salt(salt))
-        if found is None:
-            raise NotFound(f"tenant {salt!r} has neither a quota nor usage")
-        return found
-
-    async def set_quota(self, salt: str, quota: Quota) -> dict[str, Any]:
-        """Create or replace a quota; durable and in effect for the next operation once it returns."""
-        await self.quota_registry.put(salt, quota)
-        return self.quota(salt)
-
-    async def delete_quota(self, salt: str) -> None:
-        await self.quota_registry.delete(check_salt(salt))
-
-    def tenants_status(self) -> dict[str, Any]:
-        return self.tenants.summary()
-
-    # --- L2 administration ------------------------------------------------------------------
-
-    def _l2(self) -> L2Parts:
-        if self.l2 is None:
-            raise NotFound("this sidecar runs without L2")
-        return self.l2
-
-    def l2_adapters(self) -> list[dict[str, Any]]:
-        return [t.describe() for t in self.l2.tiers.all()] if self.l2 is not None else []
-
-    def l2_status(self) -> dict[str, Any]:
-        if self.l2 is None:
-            return {"adapters": []}
-        return {
-            "adapters": self.l2_adapters(),
-            "policy": self.l2_policy(),
-            "store": asdict(self.l2.store.counters),
-            "prefetch": asdict(self.l2.prefetch.counters),
-        }
-
-    def l2_policy(self) -> dict[str, Any]:
-        if self.l2 is None:
-            return {}
-        return {
-            "store_policy": self.l2.store.policy,
-            "prefetch_deadline_ms": self.l2.prefetch.deadline_s * 1000,
-            "store_queue_depth": self.l2.store.depth,
-        }
-
-    async def add_adapter(self, config: AdapterConfig) -> dict[str, Any]:
-        return (await self._l2().tiers.add(config)).describe()
-
-    async def resize_adapter(self, name: str, capacity_bytes: int) -> dict[str, Any]:
-        return (await self._l2().tiers.resize(name, capacity_bytes)).describe()
-
-    async def remove_adapter(self, name: str, mode: RemoveMode) -> None:
-        await self._l2().tiers.remove(name, mode)
-
-    def set_l2_policy(self, store_policy: str | None, prefetch_deadline_ms: float | None) -> dict[str, Any]:
-        l2 = self._l2()
-        if store_policy is not None:
-            l2.store.policy = store_policy
-        if prefetch_deadline_ms is not None:
-            l2.prefetch.deadline_s = prefetch_deadline_ms / 1000
-        return self.l2_policy()
+    def locked_requests(self) -> int:
+        """Requests holding read locks now (for /status)."""
+        return len(self._requests.locks)
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Tiny factories for real engine objects (no mocks): an arena in /dev/shm, an L1 cache, an engine,
-an engine with its L2 machinery (tiers, write-behind, prefetch) as app/main wires them."""
+an engine with its L2 machinery (tiers, write-behind, prefetch), the control plane's
+administration of an engine. Built by app/main's builders, so they are wired as the service is."""
 
 from __future__ import annotations
 
@@ -10,19 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
-from app.settings import AdapterConfig
-from engine.facade import CacheEngine, L2Parts
+from app.main import build_admin, build_cache, build_engine, build_l2
+from app.settings import AdapterConfig, L1Settings, L2Settings
+from engine.admin import Administration
+from engine.answers import StorePolicy
+from engine.facade import CacheEngine
 from engine.keys import KVLayout, Namespace, ObjectKey
-from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
-from engine.l1.eviction import LRUPolicy
-from engine.l2.prefetch import PrefetchController
-from engine.l2.store import StoreController
-from engine.l2.tiers import L2Tiers
 from engine.tenants.ledger import TenantLedger
 from kvdepot_connector.protocol import encode_tokens
-from storage import codec
 from storage.base import L2Adapter
 
 
@@ -63,9 +61,16 @@ def arena(size: int) -> Iterator[SharedArena]:
 
 
 def make_cache(capacity: int, *, alignment: int = 4096, high: float = 1.0, low: float = 1.0) -> L1Cache:
-    return L1Cache(
-        ExtentAllocator(capacity, alignment), LRUPolicy(), high_watermark=high, low_watermark=low,
-        write_lease_s=10.0,
+    return build_cache(l1_settings(alignment=alignment, high=high, low=low), capacity)
+
+
+def l1_settings(
+    *, chunk_size: int = 16, alignment: int = 4096, read_lease_s: float = 20.0, write_lease_s: float = 10.0,
+    high: float = 1.0, low: float = 1.0,
+) -> L1Settings:  # fmt: skip
+    return L1Settings(
+        chunk_size=chunk_size, alignment=alignment, read_lease_s=read_lease_s, write_lease_s=write_lease_s,
+        high_watermark=high, low_watermark=low,
     )  # fmt: skip
 
 
@@ -75,21 +80,22 @@ def engine(
     high: float = 1.0, low: float = 1.0,
 ) -> Iterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
     clock = FakeClock()
+    l1 = l1_settings(
+        chunk_size=chunk_size, read_lease_s=read_lease_s, write_lease_s=write_lease_s, high=high, low=low
+    )
     with arena(capacity) as a:
-        cache = L1Cache(
-            ExtentAllocator(a.size, 4096), LRUPolicy(), high_watermark=high, low_watermark=low,
-            write_lease_s=write_lease_s,
-        )  # fmt: skip
-        yield (
-            CacheEngine(arena=a, cache=cache, chunk_size=chunk_size, read_lease_s=read_lease_s, clock=clock),
-            clock,
-        )
+        yield build_engine(l1, arena=a, cache=build_cache(l1, a.size), clock=clock), clock
+
+
+def admin(eng: CacheEngine) -> Administration:
+    """Quota (kept in memory) and L2 administration of `eng`, as the control plane has it."""
+    return build_admin(eng)
 
 
 @asynccontextmanager
 async def l2_engine(
     capacity: int, adapters: Sequence[AdapterConfig], build: Callable[[AdapterConfig], L2Adapter],
-    *, chunk_size: int = 16, store_policy: str = "all", store_workers: int = 1,
+    *, chunk_size: int = 16, store_policy: StorePolicy = "all", store_workers: int = 1,
     ledger: TenantLedger | None = None,
 ) -> AsyncIterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
     """An engine whose L1 writes go behind to `adapters` (built by `build`, started, accounted in
@@ -97,24 +103,13 @@ async def l2_engine(
     running; `engine.l2.store.wait_idle` tells when what was committed has been written."""
     clock = FakeClock()
     executor = ThreadPoolExecutor(1, thread_name_prefix="test-codec")
+    l1 = l1_settings(chunk_size=chunk_size)
+    l2 = L2Settings(store_policy=store_policy, prefetch_deadline_ms=10_000, prefetch_max_inflight=8)
     with arena(capacity) as a:
-        cache = L1Cache(
-            ExtentAllocator(a.size, 4096), LRUPolicy(), high_watermark=1.0, low_watermark=1.0,
-            write_lease_s=10.0, ledger=ledger if ledger is not None else TenantLedger(),
-        )  # fmt: skip
-        tiers = L2Tiers(build, ledger=cache.ledger)
-        store = StoreController(
-            cache=cache, arena=a, tiers=tiers, policy=store_policy, queue_depth=1024,
-            codec_options=lambda reg: codec.CodecOptions(), executor=executor,
-        )  # fmt: skip
-        prefetch = PrefetchController(
-            cache=cache, arena=a, tiers=tiers, deadline_s=10.0, max_inflight=8, executor=executor,
-            clock=clock,
-        )  # fmt: skip
-        eng = CacheEngine(
-            arena=a, cache=cache, chunk_size=chunk_size, read_lease_s=20.0,
-            l2=L2Parts(tiers=tiers, store=store, prefetch=prefetch), clock=clock,
-        )  # fmt: skip
+        cache = build_cache(l1, a.size, ledger if ledger is not None else TenantLedger())
+        parts = build_l2(l2, cache=cache, arena=a, build=build, executor=executor, clock=clock)
+        eng = build_engine(l1, arena=a, cache=cache, l2=parts, clock=clock)
+        store, prefetch, tiers = parts.store, parts.prefetch, parts.tiers
         loop = asyncio.get_running_loop()
         workers = [
             loop.create_task(store.run_worker(), name=f"test-l2-store-{i}") for i in range(store_workers)

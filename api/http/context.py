@@ -8,7 +8,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from app.settings import Settings
-from engine.facade import CacheEngine
+from engine.admin import Administration
+from engine.status import StatusReader
 
 
 class ServiceHealth(Protocol):
@@ -25,7 +26,10 @@ class ServiceHealth(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ControlContext:
+    """The settings, quota and L2 administration, engine status snapshots, health, metrics."""
+
     settings: Settings
-    engine: CacheEngine
+    admin: Administration
+    status: StatusReader
     health: ServiceHealth
     registry: CollectorRegistry

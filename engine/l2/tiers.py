@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import structlog
 
@@ -87,23 +87,6 @@ class Tier:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         return await wait_set(self._idle, timeout_s)
-
-    def describe(self) -> dict[str, Any]:
-        usage = self.adapter.usage()
-        health = self.adapter.health()
-        stats = self.adapter.stats
-        return {
-            "name": self.name,
-            "type": self.adapter.kind,
-            "state": "draining" if self.draining else "active",
-            "config": self.config.model_dump(mode="json"),
-            "usage": {"bytes_used": usage.bytes_used, "objects": usage.objects,
-                      "capacity_bytes": usage.capacity_bytes},
-            "health": {"state": health.state, "last_error": health.last_error,
-                       "errors_total": health.errors_total},
-            "inflight": self.inflight,
-            "stats": {name: getattr(stats, name) for name in stats.__slots__},
-        }  # fmt: skip
 
 
 class L2Tiers:

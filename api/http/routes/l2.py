@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.http.answers import errors
 from api.http.deps import Admin, Ctx
 from app.settings import AdapterConfig
+from engine.answers import AdapterAnswer, AdapterList, L2Policy
 
 router = APIRouter(prefix="/l2", tags=["l2"])
 
@@ -26,29 +28,56 @@ class PolicyPatch(BaseModel):
     prefetch_deadline_ms: float | None = Field(None, gt=0, le=60_000)
 
 
-@router.get("/adapters", summary="Attached L2 adapters with type, config, usage, health")
-async def list_adapters(ctx: Ctx) -> dict[str, Any]:
-    return {"adapters": ctx.engine.l2_adapters(), "policy": ctx.engine.l2_policy()}
+@router.get(
+    "/adapters",
+    response_model=AdapterList,
+    summary="Attached L2 adapters with type, config (no secrets), usage, health; the policy",
+    responses=errors(),
+)
+async def list_adapters(ctx: Ctx) -> AdapterList:
+    return ctx.admin.l2_adapters()
 
 
-@router.post("/adapters", status_code=201, summary="Attach an adapter (JSON adapter config)")
-async def add_adapter(ctx: Ctx, _: Admin, config: Annotated[AdapterConfig, Body()]) -> dict[str, Any]:
-    return await ctx.engine.add_adapter(config)
+@router.post(
+    "/adapters",
+    status_code=201,
+    response_model=AdapterAnswer,
+    summary="Attach an adapter (JSON adapter config)",
+    responses=errors(401, 404, 409, 422),
+)
+async def add_adapter(ctx: Ctx, _: Admin, config: Annotated[AdapterConfig, Body()]) -> AdapterAnswer:
+    return await ctx.admin.add_adapter(config)
 
 
-@router.patch("/adapters/{name}", summary="Change an adapter's capacity")
-async def patch_adapter(ctx: Ctx, _: Admin, name: str, patch: AdapterPatch) -> dict[str, Any]:
-    return await ctx.engine.resize_adapter(name, int(patch.capacity_gb * (1 << 30)))
+@router.patch(
+    "/adapters/{name}",
+    response_model=AdapterAnswer,
+    summary="Change an adapter's capacity",
+    responses=errors(401, 404, 422),
+)
+async def patch_adapter(ctx: Ctx, _: Admin, name: str, patch: AdapterPatch) -> AdapterAnswer:
+    return await ctx.admin.resize_adapter(name, int(patch.capacity_gb * (1 << 30)))
 
 
-@router.delete("/adapters/{name}", status_code=204, summary="Detach: drain (finish in-flight work) or drop")
+@router.delete(
+    "/adapters/{name}",
+    status_code=204,
+    response_class=Response,
+    summary="Detach: drain (finish in-flight work) or drop",
+    responses=errors(401, 404, 409, 422),
+)
 async def remove_adapter(
     ctx: Ctx, _: Admin, name: str, mode: Annotated[Literal["drain", "drop"], Query()] = "drain"
 ) -> Response:
-    await ctx.engine.remove_adapter(name, mode)
+    await ctx.admin.remove_adapter(name, mode)
     return Response(status_code=204)
 
 
-@router.patch("/policy", summary="Change the store policy or the prefetch deadline")
-async def patch_policy(ctx: Ctx, _: Admin, patch: PolicyPatch) -> dict[str, Any]:
-    return ctx.engine.set_l2_policy(patch.store_policy, patch.prefetch_deadline_ms)
+@router.patch(
+    "/policy",
+    response_model=L2Policy,
+    summary="Change the store policy or the prefetch deadline",
+    responses=errors(401, 404, 422),
+)
+async def patch_policy(ctx: Ctx, _: Admin, patch: PolicyPatch) -> L2Policy:
+    return ctx.admin.set_l2_policy(patch.store_policy, patch.prefetch_deadline_ms)

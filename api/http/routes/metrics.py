@@ -10,6 +10,11 @@ from api.http.deps import Ctx
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", summary="Prometheus text exposition")
+@router.get(
+    "/metrics",
+    summary="Prometheus text exposition",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 async def metrics(ctx: Ctx) -> Response:
     return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)

@@ -6,12 +6,14 @@ written to `<data_dir>/quotas.json` before they are answered and apply to the ne
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.http.answers import errors
 from api.http.deps import Admin, Ctx
+from engine.answers import QuotaList, TenantQuota
 from engine.tenants.quota import DEFAULT_TENANT, LIMIT_MAX, MAX_SALT_LEN, Quota
 
 router = APIRouter(prefix="/quotas", tags=["quotas"])
@@ -44,23 +46,44 @@ def salt_of(name: str) -> str:
     return "" if name == DEFAULT_TENANT else name
 
 
-@router.get("", summary="Every tenant with a quota or usage: quota, limits and usage per tier")
-async def list_quotas(ctx: Ctx) -> dict[str, Any]:
-    return ctx.engine.quotas()
+@router.get(
+    "",
+    response_model=QuotaList,
+    summary="Every tenant with a quota or usage: quota, limits and usage per tier",
+    responses=errors(),
+)
+async def list_quotas(ctx: Ctx) -> QuotaList:
+    return ctx.admin.quotas()
 
 
-@router.get("/{cache_salt:path}", summary="One tenant's quota, limits and usage per tier")
-async def get_quota(ctx: Ctx, cache_salt: Salt) -> dict[str, Any]:
-    return ctx.engine.quota(salt_of(cache_salt))
+@router.get(
+    "/{cache_salt:path}",
+    response_model=TenantQuota,
+    summary="One tenant's quota, limits and usage per tier",
+    responses=errors(404, 422),
+)
+async def get_quota(ctx: Ctx, cache_salt: Salt) -> TenantQuota:
+    return ctx.admin.quota(salt_of(cache_salt))
 
 
-@router.put("/{cache_salt:path}", summary="Set a tenant's quota (null = unlimited)")
-async def put_quota(ctx: Ctx, _: Admin, cache_salt: Salt, body: QuotaBody) -> dict[str, Any]:
+@router.put(
+    "/{cache_salt:path}",
+    response_model=TenantQuota,
+    summary="Set a tenant's quota (null = unlimited)",
+    responses=errors(401, 422),
+)
+async def put_quota(ctx: Ctx, _: Admin, cache_salt: Salt, body: QuotaBody) -> TenantQuota:
     quota = Quota(l1_bytes=body.l1_bytes, l2_bytes=body.l2_bytes)
-    return await ctx.engine.set_quota(salt_of(cache_salt), quota)
+    return await ctx.admin.set_quota(salt_of(cache_salt), quota)
 
 
-@router.delete("/{cache_salt:path}", status_code=204, summary="Remove a tenant's quota")
+@router.delete(
+    "/{cache_salt:path}",
+    status_code=204,
+    response_class=Response,
+    summary="Remove a tenant's quota",
+    responses=errors(401, 404, 422),
+)
 async def delete_quota(ctx: Ctx, _: Admin, cache_salt: Salt) -> Response:
-    await ctx.engine.delete_quota(salt_of(cache_salt))
+    await ctx.admin.delete_quota(salt_of(cache_salt))
     return Response(status_code=204)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -11,14 +13,20 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import TypeAdapter
 
+from api.http.answers import Readiness, ServiceStatus
 from api.http.app import create_app
-from api.http.context import ControlContext
 from api.http.deps import Admin
 from api.http.errors import http_status
 from app import __version__
 from app import errors as e
 from app.main import Service
+from app.settings import RedisAdapterConfig
+from engine.admin import adapter
+from engine.answers import AdapterList, QuotaList, TenantQuota
+from engine.l2.tiers import Tier
+from storage.factory import build_adapter
 from tests.unit.api.conftest import BuildService, RunningService, ServeService
 
 pytestmark = pytest.mark.anyio
@@ -34,12 +42,8 @@ def asgi_client(app: FastAPI, *, raise_app_exceptions: bool = True) -> httpx.Asy
 def app_with_test_routes(service: Service) -> FastAPI:
     """The real app factory, plus test-only routes: a mutating one behind the admin token, and
     routes that raise, to see how errors reach the client."""
-    assert service.engine is not None
-    app = create_app(
-        ControlContext(
-            settings=service.settings, engine=service.engine, health=service, registry=CollectorRegistry()
-        )
-    )
+    assert service.control is not None
+    app = create_app(dataclasses.replace(service.control, registry=CollectorRegistry()))
     router = APIRouter(prefix="/test")
 
     @router.post("/mutate")
@@ -290,3 +294,88 @@ async def test_without_a_configured_token_mutating_routes_are_open(build_service
         r = await client.post("/test/mutate")
     assert r.status_code == 200
     assert r.json() == {"mutated": True}
+
+
+# --- OpenAPI: every answer has a schema, and the answers match it ------------------------------
+
+TEXT_ROUTES = {"/health", "/metrics"}
+MOCK_L2 = {"l2.adapters": [{"type": "mock", "name": "m1", "capacity_gb": 0.01}]}
+
+
+def json_schema(response: dict[str, Any]) -> dict[str, Any]:
+    return dict(response.get("content", {}).get("application/json", {}).get("schema", {}))
+
+
+async def test_openapi_declares_a_schema_for_every_answer_and_error(running: RunningService) -> None:
+    spec = (await running.client.get("/openapi.json")).json()
+    schemas = spec["components"]["schemas"]
+    assert schemas["ErrorBody"]["properties"]["error"]
+    operations = [(path, method, op) for path, ops in spec["paths"].items() for method, op in ops.items()]
+    assert len(operations) >= 13
+    for path, method, op in operations:
+        where = f"{method.upper()} {path}"
+        answers = {code: r for code, r in op["responses"].items() if code.startswith("2")}
+        assert answers, f"{where}: no 2xx answer declared"
+        for code, answer in answers.items():
+            if path in TEXT_ROUTES:
+                assert set(answer["content"]) == {"text/plain"}, where
+            elif code != "204":
+                assert json_schema(answer), f"{where}: {code} has no JSON schema"
+        errors = {code: r for code, r in op["responses"].items() if not code.startswith("2")}
+        if path not in TEXT_ROUTES:
+            assert errors, f"{where}: no error answer declared"
+        for code, error in errors.items():
+            ref = json_schema(error).get("$ref", "")
+            if path == "/ready" and code == "503":
+                assert ref.endswith("/Readiness"), where
+            else:
+                assert ref == "#/components/schemas/ErrorBody", f"{where}: {code} is not an ErrorBody"
+
+
+async def test_json_answers_validate_against_their_declared_models(serve: ServeService) -> None:
+    async with serve(MOCK_L2) as running:
+        c = running.client
+        assert (await c.put("/quotas/a", json={"l1_bytes": 4096})).status_code == 200
+        spec = (await c.get("/openapi.json")).json()
+        answers: dict[str, type[Any]] = {
+            "/ready": Readiness,
+            "/status": ServiceStatus,
+            "/quotas": QuotaList,
+            "/quotas/{cache_salt}": TenantQuota,
+            "/l2/adapters": AdapterList,
+        }
+        for path, model in answers.items():
+            declared = json_schema(spec["paths"][path]["get"]["responses"]["200"])
+            assert declared == {"$ref": f"#/components/schemas/{model.__name__}"}, path
+            body = (await c.get(path.replace("{cache_salt}", "a"))).json()
+            adapter = TypeAdapter(model)
+            # Round trip: every field is declared (nothing extra), every value has its declared type.
+            again = adapter.dump_python(
+                adapter.validate_python(body), mode="json", exclude_none=path == "/ready"
+            )
+            assert again == body, path
+        adapters = (await c.get("/l2/adapters")).json()["adapters"]
+        assert [a["name"] for a in adapters] == ["m1"]
+
+
+async def test_redis_url_passwords_are_masked_in_status(build_service: BuildService) -> None:
+    service = build_service(
+        {"l2.adapters": [{"type": "redis", "name": "r", "url": "redis://user:hunter2@127.0.0.1:6379/0"}]}
+    )
+    assert service.http_server is not None
+    app = service.http_server.config.app
+    assert isinstance(app, FastAPI)
+    async with asgi_client(app) as client:
+        r = await client.get("/status")
+    assert r.status_code == 200
+    assert "hunter2" not in r.text
+    assert r.json()["settings"]["l2"]["adapters"][0]["url"] == "redis://user:***@127.0.0.1:6379/0"
+
+
+def test_an_adapters_redis_url_password_is_masked(tmp_path: Path) -> None:
+    config = RedisAdapterConfig(name="r", url="redis://:hunter2@127.0.0.1:6379/0")
+    shown = adapter(Tier(build_adapter(config, tmp_path), config))
+    assert isinstance(shown.config, RedisAdapterConfig)
+    assert shown.config.url == "redis://:***@127.0.0.1:6379/0"
+    assert "hunter2" not in repr(shown)
+    assert config.url.endswith("hunter2@127.0.0.1:6379/0")  # the adapter itself keeps it

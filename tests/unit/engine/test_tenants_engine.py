@@ -6,14 +6,16 @@ from __future__ import annotations
 import random
 import struct
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from engine.facade import CacheEngine
 from engine.keys import ObjectKey
 from engine.l1.cache import Refusal
 from engine.l1.lifecycle import L1Object, ObjectState
 from engine.results import SlotStatus, StoreSlot
+from engine.status import StatusReader
 from engine.tenants.quota import L1, Quota
-from tests.factories import FakeClock, engine, key, make_cache, small_layout, tokens
+from tests.factories import FakeClock, admin, engine, key, make_cache, small_layout, tokens
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB = one aligned page
 PAGE = 4096
@@ -344,7 +346,7 @@ def test_tenant_status_and_describe() -> None:
         eng.tenants.set_quota("a", Quota(l1_bytes=2 * PAGE, l2_bytes=7))
         store(eng, eid, seq(3, 0), "a")
         store(eng, eid, seq(1, 0), "")
-        assert eng.quota("a") == {
+        assert asdict(admin(eng).quota("a")) == {
             "cache_salt": "a",
             "tenant": "a",
             "quota": {"l1_bytes": 2 * PAGE, "l2_bytes": 7},
@@ -355,8 +357,8 @@ def test_tenant_status_and_describe() -> None:
                 }
             },
         }  # fmt: skip
-        status = eng.tenants_status()
-        assert status == {
+        status = StatusReader(eng, admin(eng)).tenants()
+        assert asdict(status) == {
             "allowlist": False,
             "quotas": 1,
             "tenants_holding_bytes": 2,

@@ -6,6 +6,7 @@ quotas, allowlist mode, detached adapters, concurrent write-behind, metrics."""
 from __future__ import annotations
 
 import struct
+from dataclasses import asdict
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,7 +22,7 @@ from engine.tenants.quota import L1, Quota
 from storage import codec
 from storage.base import L2Adapter
 from storage.mock import MockAdapter
-from tests.factories import l2_engine, small_layout, tokens
+from tests.factories import admin, l2_engine, small_layout, tokens
 
 pytestmark = pytest.mark.anyio
 
@@ -125,7 +126,7 @@ async def test_l2_usage_is_in_the_ledger_per_adapter_and_storing_again_counts_on
         await settle(eng)
         assert eng.l2 is not None and eng.l2.store.counters.written == 8
         assert eng.tenants.held("a", "m1") == 3 * ba
-        assert eng.quota("a")["tiers"] == {
+        assert asdict(admin(eng).quota("a"))["tiers"] == {
             "l1": {"limit_bytes": None, "bytes": 3 * PAGE, "objects": 3, "hits": 0, "misses": 0,
                    "evictions": 0, "evicted_bytes": 0, "quota_refusals": 0},
             "m1": {"limit_bytes": None, "bytes": 3 * ba, "objects": 3, "hits": 0, "misses": 0,
@@ -219,7 +220,7 @@ async def test_a_lowered_quota_takes_effect_at_the_tenants_next_write_to_the_tie
         await settle(eng)
         eng.tenants.set_quota("a", Quota(l2_bytes=3 * ba))
         assert eng.tenants.held("a", "m1") == 6 * ba  # until a writes to m1 again
-        assert eng.quota("a")["tiers"]["m1"]["limit_bytes"] == 3 * ba
+        assert admin(eng).quota("a").tiers["m1"].limit_bytes == 3 * ba
         store(eng, eid, seq(1, 5), "a", which=5)
         await settle(eng)
         assert eng.tenants.held("a", "m1") == 3 * ba
@@ -256,15 +257,15 @@ async def test_a_detached_adapter_is_forgotten_and_a_new_one_of_that_name_starts
         assert eng.l2 is not None
         store(eng, eid, seq(3, 0), "a")
         await settle(eng)
-        await eng.remove_adapter("m2", "drain")
+        await admin(eng).remove_adapter("m2", "drain")
         assert eng.tenants.held("a", "m2") == 0
-        assert set(eng.quota("a")["tiers"]) == {"l1", "m1"}
-        await eng.add_adapter(MockAdapterConfig(name="m2"))
+        assert set(admin(eng).quota("a").tiers) == {"l1", "m1"}
+        await admin(eng).add_adapter(MockAdapterConfig(name="m2"))
         assert eng.tenants.held("a", "m2") == 0
         store(eng, eid, seq(1, 1), "a", which=1)
         await settle(eng)
         assert eng.tenants.held("a", "m2") == blob_bytes(eng, eid, "a")
-        await eng.resize_adapter("m1", 2 * blob_bytes(eng, eid, "a"))  # capacity eviction: reported
+        await admin(eng).resize_adapter("m1", 2 * blob_bytes(eng, eid, "a"))  # capacity eviction: reported
         assert eng.tenants.held("a", "m1") == 2 * blob_bytes(eng, eid, "a")
         acct = eng.tenants.account("a")
         assert acct is not None and acct.tiers["m1"].evictions == 2

@@ -1,0 +1,140 @@
+"""Administration: the control plane's changes to the engine: tenant quotas and L2 adapters.
+
+Role: quota CRUD (through the QuotaRegistry, which persists before it applies) and L2
+administration (attach, resize, detach adapters; the store policy and the prefetch deadline), each
+answered with a typed answer (engine/answers.py). The data plane never calls this; api/http does.
+
+State: none of its own. It holds the tenant ledger (the L1 cache's), the quota registry writing to
+that ledger, and the engine's L2 parts (None: the sidecar runs without L2). Owned by the event loop.
+
+Primitives:
+  quotas() / quota(salt)                    every tenant with a quota or usage / one (NotFound)
+  set_quota(salt, quota) / delete_quota(salt)   durable and in effect for the next operation
+  l2_adapters() / l2_policy()               the attached adapters / the policy (None: no L2)
+  add_adapter(config)                       Conflict on a duplicate name; ConfigError when it
+                                            cannot start (a disk path that cannot be written)
+  resize_adapter(name, bytes) / remove_adapter(name, mode)   NotFound for an unknown name
+  set_l2_policy(store_policy, prefetch_deadline_ms)
+Every L2 change raises NotFound when the sidecar runs without L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+
+from app.errors import NotFound
+from engine.answers import (
+    AdapterAnswer,
+    AdapterList,
+    L2Policy,
+    QuotaList,
+    StorePolicy,
+    TenantQuota,
+    TierFigures,
+    redacted,
+)
+from engine.facade import L2Parts
+from engine.l2.tiers import RemoveMode, Tier
+from engine.tenants.ledger import TenantLedger
+from engine.tenants.quota import Quota, check_salt
+from engine.tenants.registry import QuotaRegistry
+from storage.config import AdapterConfig
+
+
+class Administration:
+    def __init__(self, ledger: TenantLedger, quotas: QuotaRegistry, l2: L2Parts | None) -> None:
+        if quotas.ledger is not ledger:
+            raise ValueError("the quota registry must write to the L1 cache's ledger")
+        self.ledger = ledger
+        self.quota_registry = quotas
+        self.l2 = l2
+
+    # --- tenants and quotas --------------------------------------------------------------------
+
+    def quotas(self) -> QuotaList:
+        """Every tenant with a quota or usage: its quota, limits and usage per tier."""
+        ledger = self.ledger
+        found = (ledger.describe(salt) for salt in ledger.tenants())
+        return QuotaList(allowlist=ledger.allowlist, tenants=[tenant(d) for d in found if d is not None])
+
+    def quota(self, salt: str) -> TenantQuota:
+        found = self.ledger.describe(check_salt(salt))
+        if found is None:
+            raise NotFound(f"tenant {salt!r} has neither a quota nor usage")
+        return tenant(found)
+
+    async def set_quota(self, salt: str, quota: Quota) -> TenantQuota:
+        """Create or replace a quota; durable and in effect for the next operation once it returns."""
+        await self.quota_registry.put(salt, quota)
+        return self.quota(salt)
+
+    async def delete_quota(self, salt: str) -> None:
+        await self.quota_registry.delete(check_salt(salt))
+
+    # --- L2 ------------------------------------------------------------------------------------
+
+    def l2_adapters(self) -> AdapterList:
+        if self.l2 is None:
+            return AdapterList(adapters=[], policy=None)
+        return AdapterList(adapters=[adapter(t) for t in self.l2.tiers.all()], policy=self.l2_policy())
+
+    def l2_policy(self) -> L2Policy | None:
+        if self.l2 is None:
+            return None
+        return L2Policy(
+            store_policy=cast(StorePolicy, self.l2.store.policy),  # set only from a StorePolicy
+            prefetch_deadline_ms=self.l2.prefetch.deadline_s * 1000,
+            store_queue_depth=self.l2.store.depth,
+        )
+
+    async def add_adapter(self, config: AdapterConfig) -> AdapterAnswer:
+        return adapter(await self._l2().tiers.add(config))
+
+    async def resize_adapter(self, name: str, capacity_bytes: int) -> AdapterAnswer:
+        return adapter(await self._l2().tiers.resize(name, capacity_bytes))
+
+    async def remove_adapter(self, name: str, mode: RemoveMode) -> None:
+        await self._l2().tiers.remove(name, mode)
+
+    def set_l2_policy(self, store_policy: str | None, prefetch_deadline_ms: float | None) -> L2Policy:
+        l2 = self._l2()
+        if store_policy is not None:
+            l2.store.policy = store_policy
+        if prefetch_deadline_ms is not None:
+            l2.prefetch.deadline_s = prefetch_deadline_ms / 1000
+        policy = self.l2_policy()
+        assert policy is not None
+        return policy
+
+    def _l2(self) -> L2Parts:
+        if self.l2 is None:
+            raise NotFound("this sidecar runs without L2")
+        return self.l2
+
+
+def tenant(described: dict[str, Any]) -> TenantQuota:
+    """The ledger's description of a tenant (TenantLedger.describe) as a typed answer."""
+    quota = described["quota"]
+    return TenantQuota(
+        cache_salt=described["cache_salt"],
+        tenant=described["tenant"],
+        quota=None if quota is None else Quota(**quota),
+        tiers={name: TierFigures(**figures) for name, figures in described["tiers"].items()},
+    )
+
+
+def adapter(tier: Tier) -> AdapterAnswer:
+    """An attached adapter as the control plane shows it: its config without secrets, figures
+    copied now."""
+    a = tier.adapter
+    return AdapterAnswer(
+        name=tier.name,
+        type=a.kind,
+        state="draining" if tier.draining else "active",
+        config=redacted(tier.config),
+        usage=a.usage(),
+        health=a.health(),
+        inflight=tier.inflight,
+        stats=dataclasses.replace(a.stats),
+    )

@@ -1,0 +1,168 @@
+"""Typed answers of the control plane: what engine/admin.py and engine/status.py hand to api/http.
+
+Frozen, slotted dataclasses, no behaviour; FastAPI builds the OpenAPI schemas of the HTTP answers
+from them (api/http declares them as response models). Counters the engine keeps as dataclasses
+(`StoreCounters`, `PrefetchCounters`, an adapter's `AdapterStats`, `Usage`, `Health`) appear as
+copies taken when the answer is built. Secrets never appear: an adapter's config is the redacted
+one (`redacted`: the password of a Redis URL is `***`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from engine.l2.prefetch import PrefetchCounters
+from engine.l2.store import StoreCounters
+from engine.tenants.quota import Quota
+from storage.base import AdapterStats, Health, Usage
+from storage.config import AdapterConfig, RedisAdapterConfig
+
+MASK = "***"
+
+StorePolicy = Literal["all", "first", "seen_twice"]
+
+
+# --- tenants ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """One tenant in one tier (`l1` or an adapter's name): its limit, what it holds, counters."""
+
+    limit_bytes: int | None
+    bytes: int
+    objects: int
+    hits: int
+    misses: int
+    evictions: int
+    evicted_bytes: int
+    quota_refusals: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """A tenant with a quota or usage: its quota (null: none set) and figures per tier."""
+
+    cache_salt: str
+    tenant: str
+    quota: Quota | None
+    tiers: dict[str, TierFigures]
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaList:
+    allowlist: bool
+    tenants: list[TenantQuota]
+
+
+@dataclass(frozen=True, slots=True)
+class LargeTenant:
+    tenant: str
+    l1_bytes: int
+    l1_limit_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantsSummary:
+    """A few tenant figures for /status; `largest`: the tenants holding the most bytes."""
+
+    allowlist: bool
+    quotas: int
+    tenants_holding_bytes: int
+    quota_refused_chunks: int
+    largest: list[LargeTenant]
+
+
+# --- L2 --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterAnswer:
+    """An attached L2 adapter: its config (secrets masked), usage, health and counters."""
+
+    name: str
+    type: str
+    state: Literal["active", "draining"]
+    config: AdapterConfig
+    usage: Usage
+    health: Health
+    inflight: int
+    stats: AdapterStats
+
+
+@dataclass(frozen=True, slots=True)
+class L2Policy:
+    store_policy: StorePolicy
+    prefetch_deadline_ms: float
+    store_queue_depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterList:
+    """The attached adapters in order; `policy` is null when the sidecar runs without L2."""
+
+    adapters: list[AdapterAnswer]
+    policy: L2Policy | None
+
+
+@dataclass(frozen=True, slots=True)
+class L2Status:
+    """Adapters, policy and the write-behind / prefetch counters; null parts: no L2 at all."""
+
+    adapters: list[AdapterAnswer]
+    policy: L2Policy | None
+    store: StoreCounters | None
+    prefetch: PrefetchCounters | None
+
+
+# --- L1 --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine_id: int
+    model: str
+    kv_rank: int
+    layout: str
+    chunk_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class L1Status:
+    """The arena, its allocator (and whether its invariants hold), objects, engines, counters."""
+
+    allocator_ok: bool
+    allocator_error: str | None
+    arena: str
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+    objects_by_state: dict[str, int]
+    free_extents: int
+    largest_free_bytes: int
+    chunk_size: int
+    engines: list[EngineInfo]
+    locked_requests: int
+    counters: dict[str, int]
+
+
+# --- secrets ---------------------------------------------------------------------------------------
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its user part replaced by `***` (the rest unchanged)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{host}"))
+
+
+def redacted(config: AdapterConfig) -> AdapterConfig:
+    """The adapter config as the control plane shows it: without secrets."""
+    if isinstance(config, RedisAdapterConfig):
+        return config.model_copy(update={"url": redact_url(config.url)})
+    return config
