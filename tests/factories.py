@@ -125,7 +125,8 @@ async def l2_engine(
         finally:
             for worker in workers:
                 worker.cancel()
-            await asyncio.wait(workers)
+            if workers:
+                await asyncio.wait(workers)
             await prefetch.close()
             await tiers.close()
             executor.shutdown(wait=True)
