@@ -39,6 +39,7 @@ from engine.l1.eviction import LRUPolicy
 from engine.l2.layouts import codec_options
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
+from engine.l2.store_queue import StoreQueue
 from engine.l2.tiers import L2Tiers
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
@@ -130,6 +131,7 @@ class Service:
         self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
         try:
             allocator = ExtentAllocator(self.arena.size, s.l1.alignment)
+            store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
             cache = L1Cache(
                 allocator,
                 LRUPolicy(),
@@ -137,8 +139,9 @@ class Service:
                 low_watermark=s.l1.low_watermark,
                 write_lease_s=s.l1.write_lease_s,
                 ledger=ledger,
+                shedder=store_queue,
             )
-            self.l2 = self._build_l2(cache)
+            self.l2 = self._build_l2(cache, store_queue)
             # quotas.json writes (fsync) run here, one at a time.
             self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
             self.engine = CacheEngine(
@@ -172,7 +175,7 @@ class Service:
             self.close()
             raise
 
-    def _build_l2(self, cache: L1Cache) -> L2Parts:
+    def _build_l2(self, cache: L1Cache, store_queue: StoreQueue) -> L2Parts:
         s = self.settings
         assert self.arena is not None
         # Checksums over whole chunks and copies of loaded blobs into the arena run here.
@@ -184,8 +187,7 @@ class Service:
             ledger=cache.ledger,
         )
         store = StoreController(
-            cache=cache, arena=self.arena, tiers=tiers, policy=s.l2.store_policy,
-            queue_depth=s.l2.store_queue_depth,
+            cache=cache, arena=self.arena, tiers=tiers, queue=store_queue, policy=s.l2.store_policy,
             codec_options=functools.partial(codec_options, fp8_values=s.l2.fp8_values, lz4=s.l2.lz4),
             executor=self._codec_executor,
         )  # fmt: skip

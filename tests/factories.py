@@ -19,6 +19,7 @@ from engine.l1.cache import L1Cache
 from engine.l1.eviction import LRUPolicy
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
+from engine.l2.store_queue import StoreQueue
 from engine.l2.tiers import L2Tiers
 from engine.tenants.ledger import TenantLedger
 from storage import codec
@@ -97,13 +98,14 @@ async def l2_engine(
     clock = FakeClock()
     executor = ThreadPoolExecutor(1, thread_name_prefix="test-codec")
     with arena(capacity) as a:
+        queue = StoreQueue(1024)
         cache = L1Cache(
             ExtentAllocator(a.size, 4096), LRUPolicy(), high_watermark=1.0, low_watermark=1.0,
-            write_lease_s=10.0, ledger=ledger if ledger is not None else TenantLedger(),
+            write_lease_s=10.0, ledger=ledger if ledger is not None else TenantLedger(), shedder=queue,
         )  # fmt: skip
         tiers = L2Tiers(build, ledger=cache.ledger)
         store = StoreController(
-            cache=cache, arena=a, tiers=tiers, policy=store_policy, queue_depth=1024,
+            cache=cache, arena=a, tiers=tiers, queue=queue, policy=store_policy,
             codec_options=lambda reg: codec.CodecOptions(), executor=executor,
         )  # fmt: skip
         prefetch = PrefetchController(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from app.errors import LeaseExpired
-from engine.l1.lifecycle import ObjectState
+from engine.l1.lifecycle import L1Object, ObjectState
 from tests.factories import FakeClock, key, make_cache
 
 PAGE = 4096
@@ -90,3 +90,76 @@ def test_delete_of_a_locked_object_waits_for_its_reader() -> None:
     cache.unlock(objs[0])
     assert objs[0].state is ObjectState.DELETED
     assert cache.allocator.used == 0
+
+
+# --- pins (copies to L2), counted apart from read locks -----------------------------------------
+
+
+def test_a_pinned_object_stays_readable_and_is_never_evicted() -> None:
+    objs, cache, clock = filled(2, 2)
+    cache.pin(objs[0])
+    assert objs[0].state is ObjectState.READY and objs[0].in_l2
+    assert cache.find(key(0), clock()) is objs[0]
+    cache.lock(objs[0], clock())
+    cache.unlock(objs[0])
+    assert objs[0].pins == 1 and objs[0].locks == 0
+    assert cache.reserve(key(10), PAGE, clock()) is not None  # room made from the unpinned one
+    assert (objs[0].state, objs[1].state) == (ObjectState.READY, ObjectState.EVICTED)
+    assert cache.reserve(key(11), PAGE, clock()) is None
+    assert cache.unpin(objs[0], copied=True) is True  # nothing holds it any more
+    assert objs[0].in_l2
+    assert cache.reserve(key(11), PAGE, clock()) is not None
+    assert objs[0].state is ObjectState.EVICTED
+
+
+def test_unpin_says_whether_a_reader_still_holds_it_and_records_a_failed_copy() -> None:
+    objs, cache, clock = filled(1, 1)
+    cache.pin(objs[0])
+    cache.lock(objs[0], clock())
+    assert cache.unpin(objs[0], copied=False) is False
+    assert not objs[0].in_l2
+    assert objs[0].state is ObjectState.READ_LOCKED
+
+
+def test_a_pinned_object_deleted_or_temporary_goes_at_its_last_unpin() -> None:
+    clock = FakeClock()
+    cache = make_cache(4 * PAGE)
+    temp = cache.try_reserve(key(1), PAGE, clock(), temporary=True)
+    doomed = cache.reserve(key(2), PAGE, clock())
+    assert isinstance(temp, L1Object) and doomed is not None
+    for o in (temp, doomed):
+        cache.commit(o.oid, clock())
+        cache.pin(o)
+        cache.lock(o, clock())
+    cache.delete(doomed)
+    assert doomed.doomed and doomed.state is ObjectState.READ_LOCKED
+    for o in (temp, doomed):
+        cache.unlock(o)
+        assert o.state is ObjectState.READY  # still pinned: its copy is being read
+        assert cache.unpin(o, copied=True) is True
+        assert o.state is ObjectState.DELETED
+    assert len(cache) == 0 and cache.allocator.used == 0
+
+
+def test_make_ordinary_keeps_a_temporary_object_after_its_last_reader() -> None:
+    clock = FakeClock()
+    cache = make_cache(PAGE)
+    o = cache.try_reserve(key(1), PAGE, clock(), temporary=True)
+    assert isinstance(o, L1Object)
+    cache.commit(o.oid, clock())
+    cache.lock(o, clock())
+    cache.make_ordinary(o)
+    cache.unlock(o)
+    assert o.state is ObjectState.READY and cache.find(key(1), clock()) is o
+
+
+def test_a_reservation_busy_for_io_is_not_reaped_until_the_io_ends() -> None:
+    clock = FakeClock()
+    cache = make_cache(PAGE)
+    o = cache.reserve(key(1), PAGE, clock())
+    assert o is not None
+    clock.advance(60)
+    with cache.busy_for_io(o):
+        assert cache.reap(clock()) == 0
+    assert cache.reap(clock()) == 1
+    assert o.state is ObjectState.DELETED

@@ -144,3 +144,17 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+
+
+@pytest.mark.parametrize("bad", [E.EVICT, E.DELETE, E.UNLOCK])
+def test_a_pinned_object_cannot_be_evicted_or_deleted(bad: Event) -> None:
+    o = obj()
+    o.apply(E.RESERVE)
+    o.apply(E.COMMIT)
+    assert o.apply(E.PIN) is S.READY
+    with pytest.raises(IllegalTransition):
+        o.apply(bad)
+    assert (o.state, o.pins, o.locks) == (S.READY, 1, 0)
+    assert o.apply(E.UNPIN) is S.READY
+    with pytest.raises(IllegalTransition):
+        o.apply(E.UNPIN)  # unpin without a pin

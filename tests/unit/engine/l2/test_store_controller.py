@@ -86,7 +86,7 @@ async def writing(eng: CacheEngine) -> AsyncIterator[None]:
 async def test_a_full_queue_drops_its_oldest_chunk_and_releases_it() -> None:
     async with l2_engine(1 << 20, [MockAdapterConfig(name="m1")], build, store_workers=0) as (eng, _):
         assert eng.l2 is not None
-        eng.l2.store.queue_depth = 2
+        eng.l2.store.queue.max_depth = 2
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(3, 0)
         store(eng, eid, toks)
