@@ -1,9 +1,10 @@
 """PrefetchController: brings chunks a LOOKUP missed in L1 back from L2, within a deadline.
 
-State: one `Prefetch` per request in flight (its task, how many chunks it tries, how many are
-loaded, a done event), a semaphore bounding chunk loads across all requests, counters. Owned by
-the event loop; adapters read into the arena from their own threads, blob checks and decodes run
-in the codec executor.
+State: one `Prefetch` handle per request in flight (its task, how many chunks it tries, how many
+are loaded, a done event; the request's state keeps it), the chunks being loaded (a future each,
+shared by every prefetch that wants them), a semaphore bounding chunk loads across all requests,
+counters. Owned by the event loop; adapters read into the arena from their own threads, blob
+checks and decodes run in the codec executor.
 
 One prefetch, in order:
   1. locate: ask the active tiers, in order, which of the missing chunks they hold; the run is the
@@ -46,6 +47,7 @@ from storage import codec
 log = structlog.get_logger("kvdepot.l2.prefetch")
 
 Attach = Callable[[L1Object], bool]
+"""Hands an arrived chunk to the request that asked (read-locks it); False: the request moved on."""
 
 
 @dataclass(slots=True)
@@ -63,16 +65,14 @@ class PrefetchCounters:
 
 @dataclass(eq=False)
 class Prefetch:
+    """The handle of one request's prefetch (kept in its engine/requests.RequestState); changed
+    by this controller only."""
+
     trying: int
     loaded: int = 0
     finished: bool = False
-    detached: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-
-    @property
-    def pending(self) -> int:
-        return 0 if self.finished or self.detached else self.trying - self.loaded
 
 
 @dataclass(eq=False, slots=True)
@@ -149,9 +149,8 @@ class PrefetchController:
                     obj = await self._arrive(slot)
                     if obj is None:
                         break
-                    if p.detached or not attach(obj):
-                        # Nobody waits for it any more: keep it as an ordinary L1 object.
-                        p.detached = True
+                    if not attach(obj):
+                        # The request moved on: keep the chunk as an ordinary L1 object.
                         self.cache.make_ordinary(obj)
                         continue
                     p.loaded += 1

@@ -144,3 +144,5 @@ async def test_a_chunk_arriving_after_the_request_moved_on_stays_as_an_ordinary_
         again = eng.lookup(eid, "r3", toks, "")
         assert (again.hit_chunks, again.pending_chunks) == (2, 0)
         assert eng.release(eid, "r3")
+        # Nothing was locked for the request that moved on: once read, every chunk may be evicted.
+        assert eng.cache.state_counts()["read_locked"] == 0
