@@ -142,9 +142,6 @@ class CacheEngine:
             raise NotRegistered(f"engine {engine_id} is not registered (REGISTER first)")
         return reg
 
-    def registrations(self) -> list[Registration]:
-        return list(self._registrations.values())
-
     # --- lookup and read -----------------------------------------------------------------------
 
     def lookup(self, engine_id: int, request_id: str, tokens: bytes, salt: str) -> LookupResult:

@@ -17,6 +17,7 @@ from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.eviction import LRUPolicy
+from engine.l1.lifecycle import L1Object
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.store_queue import StoreQueue
@@ -67,6 +68,12 @@ def make_cache(capacity: int, *, alignment: int = 4096, high: float = 1.0, low: 
         ExtentAllocator(capacity, alignment), LRUPolicy(), high_watermark=high, low_watermark=low,
         write_lease_s=10.0,
     )  # fmt: skip
+
+
+def reserve(cache: L1Cache, k: ObjectKey, size: int, now: float) -> L1Object | None:
+    """`cache.try_reserve`, with None for either refusal."""
+    got = cache.try_reserve(k, size, now)
+    return got if isinstance(got, L1Object) else None
 
 
 @contextmanager

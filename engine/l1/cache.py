@@ -10,7 +10,6 @@ Primitives in call order:
   find(key)                      visible object or None (touches LRU)
   try_reserve(key, size, now[, temporary])
                                  -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
-  reserve(key, size, now)        the same with None for either refusal
   busy_for_io(obj)               context: threads write into the reservation, never reap it
   commit(oid, now)               -> READY (LeaseExpired if the reservation was reclaimed)
   abort(obj)                     reservation dropped, memory freed
@@ -95,7 +94,6 @@ class L1Cache:
         high_watermark: float,
         low_watermark: float,
         write_lease_s: float,
-        on_remove: Callable[[L1Object, ObjectState], None] | None = None,
         ledger: TenantLedger | None = None,
         shedder: Shedder | None = None,
     ) -> None:
@@ -110,7 +108,6 @@ class L1Cache:
         self._objects: dict[ObjectKey, L1Object] = {}
         self._reservations: dict[int, L1Object] = {}
         self._oids = itertools.count(1)
-        self._on_remove = on_remove
         self._shedder = shedder
 
     # --- queries -------------------------------------------------------------------------------
@@ -119,6 +116,7 @@ class L1Cache:
         return len(self._objects)
 
     def objects(self) -> Iterator[L1Object]:
+        """Every live object (a snapshot): for whole-cache checks."""
         return iter(list(self._objects.values()))
 
     def peek(self, key: ObjectKey) -> L1Object | None:
@@ -142,11 +140,6 @@ class L1Cache:
         return counts
 
     # --- writes --------------------------------------------------------------------------------
-
-    def reserve(self, key: ObjectKey, size: int, now: float) -> L1Object | None:
-        """Reserve room for `key`. None when the quota or the arena has no room. The key must be absent."""
-        got = self.try_reserve(key, size, now)
-        return got if isinstance(got, L1Object) else None
 
     def try_reserve(
         self, key: ObjectKey, size: int, now: float, *, temporary: bool = False
@@ -195,7 +188,7 @@ class L1Cache:
         self._reservations.pop(obj.oid, None)
         obj.apply(Event.ABORT)
         self.counters.aborted += 1
-        self._release(obj, ObjectState.DELETED)
+        self._release(obj)
 
     @contextlib.contextmanager
     def busy_for_io(self, obj: L1Object) -> Iterator[None]:
@@ -225,7 +218,7 @@ class L1Cache:
     def unlock(self, obj: L1Object) -> None:
         if obj.apply(Event.UNLOCK) is ObjectState.DELETED:
             self.counters.deleted += 1
-            self._release(obj, ObjectState.DELETED)
+            self._release(obj)
 
     # --- pins (copies to L2) -------------------------------------------------------------------
 
@@ -241,7 +234,7 @@ class L1Cache:
         obj.in_l2 = copied
         if obj.apply(Event.UNPIN) is ObjectState.DELETED:
             self.counters.deleted += 1
-            self._release(obj, ObjectState.DELETED)
+            self._release(obj)
             return True
         return not obj.held
 
@@ -256,7 +249,7 @@ class L1Cache:
         if obj.state is ObjectState.READY and not obj.pins:
             obj.apply(Event.DELETE)
             self.counters.deleted += 1
-            self._release(obj, ObjectState.DELETED)
+            self._release(obj)
         else:
             obj.doomed = True
 
@@ -342,7 +335,7 @@ class L1Cache:
             counters.evicted += 1
             counters.evicted_bytes += obj.size
             self.ledger.note_eviction(obj.key.salt, L1, obj.size)
-            self._release(obj, ObjectState.EVICTED)
+            self._release(obj)
 
     def _allocate(self, size: int) -> int | None:
         alloc = self.allocator
@@ -359,11 +352,9 @@ class L1Cache:
             offset = alloc.allocate(size)
         return offset
 
-    def _release(self, obj: L1Object, final: ObjectState) -> None:
+    def _release(self, obj: L1Object) -> None:
         if self._objects.get(obj.key) is obj:
             del self._objects[obj.key]
         self.policy.on_remove(obj)
         self.allocator.free(obj.offset)
         self.ledger.credit(obj.key.salt, L1, self.allocator.aligned(obj.size))
-        if self._on_remove is not None:
-            self._on_remove(obj, final)

@@ -4,7 +4,7 @@ import pytest
 
 from app.errors import LeaseExpired
 from engine.l1.lifecycle import L1Object, ObjectState
-from tests.factories import FakeClock, key, make_cache
+from tests.factories import FakeClock, key, make_cache, reserve
 
 PAGE = 4096
 
@@ -14,7 +14,7 @@ def filled(n: int, capacity_pages: int, **kw: float) -> tuple[list, object, Fake
     cache = make_cache(capacity_pages * PAGE, **kw)
     objs = []
     for i in range(n):
-        o = cache.reserve(key(i), PAGE, clock())
+        o = reserve(cache, key(i), PAGE, clock())
         assert o is not None
         cache.commit(o.oid, clock())
         clock.advance(1)
@@ -25,11 +25,11 @@ def filled(n: int, capacity_pages: int, **kw: float) -> tuple[list, object, Fake
 def test_lru_evicts_exactly_the_least_recently_used() -> None:
     objs, cache, clock = filled(4, 4)
     assert cache.find(key(0), clock()) is objs[0]  # touch 0: order is now 1, 2, 3, 0
-    o = cache.reserve(key(10), PAGE, clock())
+    o = reserve(cache, key(10), PAGE, clock())
     assert o is not None
     assert objs[1].state is ObjectState.EVICTED
     assert [x.state for x in (objs[0], objs[2], objs[3])] == [ObjectState.READY] * 3
-    o2 = cache.reserve(key(11), PAGE, clock())
+    o2 = reserve(cache, key(11), PAGE, clock())
     assert o2 is not None
     assert objs[2].state is ObjectState.EVICTED
     assert cache.counters.evicted == 2
@@ -38,7 +38,7 @@ def test_lru_evicts_exactly_the_least_recently_used() -> None:
 def test_watermarks_evict_down_to_the_low_mark() -> None:
     objs, cache, clock = filled(8, 10, high=0.8, low=0.5)
     # 8 of 10 pages used; one more crosses 80%: evict oldest until 9 pages fit under... 50% + 1.
-    assert cache.reserve(key(99), PAGE, clock()) is not None
+    assert reserve(cache, key(99), PAGE, clock()) is not None
     evicted = [o for o in objs if o.state is ObjectState.EVICTED]
     assert evicted == objs[:4]
     assert cache.allocator.used == 5 * PAGE
@@ -48,20 +48,20 @@ def test_locked_and_reserved_objects_are_never_evicted_and_no_space_is_explicit(
     objs, cache, clock = filled(3, 4)
     for o in objs:
         cache.lock(o, clock())
-    pending = cache.reserve(key(50), PAGE, clock())
+    pending = reserve(cache, key(50), PAGE, clock())
     assert pending is not None and pending.state is ObjectState.WRITE_RESERVED
-    assert cache.reserve(key(51), PAGE, clock()) is None
+    assert reserve(cache, key(51), PAGE, clock()) is None
     assert cache.counters.no_space == 1
     assert all(o.state is ObjectState.READ_LOCKED for o in objs)
     cache.unlock(objs[0])
-    assert cache.reserve(key(51), PAGE, clock()) is not None
+    assert reserve(cache, key(51), PAGE, clock()) is not None
     assert objs[0].state is ObjectState.EVICTED
 
 
 def test_reservation_is_invisible_until_commit() -> None:
     cache = make_cache(4 * PAGE)
     clock = FakeClock()
-    o = cache.reserve(key(1), 100, clock())
+    o = reserve(cache, key(1), 100, clock())
     assert o is not None
     assert cache.find(key(1), clock()) is None
     cache.commit(o.oid, clock())
@@ -71,7 +71,7 @@ def test_reservation_is_invisible_until_commit() -> None:
 def test_expired_reservation_is_reclaimed_and_a_late_commit_is_refused() -> None:
     cache = make_cache(2 * PAGE)
     clock = FakeClock()
-    o = cache.reserve(key(1), PAGE, clock())
+    o = reserve(cache, key(1), PAGE, clock())
     assert o is not None
     clock.advance(cache.write_lease_s + 0.1)
     assert cache.reap(clock()) == 1
@@ -103,12 +103,12 @@ def test_a_pinned_object_stays_readable_and_is_never_evicted() -> None:
     cache.lock(objs[0], clock())
     cache.unlock(objs[0])
     assert objs[0].pins == 1 and objs[0].locks == 0
-    assert cache.reserve(key(10), PAGE, clock()) is not None  # room made from the unpinned one
+    assert reserve(cache, key(10), PAGE, clock()) is not None  # room made from the unpinned one
     assert (objs[0].state, objs[1].state) == (ObjectState.READY, ObjectState.EVICTED)
-    assert cache.reserve(key(11), PAGE, clock()) is None
+    assert reserve(cache, key(11), PAGE, clock()) is None
     assert cache.unpin(objs[0], copied=True) is True  # nothing holds it any more
     assert objs[0].in_l2
-    assert cache.reserve(key(11), PAGE, clock()) is not None
+    assert reserve(cache, key(11), PAGE, clock()) is not None
     assert objs[0].state is ObjectState.EVICTED
 
 
@@ -125,7 +125,7 @@ def test_a_pinned_object_deleted_or_temporary_goes_at_its_last_unpin() -> None:
     clock = FakeClock()
     cache = make_cache(4 * PAGE)
     temp = cache.try_reserve(key(1), PAGE, clock(), temporary=True)
-    doomed = cache.reserve(key(2), PAGE, clock())
+    doomed = reserve(cache, key(2), PAGE, clock())
     assert isinstance(temp, L1Object) and doomed is not None
     for o in (temp, doomed):
         cache.commit(o.oid, clock())
@@ -156,7 +156,7 @@ def test_make_ordinary_keeps_a_temporary_object_after_its_last_reader() -> None:
 def test_a_reservation_busy_for_io_is_not_reaped_until_the_io_ends() -> None:
     clock = FakeClock()
     cache = make_cache(PAGE)
-    o = cache.reserve(key(1), PAGE, clock())
+    o = reserve(cache, key(1), PAGE, clock())
     assert o is not None
     clock.advance(60)
     with cache.busy_for_io(o):
