@@ -38,11 +38,12 @@ from engine.admin import Administration
 from engine.facade import CacheEngine, L2Parts
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena, cleanup_stale, instance_id
-from engine.l1.cache import L1Cache
+from engine.l1.cache import L1Cache, Shedder
 from engine.l1.eviction import LRUPolicy
 from engine.l2.layouts import codec_options
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
+from engine.l2.store_queue import StoreQueue
 from engine.l2.tiers import L2Tiers
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
@@ -82,23 +83,28 @@ def bind_http(host: str, port: int) -> socket.socket:
 # --- builders: the wiring of the engine, shared with tests/factories.py ----------------------------
 
 
-def build_cache(l1: L1Settings, capacity: int, ledger: TenantLedger | None = None) -> L1Cache:
-    """An L1 cache over `capacity` bytes of arena, LRU, reporting into `ledger` (a fresh one if None)."""
+def build_cache(
+    l1: L1Settings, capacity: int, ledger: TenantLedger | None = None, shedder: Shedder | None = None
+) -> L1Cache:
+    """An L1 cache over `capacity` bytes of arena, LRU, reporting into `ledger` (a fresh one if None),
+    letting go of chunks queued for write-behind through `shedder` when it has no other room."""
     return L1Cache(
         ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
-        low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger,
+        low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
     )  # fmt: skip
 
 
 def build_l2(
-    l2: L2Settings, *, cache: L1Cache, arena: SharedArena, build: Callable[[AdapterConfig], L2Adapter],
+    l2: L2Settings, *, cache: L1Cache, queue: StoreQueue, arena: SharedArena,
+    build: Callable[[AdapterConfig], L2Adapter],
     executor: Executor, drain_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
 ) -> L2Parts:  # fmt: skip
     """The L2 machinery (no adapter attached yet): tiers building adapters with `build` and
-    reporting into the cache's ledger, write-behind and prefetch running codecs in `executor`."""
+    reporting into the cache's ledger, write-behind of what `queue` holds (the queue the cache was
+    given as its shedder) and prefetch, running codecs in `executor`."""
     tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger)
     store = StoreController(
-        cache=cache, arena=arena, tiers=tiers, policy=l2.store_policy, queue_depth=l2.store_queue_depth,
+        cache=cache, arena=arena, tiers=tiers, queue=queue, policy=l2.store_policy,
         codec_options=functools.partial(codec_options, fp8_values=l2.fp8_values, lz4=l2.lz4),
         executor=executor,
     )  # fmt: skip
@@ -182,12 +188,14 @@ class Service:
         ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
         self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
         try:
-            cache = build_cache(s.l1, self.arena.size, ledger)
+            store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
+            cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue)
             # Checksums over whole chunks and copies of loaded blobs into the arena run here.
             self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
             data_dir = s.data_dir
             self.l2 = build_l2(
-                s.l2, cache=cache, arena=self.arena, build=lambda config: build_adapter(config, data_dir),
+                s.l2, cache=cache, queue=store_queue, arena=self.arena,
+                build=lambda config: build_adapter(config, data_dir),
                 executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
             )  # fmt: skip
             self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)

@@ -14,7 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from engine.l2.prefetch import PrefetchCounters
-from engine.l2.store import StoreCounters
+from engine.l2.store_queue import StoreCounters
 from engine.tenants.quota import Quota
 from storage.base import AdapterStats, Health, Usage
 from storage.config import AdapterConfig, RedisAdapterConfig

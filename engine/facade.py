@@ -1,11 +1,13 @@
 """CacheEngine: the data plane's one entry point (api/dataplane and the sidecar's own transfers).
 
-State: engine registrations, the L1 cache, the per-request lock table, counters. Owned by the
-event loop; every method is synchronous and short (no I/O), so handlers run them inline.
+State: engine registrations, the L1 cache, the per-request state (engine/requests.py: read
+locks, lease, prefetch), counters. Owned by the event loop; every method is synchronous and short
+(no I/O), so handlers run them inline.
 
 Primitives in data-plane call order:
   register(model, layout, kv_rank, group)           -> Registration (idempotent per identity)
-  lookup(engine, request, tokens, salt)             -> LookupResult; hit objects read-locked
+  lookup(engine, request, tokens, salt)             -> LookupResult; hit objects read-locked, misses
+                                                       prefetched from L2 (query_prefetch/wait_prefetch)
   retrieve(engine, request, first, count)           -> extents of the locked objects to copy out
   release(engine, request)                          -> False if the lease had expired (copy unsafe)
   store(engine, request, tokens, salt, first_chunk) -> per-chunk StoreSlot (reserve; client copies)
@@ -37,10 +39,10 @@ from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object
-from engine.l2.prefetch import Prefetch, PrefetchController
+from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers
-from engine.requests import RequestId, RequestLocks, RequestTable
+from engine.requests import RequestState, RequestTable
 from engine.results import Extent, LookupResult, Registration, SlotStatus, StoreSlot
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
@@ -98,9 +100,8 @@ class CacheEngine:
         self._clock = clock
         self._registrations: dict[int, Registration] = {}
         self._by_identity: dict[Namespace, int] = {}
-        self._requests = RequestTable()
+        self._requests = RequestTable(cache, read_lease_s)
         self.l2 = l2
-        self._prefetches: dict[RequestId, Prefetch] = {}
 
     # --- registration --------------------------------------------------------------------------
 
@@ -135,9 +136,6 @@ class CacheEngine:
             raise NotRegistered(f"engine {engine_id} is not registered (REGISTER first)")
         return reg
 
-    def registrations(self) -> list[Registration]:
-        return list(self._registrations.values())
-
     # --- lookup and read -----------------------------------------------------------------------
 
     def lookup(self, engine_id: int, request_id: str, tokens: bytes, salt: str) -> LookupResult:
@@ -145,41 +143,30 @@ class CacheEngine:
         _check_ids(request_id, salt)
         now = self._clock()
         rid = (engine_id, request_id)
-        # A repeated lookup (the scheduler asks again while a request waits) replaces the previous
-        # one; locks it already holds on the same chunks are kept rather than dropped and retaken.
-        previous = self._requests.take(rid)
-        held = previous.objects if previous is not None else []
         hashes = self.hasher.chunk_hashes(tokens)
-        locked: list[L1Object] = []
+        found: list[L1Object] = []
         cache = self.cache
         ns = reg.namespace
-        for i, h in enumerate(hashes):
+        for h in hashes:
             obj = cache.find(ObjectKey(ns, salt, h), now)
             if obj is None:
                 break
-            if i >= len(held) or held[i] is not obj:
-                cache.lock(obj, now)
-            locked.append(obj)
-        for i, obj in enumerate(held):
-            if i >= len(locked) or locked[i] is not obj:
-                cache.unlock(obj)
-        self._cancel_prefetch(rid)
+            found.append(obj)
+        # A repeated lookup replaces the request's previous state (its prefetch attaches no more).
+        state = self._requests.lookup(rid, found, now)
+        locked = state.objects
+        if locked:
+            self._requests.keep(rid, state)
         hit = len(locked)
         l2 = self.l2
         pending = 0
-        entry = RequestLocks(locked, now + self.read_lease_s)
-        if locked:
-            self._requests.put(rid, entry)
-        else:
-            self._requests.forget(rid)
         if l2 is not None:
             if l2.store.policy == "seen_twice":
                 self._note_seen(reg, ns, salt, hashes, locked)
             if hit < len(hashes) and l2.tiers.active():
-                self._requests.put(rid, entry)
+                self._requests.keep(rid, state)
                 keys = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
-                prefetch = l2.prefetch.start(reg, keys, partial(self._attach, rid, entry))
-                self._prefetches[rid] = prefetch
+                state.prefetch = l2.prefetch.start(reg, keys, partial(self._attach, state))
                 pending = len(keys)
         c = self.counters
         c.lookups += 1
@@ -202,43 +189,28 @@ class CacheEngine:
             if store.note_seen(key) >= 2 and i < len(locked):
                 store.submit(locked[i], reg)
 
-    def _attach(self, rid: RequestId, entry: RequestLocks, obj: L1Object) -> bool:
-        """A prefetched chunk arrived, in order: read-lock it for the request that asked."""
-        if self._requests.locks.get(rid) is not entry:
-            return False  # the request moved on (new lookup, ended, released)
-        now = self._clock()
-        self.cache.lock(obj, now)
-        entry.objects.append(obj)
-        entry.deadline = now + self.read_lease_s
+    def _attach(self, state: RequestState, obj: L1Object) -> bool:
+        """A prefetched chunk arrived, in order: read-lock it for the request that asked, unless
+        it moved on (new lookup, ended, released, reaped)."""
+        if not self._requests.attach(state, obj, self._clock()):
+            return False
         self.counters.l2_hit_chunks += 1
         return True
 
-    def _cancel_prefetch(self, rid: RequestId) -> None:
-        """The request no longer waits for its prefetch. Loads in flight still land in L1 (as
-        ordinary objects, for whoever asks next) within the deadline; nothing is attached."""
-        prefetch = self._prefetches.pop(rid, None)
-        if prefetch is not None:
-            prefetch.detached = True
-
     async def wait_prefetch(self, engine_id: int, request_id: str) -> LookupResult:
         """Wait until the request's prefetch finished (it ends by its deadline), then report."""
-        prefetch = self._prefetches.get((engine_id, request_id))
-        if prefetch is not None:
-            await prefetch.done.wait()
+        state = self._requests.get((engine_id, request_id))
+        if state is not None and state.prefetch is not None:
+            await state.prefetch.done.wait()
         return self.query_prefetch(engine_id, request_id)
 
     def query_prefetch(self, engine_id: int, request_id: str) -> LookupResult:
         """Where a request's lookup stands now (chunks locked and ready, chunks still loading)."""
         self.registration(engine_id)
-        rid = (engine_id, request_id)
-        entry = self._requests.locks.get(rid)
-        hit = len(entry.objects) if entry else 0
-        prefetch = self._prefetches.get(rid)
-        pending = prefetch.pending if prefetch is not None else 0
-        if prefetch is not None and prefetch.finished:
-            del self._prefetches[rid]
-            if entry is not None and not entry.objects:
-                self._requests.take(rid)  # nothing came: no locks to keep for this request
+        state = self._requests.get((engine_id, request_id))
+        hit = len(state.objects) if state else 0
+        pending = state.pending if state else 0
+        self._requests.settle((engine_id, request_id))
         return LookupResult(
             hit_chunks=hit,
             hit_tokens=hit * self.chunk_size,
@@ -249,7 +221,7 @@ class CacheEngine:
     def retrieve(self, engine_id: int, request_id: str, first_chunk: int, num_chunks: int) -> list[Extent]:
         self.registration(engine_id)
         rid = (engine_id, request_id)
-        entry = self._requests.locks.get(rid)
+        entry = self._requests.get(rid)
         if entry is None:
             if self._requests.was_expired(rid):
                 raise LeaseExpired(f"request {request_id!r}: read locks expired before RETRIEVE")
@@ -267,7 +239,7 @@ class CacheEngine:
         """Drop the request's read locks after it copied. False: a lease had expired, discard the copy."""
         self.registration(engine_id)
         rid = (engine_id, request_id)
-        if self._unlock_request(rid):
+        if self._requests.release(rid):
             return True
         expired = self._requests.was_expired(rid)
         self._requests.forget(rid)
@@ -275,12 +247,12 @@ class CacheEngine:
 
     def free_lookup_locks(self, engine_id: int, request_id: str) -> int:
         self.registration(engine_id)
-        return self._unlock_request((engine_id, request_id))
+        return self._requests.release((engine_id, request_id))
 
     def end_request(self, engine_id: int, request_id: str) -> int:
         self.registration(engine_id)
         rid = (engine_id, request_id)
-        n = self._unlock_request(rid)
+        n = self._requests.release(rid)
         self._requests.forget(rid)
         return n
 
@@ -385,16 +357,7 @@ class CacheEngine:
         """Reclaim expired write reservations and read locks. Returns (reservations, requests)."""
         now = self._clock()
         reservations = self.cache.reap(now)
-        expired = 0
-        for rid in self._requests.due(now):
-            entry = self._requests.locks.get(rid)
-            if entry is not None and not entry.objects:
-                self._cancel_prefetch(rid)
-                self._requests.take(rid)  # held nothing: nothing a late reader could miss
-                continue
-            self._unlock_request(rid)
-            self._requests.mark_expired(rid)
-            expired += 1
+        expired = self._requests.reap(now)
         self.counters.expired_locks += expired
         return reservations, expired
 
@@ -403,20 +366,13 @@ class CacheEngine:
             await asyncio.sleep(interval_s)
             self.reap()
 
+    def registrations(self) -> list[Registration]:
+        """The registered engines (for /status)."""
+        return list(self._registrations.values())
+
     def locked_requests(self) -> int:
         """Requests holding read locks now (for /status)."""
         return len(self._requests.locks)
-
-    # --- internals -----------------------------------------------------------------------------
-
-    def _unlock_request(self, rid: RequestId) -> int:
-        self._cancel_prefetch(rid)
-        entry = self._requests.take(rid)
-        if entry is None:
-            return 0
-        for obj in entry.objects:
-            self.cache.unlock(obj)
-        return len(entry.objects)
 
 
 def _check_ids(request_id: str, salt: str) -> None:

@@ -1,49 +1,138 @@
-"""Per-request read locks: the chunks a LOOKUP found, held for the request until it reads them.
+"""Per-request state: what a LOOKUP holds for its request until the request has read it.
 
-State: (engine id, request id) -> the locked objects in chunk order and the lease deadline; a
-bounded record of requests whose lease expired (so a late RELEASE learns its copy is unsafe).
-Owned by the event loop.
+State: (engine id, request id) -> RequestState (the read-locked objects in chunk order, the lease
+deadline, the handle of the prefetch bringing more of them from L2), and a bounded record of
+requests whose lease expired (so a late RELEASE learns its copy is unsafe). Owned by the event
+loop. Read locks are taken and dropped here only, through the L1 cache. A state that is replaced
+(a newer lookup), released, ended or reaped is no longer current: its prefetch attaches nothing
+more to it (the chunks it still brings stay in L1 as ordinary objects).
+
+Primitives in call order:
+  lookup(rid, found, now)   the request's new state: locks kept on chunks found again, taken on
+                            the others, dropped on what it held and no longer found
+  keep(rid, state)          the state is kept (it holds locks, or it waits for a prefetch)
+  state.prefetch = handle   the prefetch started for it (engine/l2/prefetch.py)
+  attach(state, obj, now)   a prefetched chunk arrived, in order: read-locked if still current
+  get(rid) / settle(rid)    the current state; a finished prefetch that brought nothing is dropped
+  release(rid)              drop the request's state and locks -> how many were held
+  was_expired(rid) / forget(rid)
+  reap(now)                 -> requests whose lease expired (locks dropped, remembered as expired)
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
+from engine.l2.prefetch import Prefetch
 
 RequestId = tuple[int, str]
 
 
-@dataclass(slots=True)
-class RequestLocks:
+@dataclass(eq=False, slots=True)
+class RequestState:
     objects: list[L1Object]
+    """Read-locked, in chunk order: the request's hit so far."""
     deadline: float
+    """The read lease: reaped at this time unless the request read and released it."""
+    prefetch: Prefetch | None = None
+    current: bool = True
+
+    @property
+    def pending(self) -> int:
+        """Chunks its prefetch may still bring."""
+        p = self.prefetch
+        return 0 if p is None or p.finished else p.trying - p.loaded
 
 
-@dataclass(slots=True)
 class RequestTable:
-    expired_memory: int = 4096
-    locks: dict[RequestId, RequestLocks] = field(default_factory=dict)
-    expired: OrderedDict[RequestId, None] = field(default_factory=OrderedDict)
+    def __init__(self, cache: L1Cache, read_lease_s: float, expired_memory: int = 4096) -> None:
+        self.cache = cache
+        self.read_lease_s = read_lease_s
+        self.expired_memory = expired_memory
+        #: the current state of every request that holds locks or waits for a prefetch
+        self.locks: dict[RequestId, RequestState] = {}
+        self._expired: OrderedDict[RequestId, None] = OrderedDict()
 
-    def take(self, rid: RequestId) -> RequestLocks | None:
-        return self.locks.pop(rid, None)
+    def __len__(self) -> int:
+        return len(self.locks)
 
-    def put(self, rid: RequestId, entry: RequestLocks) -> None:
-        self.locks[rid] = entry
-        self.expired.pop(rid, None)
+    def get(self, rid: RequestId) -> RequestState | None:
+        return self.locks.get(rid)
 
-    def mark_expired(self, rid: RequestId) -> None:
-        self.expired[rid] = None
-        while len(self.expired) > self.expired_memory:
-            self.expired.popitem(last=False)
+    def lookup(self, rid: RequestId, found: list[L1Object], now: float) -> RequestState:
+        """Replace the request's state by one holding `found` (a repeated lookup: the scheduler
+        asks again while a request waits). Locks it already holds on the same chunks are kept
+        rather than dropped and retaken. The new state is not kept until `keep`."""
+        previous = self._drop(rid)
+        held = previous.objects if previous is not None else []
+        cache = self.cache
+        for i, obj in enumerate(found):
+            if i >= len(held) or held[i] is not obj:
+                cache.lock(obj, now)
+        for i, obj in enumerate(held):
+            if i >= len(found) or found[i] is not obj:
+                cache.unlock(obj)
+        self._expired.pop(rid, None)
+        return RequestState(found, now + self.read_lease_s)
+
+    def keep(self, rid: RequestId, state: RequestState) -> None:
+        self.locks[rid] = state
+
+    def attach(self, state: RequestState, obj: L1Object, now: float) -> bool:
+        """A prefetched chunk arrived, in order: read-lock it for the request, if the state is
+        still current (False: the request moved on), and renew the lease."""
+        if not state.current:
+            return False
+        self.cache.lock(obj, now)
+        state.objects.append(obj)
+        state.deadline = now + self.read_lease_s
+        return True
+
+    def settle(self, rid: RequestId) -> RequestState | None:
+        """The current state; one whose prefetch finished without bringing anything (and that
+        holds nothing) is dropped: nothing is left to keep for the request."""
+        state = self.locks.get(rid)
+        if state is not None and state.prefetch is not None and state.prefetch.finished:
+            state.prefetch = None
+            if not state.objects:
+                self._drop(rid)
+        return state
+
+    def release(self, rid: RequestId) -> int:
+        """Drop the request's state and its read locks. Returns how many locks it held."""
+        state = self._drop(rid)
+        if state is None:
+            return 0
+        for obj in state.objects:
+            self.cache.unlock(obj)
+        return len(state.objects)
 
     def was_expired(self, rid: RequestId) -> bool:
-        return rid in self.expired
+        return rid in self._expired
 
     def forget(self, rid: RequestId) -> None:
-        self.expired.pop(rid, None)
+        self._expired.pop(rid, None)
 
-    def due(self, now: float) -> list[RequestId]:
-        return [rid for rid, entry in self.locks.items() if entry.deadline <= now]
+    def reap(self, now: float) -> int:
+        """Drop the states whose lease expired. Those that held locks are remembered as expired
+        (a late reader must discard its copy); returns how many."""
+        expired = 0
+        for rid in [rid for rid, state in self.locks.items() if state.deadline <= now]:
+            if not self.locks[rid].objects:
+                self._drop(rid)  # held nothing: nothing a late reader could miss
+                continue
+            self.release(rid)
+            self._expired[rid] = None
+            while len(self._expired) > self.expired_memory:
+                self._expired.popitem(last=False)
+            expired += 1
+        return expired
+
+    def _drop(self, rid: RequestId) -> RequestState | None:
+        state = self.locks.pop(rid, None)
+        if state is not None:
+            state.current = False
+        return state

@@ -19,6 +19,8 @@ from engine.facade import CacheEngine
 from engine.keys import KVLayout, Namespace, ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
+from engine.l1.lifecycle import L1Object
+from engine.l2.store_queue import StoreQueue
 from engine.tenants.ledger import TenantLedger
 from kvdepot_connector.protocol import encode_tokens
 from storage.base import L2Adapter
@@ -74,6 +76,12 @@ def l1_settings(
     )  # fmt: skip
 
 
+def reserve(cache: L1Cache, k: ObjectKey, size: int, now: float) -> L1Object | None:
+    """`cache.try_reserve`, with None for either refusal."""
+    got = cache.try_reserve(k, size, now)
+    return got if isinstance(got, L1Object) else None
+
+
 @contextmanager
 def engine(
     capacity: int, *, chunk_size: int = 16, read_lease_s: float = 20.0, write_lease_s: float = 10.0,
@@ -106,8 +114,9 @@ async def l2_engine(
     l1 = l1_settings(chunk_size=chunk_size)
     l2 = L2Settings(store_policy=store_policy, prefetch_deadline_ms=10_000, prefetch_max_inflight=8)
     with arena(capacity) as a:
-        cache = build_cache(l1, a.size, ledger if ledger is not None else TenantLedger())
-        parts = build_l2(l2, cache=cache, arena=a, build=build, executor=executor, clock=clock)
+        queue = StoreQueue(l2.store_queue_depth)
+        cache = build_cache(l1, a.size, ledger if ledger is not None else TenantLedger(), shedder=queue)
+        parts = build_l2(l2, cache=cache, queue=queue, arena=a, build=build, executor=executor, clock=clock)
         eng = build_engine(l1, arena=a, cache=cache, l2=parts, clock=clock)
         store, prefetch, tiers = parts.store, parts.prefetch, parts.tiers
         loop = asyncio.get_running_loop()
@@ -121,7 +130,8 @@ async def l2_engine(
         finally:
             for worker in workers:
                 worker.cancel()
-            await asyncio.wait(workers)
+            if workers:
+                await asyncio.wait(workers)
             await prefetch.close()
             await tiers.close()
             executor.shutdown(wait=True)

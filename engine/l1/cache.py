@@ -1,16 +1,22 @@
 """L1Cache: the objects in the arena, their lifecycles, leases, eviction and tenant quotas.
 
 State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
-object for write reservations, the allocator, the eviction policy, counters, and the tenant ledger
-it reports every object's memory into (charged from reservation until freed; engine/tenants).
+object for write reservations, the allocator, the eviction policy, counters, the tenant ledger
+it reports every object's memory into (charged from reservation until freed; engine/tenants), and
+the `Shedder` given at construction (the write-behind queue, engine/l2/store_queue.py). Only this
+package changes an L1Object; the L2 controllers go through the primitives below.
 
 Primitives in call order:
   find(key)                      visible object or None (touches LRU)
-  try_reserve(key, size, now)    -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
-  reserve(key, size, now)        the same with None for either refusal
+  try_reserve(key, size, now[, temporary])
+                                 -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
+  busy_for_io(obj)               context: threads write into the reservation, never reap it
   commit(oid, now)               -> READY (LeaseExpired if the reservation was reclaimed)
   abort(obj)                     reservation dropped, memory freed
-  lock(obj, now) / unlock(obj)   read locks; the last unlock of a doomed object frees it
+  lock(obj, now) / unlock(obj)   read locks; the last unlock of a doomed/temporary object frees it
+  make_ordinary(obj)             a temporary object is kept after its last reader
+  pin(obj) / unpin(obj, copied)  held for a copy to L2, apart from read locks (never evicted);
+                                 records whether the object is in L2 (`in_l2`)
   fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
   evict(...) / delete(obj) / clear(...)
   reap(now)                      reclaims expired write reservations (read locks: the facade)
@@ -18,21 +24,26 @@ Primitives in call order:
 Room is made on reserve, in two steps:
 1. The tenant's quota (when it has an L1 limit): if its held bytes plus this object would exceed
    the limit, its own least recently used ready objects are evicted (never another tenant's) until
-   it fits. If its evictable objects are not enough (the rest is locked or reserved), nothing is
+   it fits; when they are not enough, the shedder lets go of the tenant's oldest chunks queued for
+   write-behind first. If that is still not enough (the rest is locked or reserved), nothing is
    evicted and the answer is QUOTA; an object larger than the limit (limit 0 included) is QUOTA
    at once. A lowered limit is therefore met at the tenant's next reservation (the facade also
    calls `fit_quota` at the start of every store of a tenant with a limit).
 2. The arena, as before quotas: when usage would cross the high watermark, ready objects of any
-   tenant are evicted in policy order down to the low watermark; locked and reserved objects are
-   never evicted. If that is not enough (everything pinned, or fragmentation), NO_SPACE.
+   tenant are evicted in policy order down to the low watermark; locked, pinned and reserved
+   objects are never evicted. When nothing is left to evict, the shedder lets go of the oldest
+   queued chunks of any tenant (their L2 write is dropped, counted). If that is not enough
+   (everything held, or fragmentation), NO_SPACE.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from app.errors import LeaseExpired, NotFound
 from engine.keys import ObjectKey
@@ -41,6 +52,16 @@ from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
+
+
+class Shedder(Protocol):
+    """Who holds pins that may be let go when L1 has no other room (the write-behind queue)."""
+
+    def shed(self, nbytes: int, salt: str | None, unpin: Callable[[L1Object], bool]) -> int:
+        """Let go of pins, oldest first (on objects of `salt` only, when given), handing each
+        object to `unpin` (True: nothing holds it any more), until `nbytes` of objects were let go
+        entirely. Returns those bytes."""
+        ...
 
 
 class Refusal(enum.Enum):
@@ -73,8 +94,8 @@ class L1Cache:
         high_watermark: float,
         low_watermark: float,
         write_lease_s: float,
-        on_remove: Callable[[L1Object, ObjectState], None] | None = None,
         ledger: TenantLedger | None = None,
+        shedder: Shedder | None = None,
     ) -> None:
         self.allocator = allocator
         self.policy = policy
@@ -87,10 +108,7 @@ class L1Cache:
         self._objects: dict[ObjectKey, L1Object] = {}
         self._reservations: dict[int, L1Object] = {}
         self._oids = itertools.count(1)
-        self._on_remove = on_remove
-        #: set by the store controller: release queued write-behind pins worth `bytes` (of one tenant
-        #: when a salt is given); returns the bytes unpinned
-        self.shed: Callable[[int, str | None], int] | None = None
+        self._shedder = shedder
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -98,6 +116,7 @@ class L1Cache:
         return len(self._objects)
 
     def objects(self) -> Iterator[L1Object]:
+        """Every live object (a snapshot): for whole-cache checks."""
         return iter(list(self._objects.values()))
 
     def peek(self, key: ObjectKey) -> L1Object | None:
@@ -122,13 +141,12 @@ class L1Cache:
 
     # --- writes --------------------------------------------------------------------------------
 
-    def reserve(self, key: ObjectKey, size: int, now: float) -> L1Object | None:
-        """Reserve room for `key`. None when the quota or the arena has no room. The key must be absent."""
-        got = self.try_reserve(key, size, now)
-        return got if isinstance(got, L1Object) else None
-
-    def try_reserve(self, key: ObjectKey, size: int, now: float) -> L1Object | Refusal:
-        """Reserve room for `key`, within its tenant's quota (see the module docstring)."""
+    def try_reserve(
+        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False
+    ) -> L1Object | Refusal:
+        """Reserve room for `key`, within its tenant's quota (see the module docstring). A
+        temporary object, once committed, is deleted when its last reader lets go (`make_ordinary`
+        keeps it)."""
         if key in self._objects:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
@@ -143,7 +161,9 @@ class L1Cache:
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE
-        obj = L1Object(oid=next(self._oids), key=key, offset=offset, size=size, last_access=now)
+        obj = L1Object(
+            oid=next(self._oids), key=key, offset=offset, size=size, last_access=now, temporary=temporary
+        )
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
         self._objects[key] = obj
@@ -168,7 +188,20 @@ class L1Cache:
         self._reservations.pop(obj.oid, None)
         obj.apply(Event.ABORT)
         self.counters.aborted += 1
-        self._release(obj, ObjectState.DELETED)
+        self._release(obj)
+
+    @contextlib.contextmanager
+    def busy_for_io(self, obj: L1Object) -> Iterator[None]:
+        """Threads write into the reservation meanwhile: it is not reaped until the block ends."""
+        obj.io_busy = True
+        try:
+            yield
+        finally:
+            obj.io_busy = False
+
+    def make_ordinary(self, obj: L1Object) -> None:
+        """Keep a temporary object when its last reader lets go, as any other."""
+        obj.temporary = False
 
     def reservation(self, oid: int) -> L1Object:
         obj = self._reservations.get(oid)
@@ -185,16 +218,38 @@ class L1Cache:
     def unlock(self, obj: L1Object) -> None:
         if obj.apply(Event.UNLOCK) is ObjectState.DELETED:
             self.counters.deleted += 1
-            self._release(obj, ObjectState.DELETED)
+            self._release(obj)
+
+    # --- pins (copies to L2) -------------------------------------------------------------------
+
+    def pin(self, obj: L1Object) -> None:
+        """Hold a visible object for a copy to L2: never evicted, deleted or reused until unpinned.
+        It counts as in L2 (`in_l2`) from now."""
+        obj.apply(Event.PIN)
+        obj.in_l2 = True
+
+    def unpin(self, obj: L1Object, *, copied: bool) -> bool:
+        """The copy is done (`copied`: it reached L2; if not, the object is no longer in L2 and a
+        later commit or hit may copy it again). True when nothing holds the object any more."""
+        obj.in_l2 = copied
+        if obj.apply(Event.UNPIN) is ObjectState.DELETED:
+            self.counters.deleted += 1
+            self._release(obj)
+            return True
+        return not obj.held
+
+    def _let_go(self, obj: L1Object) -> bool:
+        return self.unpin(obj, copied=False)
 
     # --- removal -------------------------------------------------------------------------------
 
     def delete(self, obj: L1Object) -> None:
-        """Delete a ready object now, or doom a locked/reserved one (freed on last unlock/commit)."""
-        if obj.state is ObjectState.READY:
+        """Delete a ready object now, or doom a held or reserved one (freed on last unlock, unpin
+        or commit)."""
+        if obj.state is ObjectState.READY and not obj.pins:
             obj.apply(Event.DELETE)
             self.counters.deleted += 1
-            self._release(obj, ObjectState.DELETED)
+            self._release(obj)
         else:
             obj.doomed = True
 
@@ -246,7 +301,7 @@ class L1Cache:
         if over <= 0:
             return True
         victims, freed = self._victims(over, salt)
-        if freed < over and self.shed is not None and self.shed(over - freed, salt):
+        if freed < over and self._shed(over - freed, salt):
             # Its chunks waiting for write-behind were let go (those L2 writes are dropped, counted).
             victims, freed = self._victims(over, salt)
         if freed < over:
@@ -254,6 +309,9 @@ class L1Cache:
         self.counters.quota_evicted += len(victims)
         self._evict(victims)
         return True
+
+    def _shed(self, nbytes: int, salt: str | None) -> int:
+        return 0 if self._shedder is None else self._shedder.shed(nbytes, salt, self._let_go)
 
     def _victims(self, need: int, salt: str | None) -> tuple[list[L1Object], int]:
         """Ready objects in policy order whose arena bytes add up to `need` (fewer if there are
@@ -277,7 +335,7 @@ class L1Cache:
             counters.evicted += 1
             counters.evicted_bytes += obj.size
             self.ledger.note_eviction(obj.key.salt, L1, obj.size)
-            self._release(obj, ObjectState.EVICTED)
+            self._release(obj)
 
     def _allocate(self, size: int) -> int | None:
         alloc = self.allocator
@@ -289,18 +347,14 @@ class L1Cache:
             # Fragmented or above the low watermark already: free more, one object's worth at a time.
             # When everything left is pinned, chunks pinned only by queued write-behind are let go
             # (their L2 write is dropped and counted) rather than refusing the engine.
-            if self.evict(need) == 0 and (
-                self.shed is None or self.shed(need, None) == 0 or self.evict(need) == 0
-            ):
+            if self.evict(need) == 0 and (self._shed(need, None) == 0 or self.evict(need) == 0):
                 return None
             offset = alloc.allocate(size)
         return offset
 
-    def _release(self, obj: L1Object, final: ObjectState) -> None:
+    def _release(self, obj: L1Object) -> None:
         if self._objects.get(obj.key) is obj:
             del self._objects[obj.key]
         self.policy.on_remove(obj)
         self.allocator.free(obj.offset)
         self.ledger.credit(obj.key.salt, L1, self.allocator.aligned(obj.size))
-        if self._on_remove is not None:
-            self._on_remove(obj, final)

@@ -7,9 +7,15 @@ r"""Object lifecycle: the states of an L1 object and the only moves allowed betw
                           DELETED          EVICTED/DELETED  <--------------/
 
 A write reservation is invisible to readers. A "temporary" object (loaded from L2 for the requests
-that asked for it) and a "doomed" one (cleared while locked; invisible to new readers) are deleted
-when their last reader unlocks instead of going back to READY. `L1Object.apply` checks every move
-against `TRANSITIONS` and raises `IllegalTransition` on any other, always (not only in debug builds).
+that asked for it) and a "doomed" one (cleared while held; invisible to new readers) are deleted
+when the last reader or pin lets go instead of going back to READY.
+
+Pins (pin/unpin: a copy to L2 reads the object's bytes) are counted apart from read locks and do
+not change the state: a pinned object stays READY or READ_LOCKED, visible as before, but is never
+evicted or deleted (EVICT or DELETE of a pinned object is illegal), and the last unlock of a pinned
+temporary or doomed object leaves it READY until its last unpin. `L1Object.apply` checks every move
+against `TRANSITIONS` and raises `IllegalTransition` on any other, always (not only in debug
+builds). Only engine/l1 changes an L1Object; other packages read it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Event(enum.Enum):
     UNLOCK = "unlock"
     EVICT = "evict"
     DELETE = "delete"
+    PIN = "pin"
+    UNPIN = "unpin"
 
 
 S = ObjectState
@@ -58,6 +66,10 @@ TRANSITIONS: dict[tuple[ObjectState, Event], frozenset[ObjectState]] = {
     (S.READ_LOCKED, E.UNLOCK): frozenset({S.READ_LOCKED, S.READY, S.DELETED}),
     (S.READY, E.EVICT): frozenset({S.EVICTED}),
     (S.READY, E.DELETE): frozenset({S.DELETED}),
+    (S.READY, E.PIN): frozenset({S.READY}),
+    (S.READ_LOCKED, E.PIN): frozenset({S.READ_LOCKED}),
+    (S.READY, E.UNPIN): frozenset({S.READY, S.DELETED}),
+    (S.READ_LOCKED, E.UNPIN): frozenset({S.READ_LOCKED}),
 }
 
 TERMINAL = frozenset({S.EVICTED, S.DELETED})
@@ -77,6 +89,7 @@ class L1Object:
     size: int
     state: ObjectState = S.ABSENT
     locks: int = 0
+    pins: int = 0
     doomed: bool = False
     temporary: bool = False
     in_l2: bool = False
@@ -88,22 +101,35 @@ class L1Object:
         allowed = TRANSITIONS.get((self.state, event))
         if allowed is None:
             raise IllegalTransition(f"object {self.oid}: {event.value} not allowed in {self.state.value}")
+        locks, pins = self.locks, self.pins
         if event is E.LOCK:
-            locks = self.locks + 1
+            locks += 1
             target = S.READ_LOCKED
-        elif event is E.UNLOCK:
-            locks = self.locks - 1
-            if locks < 0:
-                raise IllegalTransition(f"object {self.oid}: unlock without a lock")
-            target = S.READ_LOCKED if locks else (S.DELETED if self.doomed or self.temporary else S.READY)
+        elif event is E.UNLOCK or event is E.UNPIN:
+            if event is E.UNLOCK:
+                locks -= 1
+            else:
+                pins -= 1
+            if locks < 0 or pins < 0:
+                raise IllegalTransition(f"object {self.oid}: {event.value} without a {event.value[2:]}")
+            target = S.READ_LOCKED if locks else S.READY if pins or not self.transient else S.DELETED
         else:
-            locks = self.locks
+            if event is E.PIN:
+                pins += 1
+            elif pins and (event is E.EVICT or event is E.DELETE):
+                raise IllegalTransition(f"object {self.oid}: {event.value} while pinned")
             target = next(iter(allowed))
         if target not in allowed:
             raise IllegalTransition(f"object {self.oid}: {self.state.value} -> {target.value}")
         self.locks = locks
+        self.pins = pins
         self.state = target
         return target
+
+    @property
+    def transient(self) -> bool:
+        """Deleted, not kept, once nothing holds it (doomed, or temporary)."""
+        return self.doomed or self.temporary
 
     @property
     def visible(self) -> bool:
@@ -111,5 +137,10 @@ class L1Object:
         return self.state is S.READY or self.state is S.READ_LOCKED
 
     @property
+    def held(self) -> bool:
+        """Read-locked or pinned."""
+        return self.locks > 0 or self.pins > 0
+
+    @property
     def evictable(self) -> bool:
-        return self.state is S.READY
+        return self.state is S.READY and not self.pins

@@ -1,15 +1,16 @@
 """PrefetchController: brings chunks a LOOKUP missed in L1 back from L2, within a deadline.
 
-State: one `Prefetch` per request in flight (its task, how many chunks it tries, how many are
-loaded, a done event), a semaphore bounding chunk loads across all requests, counters. Owned by
-the event loop; adapters read into the arena from their own threads, blob checks and decodes run
-in the codec executor.
+State: one `Prefetch` handle per request in flight (its task, how many chunks it tries, how many
+are loaded, a done event; the request's state keeps it), the chunks being loaded (a future each,
+shared by every prefetch that wants them), a semaphore bounding chunk loads across all requests,
+counters. Owned by the event loop; adapters read into the arena from their own threads, blob
+checks and decodes run in the codec executor.
 
 One prefetch, in order:
   1. locate: ask the active tiers, in order, which of the missing chunks they hold; the run is the
      contiguous prefix found somewhere (policy: the first tier that has each chunk)
-  2. reserve temporary L1 objects for the run (a chunk being loaded by someone else, or no room,
-     ends the run there)
+  2. reserve temporary L1 objects for the run (`cache.try_reserve(..., temporary=True)`; a chunk
+     being loaded by someone else, or no room, ends the run there)
   3. load straight into the reservations (adapter.load_into: a raw blob's payload lands in L1,
      checked there by codec.verify_in_place; any other blob is decoded into it by
      codec.decode_into: key, layout, checksum), at most `max_inflight` chunks at once over all
@@ -17,9 +18,10 @@ One prefetch, in order:
   4. in chunk order, commit each loaded chunk and hand it to the request (`attach`), which
      read-locks it; the first failure (miss, error, integrity) ends the run
 At the deadline whatever has not been attached is a miss: the request's hit is the prefix attached
-so far. A reservation is marked io_busy (never reaped) while threads read or copy into it, and is
-aborted only after they have finished, so its memory is never reused while a thread still writes
-it. A blob that fails its check is counted and deleted from its tier.
+so far. A chunk that arrives for a request that moved on is kept as an ordinary L1 object
+(`cache.make_ordinary`). A reservation is busy for I/O (`cache.busy_for_io`: never reaped) while
+threads read or copy into it, and is aborted only after they have finished, so its memory is
+never reused while a thread still writes it. A blob that fails its check is counted and deleted from its tier.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from storage import codec
 log = structlog.get_logger("kvdepot.l2.prefetch")
 
 Attach = Callable[[L1Object], bool]
+"""Hands an arrived chunk to the request that asked (read-locks it); False: the request moved on."""
 
 
 @dataclass(slots=True)
@@ -62,16 +65,14 @@ class PrefetchCounters:
 
 @dataclass(eq=False)
 class Prefetch:
+    """The handle of one request's prefetch (kept in its engine/requests.RequestState); changed
+    by this controller only."""
+
     trying: int
     loaded: int = 0
     finished: bool = False
-    detached: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-
-    @property
-    def pending(self) -> int:
-        return 0 if self.finished or self.detached else self.trying - self.loaded
 
 
 @dataclass(eq=False, slots=True)
@@ -148,10 +149,9 @@ class PrefetchController:
                     obj = await self._arrive(slot)
                     if obj is None:
                         break
-                    if p.detached or not attach(obj):
-                        # Nobody waits for it any more: keep it as an ordinary L1 object.
-                        p.detached = True
-                        obj.temporary = False
+                    if not attach(obj):
+                        # The request moved on: keep the chunk as an ordinary L1 object.
+                        self.cache.make_ordinary(obj)
                         continue
                     p.loaded += 1
         except TimeoutError:
@@ -178,7 +178,6 @@ class PrefetchController:
             return None
         finally:
             slot.obj = None
-        obj.temporary = True
         self._resolve(slot.key, obj)
         self.counters.chunks_loaded += 1
         self.counters.bytes_loaded += obj.size
@@ -224,7 +223,7 @@ class PrefetchController:
                     return
                 slot.waiting = loading
                 continue
-            obj = self.cache.try_reserve(slot.key, reg.chunk_bytes, now)
+            obj = self.cache.try_reserve(slot.key, reg.chunk_bytes, now, temporary=True)
             if not isinstance(obj, L1Object):
                 if obj is Refusal.QUOTA:
                     self.counters.quota_refused += 1
@@ -245,8 +244,7 @@ class PrefetchController:
             # Threads write into the reservation from here (the adapter's reads, then the check or
             # decode): it must not be reaped, aborted or reused until they are done. load_into
             # returns, even when cancelled, only once its threads are done with `out`.
-            obj.io_busy = True
-            try:
+            with self.cache.busy_for_io(obj):
                 with slot.tier.use():
                     result = (await slot.tier.adapter.load_into([slot.name], [out]))[0]
                 if not result.ok or result.data is None:
@@ -277,8 +275,6 @@ class PrefetchController:
                     self._spawn_delete(slot.tier, slot.name)
                     return False
                 return True
-            finally:
-                obj.io_busy = False
 
     def _spawn_delete(self, tier: Tier, name: str) -> None:
         async def delete() -> None:

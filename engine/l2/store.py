@@ -1,18 +1,20 @@
 """StoreController: writes committed L1 chunks behind to the L2 tiers; the engine never waits on it.
 
-State: a bounded FIFO of pending chunks, each holding a read lock on its L1 object (so it is not
-evicted or reused before it is written), a bounded record of how often each chunk was seen (for
-the `seen_twice` policy), the bytes being written per (tenant, tier), counters. Owned by the event
-loop; encoding (a checksum over the whole chunk, optional FP8/lz4) runs in the codec executor,
-adapter I/O in the adapters.
+State: the bounded FIFO of pending chunks (engine/l2/store_queue.py, built first and given to L1
+as its shedder), each pinned in L1 (`cache.pin`: not evicted or reused before it is written), a
+bounded record of how often each chunk was seen (for the `seen_twice` policy), the bytes being
+written per (tenant, tier), counters (shared with the queue). Owned by the event loop; encoding
+(a checksum over the whole chunk, optional FP8/lz4) runs in the codec executor, adapter I/O in
+the adapters.
 
 Primitives in call order:
   note_seen(keys)          lookups and stores report the chunks they saw (seen_twice policy)
-  submit(obj, reg)         after COMMIT: queue the chunk if the policy wants it; when the queue
-                           is full the OLDEST pending chunk is dropped (its lock released), counted
+  submit(obj, reg)         after COMMIT: pin and queue the chunk if the policy wants it; when the
+                           queue is full the OLDEST pending chunk is dropped (unpinned), counted
   run_worker()             supervised loop(s): take a batch, encode, store to the tiers the policy
                            chooses at that moment (each blob within its tenant's quota there),
-                           release the locks
+                           unpin each chunk saying whether it reached L2 (if not, a later commit
+                           or hit may queue it again)
 
 Tenant quotas in L2 (`l2_bytes`, a limit per adapter; the ledger is `tiers.ledger`, into which
 each adapter reports what it holds). Before a blob of tenant s is written to tier t, with L the
@@ -24,7 +26,7 @@ limit of (s, t), H what s holds there and P the bytes of s being written there b
   s is still brought down to L. Hence a lowered quota takes effect at the tenant's next write to
   that tier, quota 0 stores nothing, and in allowlist mode (limit 0 without a quota) neither do
   salts without a quota. A chunk whose tenant has limit 0 and holds nothing in every target tier
-  is refused at `submit` (no lock, no encoding).
+  is refused at `submit` (no pin, no encoding).
 - Bytes being written count against the limit until the write returns, so concurrent batches
   cannot overshoot it together; they are never evicted. The blobs of a batch are admitted in
   order, so when not all of a tenant's chunks in one batch fit, the first ones (the start of a
@@ -36,10 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 import structlog
 
@@ -47,7 +48,8 @@ from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
-from engine.l2.tiers import L2Tiers, Tier, wait_set
+from engine.l2.store_queue import Pending, StoreQueue
+from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
 from storage import codec
 from storage.base import OpResult
@@ -58,28 +60,6 @@ SEEN_MEMORY = 1 << 17
 BATCH = 8
 
 
-@dataclass(slots=True)
-class StoreCounters:
-    submitted: int = 0
-    skipped_policy: int = 0
-    skipped_quota: int = 0
-    """Chunks not queued: their tenant may store nothing in any target tier (quota 0, allowlist)."""
-    dropped: int = 0
-    written: int = 0
-    written_bytes: int = 0
-    failed: int = 0
-    quota_refused: int = 0
-    """Queued blobs not written to a tier for the tenant's quota there (one per blob and tier)."""
-    quota_evicted_bytes: int = 0
-    """Bytes of a tenant's own blobs evicted to make room within its quota."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    obj: L1Object
-    reg: Registration
-
-
 class StoreController:
     def __init__(
         self,
@@ -87,8 +67,8 @@ class StoreController:
         cache: L1Cache,
         arena: SharedArena,
         tiers: L2Tiers,
+        queue: StoreQueue,
         policy: str,
-        queue_depth: int,
         codec_options: Callable[[Registration], codec.CodecOptions],
         executor: Executor,
     ) -> None:
@@ -96,29 +76,20 @@ class StoreController:
         self.arena = arena
         self.tiers = tiers
         self.policy = policy
-        self.queue_depth = queue_depth
-        self.counters = StoreCounters()
+        self.queue = queue
+        self.counters = queue.counters
         self._codec_options = codec_options
         self._executor = executor
-        self._queue: deque[_Pending] = deque()
-        self._wakeup = asyncio.Event()
         self._seen: OrderedDict[ObjectKey, int] = OrderedDict()
-        self._busy = 0
         self._writing: dict[tuple[str, str], int] = {}  # (salt, tier) -> bytes being written
-        self._idle = asyncio.Event()
-        self._idle.set()
-        cache.shed = self.shed
 
     @property
     def depth(self) -> int:
-        return len(self._queue)
-
-    def idle(self) -> bool:
-        return not self._queue and self._busy == 0
+        return len(self.queue)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is queued or being written. False on timeout."""
-        return await wait_set(self._idle, timeout_s)
+        return await self.queue.wait_idle(timeout_s)
 
     # --- called synchronously by the facade ----------------------------------------------------
 
@@ -141,58 +112,28 @@ class StoreController:
             return False
         if self._refused_everywhere(obj.key.salt):
             return False
-        obj.in_l2 = True  # queued once; a failed write clears it so a later commit/hit retries
-        self.cache.lock(obj, obj.last_access)
-        self._queue.append(_Pending(obj, reg))
-        self._idle.clear()
+        # Queued once (in_l2 from now); a drop or a failed write unpins it as not copied, so a
+        # later commit or hit queues it again.
+        self.cache.pin(obj)
         self.counters.submitted += 1
-        while len(self._queue) > self.queue_depth:
-            old = self._queue.popleft()
-            old.obj.in_l2 = False
-            self.cache.unlock(old.obj)
-            self.counters.dropped += 1
-        self._wakeup.set()
+        for old in self.queue.push(Pending(obj, reg)):
+            self.cache.unpin(old.obj, copied=False)
         return True
-
-    def shed(self, nbytes: int, salt: str | None = None) -> int:
-        """L1 (or a tenant's quota, when `salt` is given) is out of room: drop the oldest queued
-        writes (not those being written), of that tenant only when given, until `nbytes` of their
-        chunks are unpinned. Returns the bytes unpinned."""
-        freed = 0
-        keep: deque[_Pending] = deque()
-        while self._queue and freed < nbytes:
-            old = self._queue.popleft()
-            if salt is not None and old.obj.key.salt != salt:
-                keep.append(old)
-                continue
-            old.obj.in_l2 = False
-            freed += old.obj.size if old.obj.locks == 1 else 0
-            self.cache.unlock(old.obj)
-            self.counters.dropped += 1
-        keep.extend(self._queue)
-        self._queue = keep
-        if self.idle():
-            self._idle.set()
-        return freed
 
     # --- the workers ---------------------------------------------------------------------------
 
     async def run_worker(self) -> None:
+        queue = self.queue
         while True:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
-            self._busy += 1
+            await queue.wait_work()
+            batch = queue.take(BATCH)
+            written = [False] * len(batch)
             try:
-                await self._write(batch)
+                written = await self._write(batch)
             finally:
-                self._busy -= 1
-                for item in batch:
-                    self.cache.unlock(item.obj)
-                if self.idle():
-                    self._idle.set()
+                for item, copied in zip(batch, written, strict=True):
+                    self.cache.unpin(item.obj, copied=copied)
+                queue.done()
 
     def _targets(self) -> list[Tier]:
         active = self.tiers.active()
@@ -252,12 +193,11 @@ class StoreController:
         else:
             del self._writing[slot]
 
-    async def _write(self, batch: list[_Pending]) -> None:
+    async def _write(self, batch: list[Pending]) -> list[bool]:
+        """Encode and store the batch; per chunk, whether it was written to some tier."""
         targets = self._targets()
         if not targets:
-            for item in batch:
-                item.obj.in_l2 = False
-            return
+            return [False] * len(batch)
         loop = asyncio.get_running_loop()
         blobs = await loop.run_in_executor(self._executor, self._encode, batch)
         salts = [item.obj.key.salt for item in batch]
@@ -269,12 +209,11 @@ class StoreController:
                     ok[i] = True
                 else:
                     self.counters.failed += 1
-        for item, blob, written in zip(batch, blobs, ok, strict=True):
+        for blob, written in zip(blobs, ok, strict=True):
             if written:
                 self.counters.written += 1
                 self.counters.written_bytes += blob.nbytes
-            else:
-                item.obj.in_l2 = False
+        return ok
 
     async def _store_to(
         self, tier: Tier, blobs: list[codec.EncodedBlob], salts: list[str]
@@ -296,8 +235,8 @@ class StoreController:
                 for i in admitted:
                     self._written(tier, salts[i], blobs[i].nbytes)
 
-    def _encode(self, batch: list[_Pending]) -> list[codec.EncodedBlob]:
-        """In the codec executor: header + checksum (+ FP8/lz4) over the locked L1 bytes."""
+    def _encode(self, batch: list[Pending]) -> list[codec.EncodedBlob]:
+        """In the codec executor: header + checksum (+ FP8/lz4) over the pinned L1 bytes."""
         out = []
         for item in batch:
             obj = item.obj

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.l1.lifecycle import TERMINAL, TRANSITIONS, Event, IllegalTransition, L1Object, ObjectState
-from tests.factories import FakeClock, key, make_cache
+from tests.factories import FakeClock, key, make_cache, reserve
 
 S, E = ObjectState, Event
 
@@ -78,7 +78,7 @@ def test_random_event_sequences_never_reach_an_illegal_state(events: list[tuple[
 
 class CacheMachine(RuleBasedStateMachine):
     """Random operations through L1Cache's API: objects stay in legal states, memory adds up,
-    locked and reserved objects are never evicted."""
+    locked, pinned and reserved objects are never evicted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,13 +87,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.n = 0
         self.reserved: list[L1Object] = []
         self.locked: list[L1Object] = []
+        self.pinned: list[L1Object] = []
+        self.made: list[L1Object] = []  # every object reserved; the live ones are in the cache
 
     @rule(size=st.integers(min_value=1, max_value=3 * 4096))
     def reserve(self, size: int) -> None:
         self.n += 1
-        o = self.cache.reserve(key(self.n), size, self.clock())
+        o = reserve(self.cache, key(self.n), size, self.clock())
         if o is not None:
             self.reserved.append(o)
+            self.made.append(o)
 
     @precondition(lambda self: self.reserved)
     @rule(data=st.data(), commit=st.booleans())
@@ -108,7 +111,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
-        ready = [o for o in self.cache.objects() if o.visible and not o.doomed]
+        ready = [o for o in self._live() if o.visible and not o.doomed]
         if ready:
             o = data.draw(st.sampled_from(ready))
             self.cache.lock(o, self.clock())
@@ -120,8 +123,22 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.unlock(self.locked.pop(data.draw(st.integers(0, len(self.locked) - 1))))
 
     @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        visible = [o for o in self._live() if o.visible]
+        if visible:
+            o = data.draw(st.sampled_from(visible))
+            self.cache.pin(o)
+            self.pinned.append(o)
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data(), copied=st.booleans())
+    def unpin(self, data: st.DataObject, copied: bool) -> None:
+        o = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
+        self.cache.unpin(o, copied=copied)
+
+    @rule(data=st.data())
     def delete(self, data: st.DataObject) -> None:
-        live = list(self.cache.objects())
+        live = list(self._live())
         if live:
             self.cache.delete(data.draw(st.sampled_from(live)))
 
@@ -130,17 +147,38 @@ class CacheMachine(RuleBasedStateMachine):
         self.clock.advance(seconds)
         self.cache.reap(self.clock())
 
+    def _live(self) -> list[L1Object]:
+        self.made = [o for o in self.made if o.state not in TERMINAL]
+        assert len(self.made) == len(self.cache)
+        return list(self.made)
+
     @invariant()
     def consistent(self) -> None:
         self.cache.allocator.check()
-        live = list(self.cache.objects())
+        live = list(self._live())
         assert sum(self.cache.allocator.aligned(o.size) for o in live) == self.cache.allocator.used
         for o in live:
             assert o.state in (S.WRITE_RESERVED, S.READY, S.READ_LOCKED)
             assert (o.locks > 0) == (o.state is S.READ_LOCKED)
         for o in self.locked:
             assert o.state is S.READ_LOCKED, "a locked object was evicted or deleted"
+        for o in self.pinned:
+            assert o.visible, "a pinned object was evicted or deleted"
 
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+
+
+@pytest.mark.parametrize("bad", [E.EVICT, E.DELETE, E.UNLOCK])
+def test_a_pinned_object_cannot_be_evicted_or_deleted(bad: Event) -> None:
+    o = obj()
+    o.apply(E.RESERVE)
+    o.apply(E.COMMIT)
+    assert o.apply(E.PIN) is S.READY
+    with pytest.raises(IllegalTransition):
+        o.apply(bad)
+    assert (o.state, o.pins, o.locks) == (S.READY, 1, 0)
+    assert o.apply(E.UNPIN) is S.READY
+    with pytest.raises(IllegalTransition):
+        o.apply(E.UNPIN)  # unpin without a pin

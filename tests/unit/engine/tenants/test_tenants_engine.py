@@ -15,7 +15,7 @@ from engine.l1.lifecycle import L1Object, ObjectState
 from engine.results import SlotStatus, StoreSlot
 from engine.status import StatusReader
 from engine.tenants.quota import L1, Quota
-from tests.factories import FakeClock, admin, engine, key, make_cache, small_layout, tokens
+from tests.factories import FakeClock, admin, engine, key, make_cache, reserve, small_layout, tokens
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB = one aligned page
 PAGE = 4096
@@ -200,7 +200,7 @@ def test_quota_zero_stores_nothing_and_evicts_what_the_tenant_held() -> None:
         assert present(eng, eid, seq(3, 0), "z") == [False] * 3
         assert statuses(store(eng, eid, seq(3, 0), "z")) == [Q] * 3
         assert read_hits(eng, eid, seq(4, 1), "z") == []
-        assert eng.cache.reserve(key_of(eng, eid, seq(1, 5), "z", 0), PAGE, 0.0) is None  # L2 loads too
+        assert reserve(eng.cache, key_of(eng, eid, seq(1, 5), "z", 0), PAGE, 0.0) is None  # L2 loads too
         acct = eng.tenants.account("z")
         assert acct is not None and acct.l1.quota_refusals == 8
         assert_ledger_true(eng)
@@ -269,7 +269,7 @@ def test_a_reservation_that_cannot_fit_its_quota_evicts_nothing() -> None:
     cache.ledger.set_quota("a", Quota(l1_bytes=4 * PAGE))
     objs = []
     for i in range(4):
-        o = cache.reserve(key(i, "a"), PAGE, clock())
+        o = reserve(cache, key(i, "a"), PAGE, clock())
         assert o is not None
         cache.commit(o.oid, clock())
         objs.append(o)
@@ -376,7 +376,7 @@ def test_objects_released_by_the_cache_are_credited_in_every_final_state() -> No
         cache = eng.cache
         objs: list[L1Object] = []
         for i in range(4):
-            o = cache.reserve(key(i, "a"), PAGE, clock())
+            o = reserve(cache, key(i, "a"), PAGE, clock())
             assert o is not None
             objs.append(o)
         cache.abort(objs[0])

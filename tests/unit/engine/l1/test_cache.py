@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import pytest
+
+from app.errors import LeaseExpired
+from engine.l1.lifecycle import L1Object, ObjectState
+from tests.factories import FakeClock, key, make_cache, reserve
+
+PAGE = 4096
+
+
+def filled(n: int, capacity_pages: int, **kw: float) -> tuple[list, object, FakeClock]:  # type: ignore[type-arg]
+    clock = FakeClock()
+    cache = make_cache(capacity_pages * PAGE, **kw)
+    objs = []
+    for i in range(n):
+        o = reserve(cache, key(i), PAGE, clock())
+        assert o is not None
+        cache.commit(o.oid, clock())
+        clock.advance(1)
+        objs.append(o)
+    return objs, cache, clock
+
+
+def test_lru_evicts_exactly_the_least_recently_used() -> None:
+    objs, cache, clock = filled(4, 4)
+    assert cache.find(key(0), clock()) is objs[0]  # touch 0: order is now 1, 2, 3, 0
+    o = reserve(cache, key(10), PAGE, clock())
+    assert o is not None
+    assert objs[1].state is ObjectState.EVICTED
+    assert [x.state for x in (objs[0], objs[2], objs[3])] == [ObjectState.READY] * 3
+    o2 = reserve(cache, key(11), PAGE, clock())
+    assert o2 is not None
+    assert objs[2].state is ObjectState.EVICTED
+    assert cache.counters.evicted == 2
+
+
+def test_watermarks_evict_down_to_the_low_mark() -> None:
+    objs, cache, clock = filled(8, 10, high=0.8, low=0.5)
+    # 8 of 10 pages used; one more crosses 80%: evict oldest until 9 pages fit under... 50% + 1.
+    assert reserve(cache, key(99), PAGE, clock()) is not None
+    evicted = [o for o in objs if o.state is ObjectState.EVICTED]
+    assert evicted == objs[:4]
+    assert cache.allocator.used == 5 * PAGE
+
+
+def test_locked_and_reserved_objects_are_never_evicted_and_no_space_is_explicit() -> None:
+    objs, cache, clock = filled(3, 4)
+    for o in objs:
+        cache.lock(o, clock())
+    pending = reserve(cache, key(50), PAGE, clock())
+    assert pending is not None and pending.state is ObjectState.WRITE_RESERVED
+    assert reserve(cache, key(51), PAGE, clock()) is None
+    assert cache.counters.no_space == 1
+    assert all(o.state is ObjectState.READ_LOCKED for o in objs)
+    cache.unlock(objs[0])
+    assert reserve(cache, key(51), PAGE, clock()) is not None
+    assert objs[0].state is ObjectState.EVICTED
+
+
+def test_reservation_is_invisible_until_commit() -> None:
+    cache = make_cache(4 * PAGE)
+    clock = FakeClock()
+    o = reserve(cache, key(1), 100, clock())
+    assert o is not None
+    assert cache.find(key(1), clock()) is None
+    cache.commit(o.oid, clock())
+    assert cache.find(key(1), clock()) is o
+
+
+def test_expired_reservation_is_reclaimed_and_a_late_commit_is_refused() -> None:
+    cache = make_cache(2 * PAGE)
+    clock = FakeClock()
+    o = reserve(cache, key(1), PAGE, clock())
+    assert o is not None
+    clock.advance(cache.write_lease_s + 0.1)
+    assert cache.reap(clock()) == 1
+    assert cache.allocator.used == 0
+    with pytest.raises(LeaseExpired):
+        cache.commit(o.oid, clock())
+    cache.allocator.check()
+
+
+def test_delete_of_a_locked_object_waits_for_its_reader() -> None:
+    objs, cache, clock = filled(1, 2)
+    cache.lock(objs[0], clock())
+    cache.delete(objs[0])
+    assert cache.find(key(0), clock()) is None  # doomed: no new readers
+    assert cache.allocator.used == PAGE  # the reader still copies from it
+    cache.unlock(objs[0])
+    assert objs[0].state is ObjectState.DELETED
+    assert cache.allocator.used == 0
+
+
+# --- pins (copies to L2), counted apart from read locks -----------------------------------------
+
+
+def test_a_pinned_object_stays_readable_and_is_never_evicted() -> None:
+    objs, cache, clock = filled(2, 2)
+    cache.pin(objs[0])
+    assert objs[0].state is ObjectState.READY and objs[0].in_l2
+    assert cache.find(key(0), clock()) is objs[0]
+    cache.lock(objs[0], clock())
+    cache.unlock(objs[0])
+    assert objs[0].pins == 1 and objs[0].locks == 0
+    assert reserve(cache, key(10), PAGE, clock()) is not None  # room made from the unpinned one
+    assert (objs[0].state, objs[1].state) == (ObjectState.READY, ObjectState.EVICTED)
+    assert reserve(cache, key(11), PAGE, clock()) is None
+    assert cache.unpin(objs[0], copied=True) is True  # nothing holds it any more
+    assert objs[0].in_l2
+    assert reserve(cache, key(11), PAGE, clock()) is not None
+    assert objs[0].state is ObjectState.EVICTED
+
+
+def test_unpin_says_whether_a_reader_still_holds_it_and_records_a_failed_copy() -> None:
+    objs, cache, clock = filled(1, 1)
+    cache.pin(objs[0])
+    cache.lock(objs[0], clock())
+    assert cache.unpin(objs[0], copied=False) is False
+    assert not objs[0].in_l2
+    assert objs[0].state is ObjectState.READ_LOCKED
+
+
+def test_a_pinned_object_deleted_or_temporary_goes_at_its_last_unpin() -> None:
+    clock = FakeClock()
+    cache = make_cache(4 * PAGE)
+    temp = cache.try_reserve(key(1), PAGE, clock(), temporary=True)
+    doomed = reserve(cache, key(2), PAGE, clock())
+    assert isinstance(temp, L1Object) and doomed is not None
+    for o in (temp, doomed):
+        cache.commit(o.oid, clock())
+        cache.pin(o)
+        cache.lock(o, clock())
+    cache.delete(doomed)
+    assert doomed.doomed and doomed.state is ObjectState.READ_LOCKED
+    for o in (temp, doomed):
+        cache.unlock(o)
+        assert o.state is ObjectState.READY  # still pinned: its copy is being read
+        assert cache.unpin(o, copied=True) is True
+        assert o.state is ObjectState.DELETED
+    assert len(cache) == 0 and cache.allocator.used == 0
+
+
+def test_make_ordinary_keeps_a_temporary_object_after_its_last_reader() -> None:
+    clock = FakeClock()
+    cache = make_cache(PAGE)
+    o = cache.try_reserve(key(1), PAGE, clock(), temporary=True)
+    assert isinstance(o, L1Object)
+    cache.commit(o.oid, clock())
+    cache.lock(o, clock())
+    cache.make_ordinary(o)
+    cache.unlock(o)
+    assert o.state is ObjectState.READY and cache.find(key(1), clock()) is o
+
+
+def test_a_reservation_busy_for_io_is_not_reaped_until_the_io_ends() -> None:
+    clock = FakeClock()
+    cache = make_cache(PAGE)
+    o = reserve(cache, key(1), PAGE, clock())
+    assert o is not None
+    clock.advance(60)
+    with cache.busy_for_io(o):
+        assert cache.reap(clock()) == 0
+    assert cache.reap(clock()) == 1
+    assert o.state is ObjectState.DELETED
