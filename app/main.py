@@ -35,12 +35,13 @@ from app.errors import ConfigError
 from app.settings import AdapterConfig, L1Settings, L2Settings, Settings
 from app.supervisor import Supervisor
 from engine.admin import Administration
-from engine.facade import CacheEngine, L2Parts
+from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena, cleanup_stale, instance_id
 from engine.l1.cache import L1Cache, Shedder
 from engine.l1.eviction import LRUPolicy
 from engine.l2.layouts import codec_options
+from engine.l2.parts import L2Parts
 from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.store_queue import StoreQueue

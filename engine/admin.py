@@ -34,7 +34,7 @@ from engine.answers import (
     TierFigures,
     redacted,
 )
-from engine.facade import L2Parts
+from engine.l2.parts import L2Parts
 from engine.l2.tiers import RemoveMode, Tier
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import Quota, check_salt

@@ -5,7 +5,7 @@ locks, lease, prefetch), counters. Owned by the event loop; every method is sync
 (no I/O), so handlers run them inline.
 
 Primitives in data-plane call order:
-  register(model, layout, kv_rank, group)           -> Registration (idempotent per identity)
+  register(model, layout, kv_rank, group)           -> Registration (engine/registry.py)
   lookup(engine, request, tokens, salt)             -> LookupResult; hit objects read-locked, misses
                                                        prefetched from L2 (query_prefetch/wait_prefetch)
   retrieve(engine, request, first, count)           -> extents of the locked objects to copy out
@@ -16,7 +16,7 @@ Primitives in data-plane call order:
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
 The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
-status snapshots in engine/status.py (they read `registrations()` and `locked_requests()`).
+status snapshots in engine/status.py (they read `engines.all()` and `locked_requests()`).
 
 Tenants: a store by a tenant with an L1 limit holds (read-locks) the chunks of that store
 which are present already, until it returns, so the reservations of the same store never evict
@@ -28,53 +28,21 @@ write-behind (engine/l2/store.py).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
-from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
-from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
+from app.errors import InvalidInput, LeaseExpired, NotFound
+from engine.keys import KVLayout, ObjectKey, TokenHasher
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object
-from engine.l2.prefetch import PrefetchController
-from engine.l2.store import StoreController
-from engine.l2.tiers import L2Tiers
+from engine.l2.parts import L2Parts
+from engine.registry import MAX_ID_LEN, EngineRegistry
 from engine.requests import RequestState, RequestTable
-from engine.results import Extent, LookupResult, Registration, SlotStatus, StoreSlot
+from engine.results import EngineCounters, Extent, LookupResult, Registration, SlotStatus, StoreSlot
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
-
-MAX_ID_LEN = 256
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    lookups: int = 0
-    hit_chunks: int = 0
-    miss_chunks: int = 0
-    hit_tokens: int = 0
-    miss_tokens: int = 0
-    store_requests: int = 0
-    stored_chunks: int = 0
-    existing_chunks: int = 0
-    no_space_chunks: int = 0
-    quota_chunks: int = 0
-    retrieves: int = 0
-    retrieved_chunks: int = 0
-    expired_locks: int = 0
-    l2_hit_chunks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class L2Parts:
-    """The engine's L2 machinery, built by app/main; absent when no L2 is configured at all."""
-
-    tiers: L2Tiers
-    store: StoreController
-    prefetch: PrefetchController
 
 
 class CacheEngine:
@@ -98,43 +66,17 @@ class CacheEngine:
         self.read_lease_s = read_lease_s
         self.counters = EngineCounters()
         self._clock = clock
-        self._registrations: dict[int, Registration] = {}
-        self._by_identity: dict[Namespace, int] = {}
+        self.engines = EngineRegistry(chunk_size=chunk_size, capacity=cache.allocator.capacity)
         self._requests = RequestTable(cache, read_lease_s)
         self.l2 = l2
 
     # --- registration --------------------------------------------------------------------------
 
     def register(self, model: str, layout: KVLayout, kv_rank: int = 0, group: int = 0) -> Registration:
-        if not model or len(model) > MAX_ID_LEN:
-            raise InvalidInput(f"model id must be 1..{MAX_ID_LEN} characters")
-        if layout.chunk_size != self.chunk_size:
-            raise InvalidInput(
-                f"chunk size mismatch: the sidecar uses {self.chunk_size} tokens per chunk, "
-                f"the engine asked for {layout.chunk_size} (set l1.chunk_size or the connector's chunk_size)"
-            )
-        if not 0 <= kv_rank < 1 << 16 or not 0 <= group < 1 << 10:
-            raise InvalidInput("kv_rank must be in 0..65535 and group in 0..1023")
-        capacity = self.cache.allocator.capacity
-        if layout.chunk_bytes > capacity:
-            raise InvalidInput(f"one chunk ({layout.chunk_bytes} bytes) is larger than L1 ({capacity} bytes)")
-        ns = Namespace(model=model, layout_fp=layout.fingerprint, kv_rank=kv_rank, group=group)
-        engine_id = self._by_identity.get(ns)
-        if engine_id is None:
-            # Random per process: an id from before a restart is unknown here, so a client that
-            # reconnects must register again (and re-map the new arena) before touching offsets.
-            engine_id = secrets.randbelow((1 << 31) - 1) + 1
-            while engine_id in self._registrations:
-                engine_id = secrets.randbelow((1 << 31) - 1) + 1
-            self._registrations[engine_id] = Registration(engine_id, ns, layout, layout.chunk_bytes)
-            self._by_identity[ns] = engine_id
-        return self._registrations[engine_id]
+        return self.engines.register(model, layout, kv_rank, group)
 
     def registration(self, engine_id: int) -> Registration:
-        reg = self._registrations.get(engine_id)
-        if reg is None:
-            raise NotRegistered(f"engine {engine_id} is not registered (REGISTER first)")
-        return reg
+        return self.engines.get(engine_id)
 
     # --- lookup and read -----------------------------------------------------------------------
 
@@ -143,12 +85,10 @@ class CacheEngine:
         _check_ids(request_id, salt)
         now = self._clock()
         rid = (engine_id, request_id)
-        hashes = self.hasher.chunk_hashes(tokens)
+        keys = [ObjectKey(reg.namespace, salt, h) for h in self.hasher.chunk_hashes(tokens)]
         found: list[L1Object] = []
-        cache = self.cache
-        ns = reg.namespace
-        for h in hashes:
-            obj = cache.find(ObjectKey(ns, salt, h), now)
+        for key in keys:
+            obj = self.cache.find(key, now)
             if obj is None:
                 break
             found.append(obj)
@@ -161,33 +101,21 @@ class CacheEngine:
         l2 = self.l2
         pending = 0
         if l2 is not None:
-            if l2.store.policy == "seen_twice":
-                self._note_seen(reg, ns, salt, hashes, locked)
-            if hit < len(hashes) and l2.tiers.active():
+            l2.store.note_lookup(reg, keys, locked)
+            if hit < len(keys) and l2.tiers.active():
                 self._requests.keep(rid, state)
-                keys = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
-                state.prefetch = l2.prefetch.start(reg, keys, partial(self._attach, state))
-                pending = len(keys)
+                state.prefetch = l2.prefetch.start(reg, keys[hit:], partial(self._attach, state))
+                pending = len(keys) - hit
         c = self.counters
         c.lookups += 1
         c.hit_chunks += hit
-        c.miss_chunks += len(hashes) - hit
-        self.tenants.note_lookup(salt, hit, len(hashes) - hit)
+        c.miss_chunks += len(keys) - hit
+        self.tenants.note_lookup(salt, hit, len(keys) - hit)
         c.hit_tokens += hit * self.chunk_size
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
         return LookupResult(
-            hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=len(hashes), pending_chunks=pending
+            hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=len(keys), pending_chunks=pending
         )
-
-    def _note_seen(
-        self, reg: Registration, ns: Namespace, salt: str, hashes: list[bytes], locked: list[L1Object]
-    ) -> None:
-        assert self.l2 is not None
-        store = self.l2.store
-        for i, h in enumerate(hashes):
-            key = locked[i].key if i < len(locked) else ObjectKey(ns, salt, h)
-            if store.note_seen(key) >= 2 and i < len(locked):
-                store.submit(locked[i], reg)
 
     def _attach(self, state: RequestState, obj: L1Object) -> bool:
         """A prefetched chunk arrived, in order: read-lock it for the request that asked, unless
@@ -365,10 +293,6 @@ class CacheEngine:
         while True:
             await asyncio.sleep(interval_s)
             self.reap()
-
-    def registrations(self) -> list[Registration]:
-        """The registered engines (for /status)."""
-        return list(self._registrations.values())
 
     def locked_requests(self) -> int:
         """Requests holding read locks now (for /status)."""

@@ -45,3 +45,21 @@ class StoreSlot:
 class Extent:
     offset: int
     size: int
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    store_requests: int = 0
+    stored_chunks: int = 0
+    existing_chunks: int = 0
+    no_space_chunks: int = 0
+    quota_chunks: int = 0
+    retrieves: int = 0
+    retrieved_chunks: int = 0
+    expired_locks: int = 0
+    l2_hit_chunks: int = 0

@@ -49,7 +49,7 @@ class StatusReader:
                     layout=r.layout.kind,
                     chunk_bytes=r.chunk_bytes,
                 )
-                for r in engine.registrations()
+                for r in engine.engines.all()
             ],
             locked_requests=engine.locked_requests(),
             counters=dataclasses.asdict(engine.counters) | dataclasses.asdict(engine.cache.counters),

@@ -100,6 +100,15 @@ class StoreController:
             self._seen.popitem(last=False)
         return count
 
+    def note_lookup(self, reg: Registration, keys: list[ObjectKey], found: list[L1Object]) -> None:
+        """A lookup saw `keys`, the first `len(found)` of them in L1 (`found`). Under `seen_twice`
+        each is noted, and a found chunk seen for the second time is queued for write-behind."""
+        if self.policy != "seen_twice":
+            return
+        for i, key in enumerate(keys):
+            if self.note_seen(key) >= 2 and i < len(found):
+                self.submit(found[i], reg)
+
     def wants(self, key: ObjectKey) -> bool:
         if not self.tiers.active():
             return False
