@@ -34,6 +34,11 @@ def _bench_parser(sub: Any) -> None:
     from app.bench import l2 as bench_l2
 
     bench_l2.add_arguments(bsub.add_parser("l2", help="write-behind and prefetch through an L2 adapter"))
+    from app.bench import fuzz as bench_fuzz
+
+    bench_fuzz.add_arguments(
+        bsub.add_parser("fuzz", help="hostile frames at a live sidecar while another client pings it")
+    )
     from app.bench import ttft as bench_ttft
 
     bench_ttft.add_arguments(

@@ -19,4 +19,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.l2 import run as run_l2
 
         return run_l2(args)
+    if args.bench == "fuzz":
+        from app.bench.fuzz import run as run_fuzz
+
+        return run_fuzz(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
