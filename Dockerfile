@@ -22,6 +22,10 @@ RUN python -m pip install --no-cache-dir --extra-index-url https://download.pyto
 
 USER kvdepot
 ENV KVDEPOT_LOGGING__FORMAT=json
+# The control plane listens on every interface, so it needs an admin token: generated into the data
+# volume at first start (mode 0600; the log names the file, never the token). Give your own with
+# KVDEPOT_HTTP__ADMIN_TOKEN (it takes precedence) or by placing the file before the first start.
+ENV KVDEPOT_HTTP__ADMIN_TOKEN_FILE=/data/admin-token
 VOLUME ["/data"]
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \

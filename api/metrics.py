@@ -53,6 +53,7 @@ ENGINE_COUNTERS: tuple[Row, ...] = (
     ("no_space_chunks", "Chunks refused by STORE for lack of L1 room.", "no_space_chunks"),
     ("retrieved_chunks", "Chunks handed out by RETRIEVE.", "retrieved_chunks"),
     ("expired_read_leases", "Requests whose read locks were reclaimed after their lease.", "expired_locks"),
+    ("lease_reaper_errors", "Lease reaper passes that failed (the next pass runs).", "reaper_errors"),
 )
 CACHE_COUNTERS: tuple[Row, ...] = (
     ("committed_chunks", "Chunks made ready by COMMIT.", "committed"),

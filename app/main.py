@@ -1,9 +1,10 @@
 """Wiring: builds every component from the settings, runs them on one event loop, stops them.
 
-`Service.build()` does everything that can fail on bad settings (data dir, shared memory, data
-plane and HTTP binds) and raises ConfigError with one line; `Service.run()` starts the background
-tasks through the supervisor, serves until SIGTERM/SIGINT (or `request_stop()`), then stops
-accepting, drains for `shutdown_timeout_s`, cancels the rest, releases the arena and returns 0.
+`Service.build()` does everything that can fail on bad settings (the data dir and its lock, the
+admin token file, shared memory, data plane and HTTP binds) and raises ConfigError with one line;
+`Service.run()` starts the background tasks through the supervisor, serves until SIGTERM/SIGINT
+(or `request_stop()`), then stops accepting, drains for `shutdown_timeout_s`, cancels the rest,
+releases the arena and the data dir's lock and returns 0.
 The builders (`build_cache`, `build_l2`, `build_engine`, `build_admin`) wire the engine's parts
 from their settings; `Service.build` and tests/factories.py both use them. Nothing imports this
 module but the CLI and tests.
@@ -25,12 +26,14 @@ from pathlib import Path
 
 import structlog
 import uvicorn
+from pydantic import SecretStr
 
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
 from api.http.context import ControlContext
 from api.metrics import DataPlaneMetrics, build_registry
 from app import __version__
+from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
 from app.settings import AdapterConfig, L1Settings, L2Settings, Settings
 from app.supervisor import Supervisor
@@ -126,10 +129,23 @@ def build_engine(
 
 
 def build_admin(
-    engine: CacheEngine, quota_file: Path | None = None, executor: Executor | None = None
-) -> Administration:
-    """Quota and L2 administration of `engine`; quotas saved to `quota_file` (None: in memory)."""
-    return Administration(engine.tenants, QuotaRegistry(engine.tenants, quota_file, executor), engine.l2)
+    engine: CacheEngine, quota_file: Path | None = None, executor: Executor | None = None,
+    allowed_roots: list[Path] | None = None,
+) -> Administration:  # fmt: skip
+    """Quota and L2 administration of `engine`; quotas saved to `quota_file` (None: in memory);
+    disk adapters only under `allowed_roots` (None: anywhere)."""
+    quotas = QuotaRegistry(engine.tenants, quota_file, executor)
+    return Administration(engine.tenants, quotas, engine.l2, allowed_roots=allowed_roots)
+
+
+def with_admin_token(settings: Settings) -> Settings:
+    """`settings` with the admin token of `http.admin_token_file` in `http.admin_token` (read, or
+    generated on first start) when only the file is set; otherwise `settings` unchanged."""
+    http = settings.http
+    if http.admin_token is not None or http.admin_token_file is None:
+        return settings
+    token = SecretStr(admin_token_from_file(http.admin_token_file))
+    return settings.model_copy(update={"http": http.model_copy(update={"admin_token": token})})
 
 
 class Service:
@@ -145,6 +161,8 @@ class Service:
         self.http_socket: socket.socket | None = None
         self.l2: L2Parts | None = None
         self.control: ControlContext | None = None
+        self.admin: Administration | None = None
+        self._lock: DataDirLock | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
         self._state_executor: ThreadPoolExecutor | None = None
@@ -183,55 +201,62 @@ class Service:
             s.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"data_dir: cannot create {s.data_dir}: {exc.strerror}") from None
+        # Only one sidecar per data dir; holding its lock, whatever a dead predecessor left is ours.
+        self._lock = DataDirLock.acquire(s.data_dir)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        s = self.settings = with_admin_token(self.settings)
         instance = instance_id(s.data_dir)
         cleanup_stale(instance)
         quota_file = s.data_dir / QUOTA_FILE
         ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
         self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
-        try:
-            store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
-            cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue)
-            # Checksums over whole chunks and copies of loaded blobs into the arena run here.
-            self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
-            data_dir = s.data_dir
-            self.l2 = build_l2(
-                s.l2, cache=cache, queue=store_queue, arena=self.arena,
-                build=lambda config: build_adapter(config, data_dir),
-                executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
-            )  # fmt: skip
-            self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)
-            # quotas.json writes (fsync) run here, one at a time.
-            self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
-            admin = build_admin(self.engine, quota_file, self._state_executor)
-            registry = build_registry(self.engine, s.tenants.metrics_top_n)
-            self.dataplane = DataPlaneServer(
-                self.engine,
-                url=s.data_plane_url,
-                max_frame_bytes=s.data_plane.max_frame_bytes,
-                max_tokens=s.data_plane.max_tokens,
-                metrics=DataPlaneMetrics(registry),
-                transfers=self._build_transfers(),
-            )
-            self.dataplane.bind()
-            self.http_socket = bind_http(s.http.host, s.http.port)
-            self.control = ControlContext(
-                settings=s,
-                admin=admin,
-                status=StatusReader(self.engine, admin),
-                health=self,
-                registry=registry,
-            )
-            config = uvicorn.Config(
-                create_app(self.control),
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
-            )
-            self.http_server = _Uvicorn(config)
-        except BaseException:
-            self.close()
-            raise
+        store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
+        cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue)
+        # Checksums over whole chunks and copies of loaded blobs into the arena run here.
+        self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
+        data_dir = s.data_dir
+        self.l2 = build_l2(
+            s.l2, cache=cache, queue=store_queue, arena=self.arena,
+            build=lambda config: build_adapter(config, data_dir),
+            executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
+        )  # fmt: skip
+        self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)
+        # quotas.json writes (fsync) run here, one at a time.
+        self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
+        roots = s.l2.allowed_roots or [s.data_dir]
+        admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
+        registry = build_registry(self.engine, s.tenants.metrics_top_n)
+        self.dataplane = DataPlaneServer(
+            self.engine,
+            url=s.data_plane_url,
+            max_frame_bytes=s.data_plane.max_frame_bytes,
+            max_tokens=s.data_plane.max_tokens,
+            metrics=DataPlaneMetrics(registry),
+            transfers=self._build_transfers(),
+        )
+        self.dataplane.bind()
+        self.http_socket = bind_http(s.http.host, s.http.port)
+        self.control = ControlContext(
+            settings=s,
+            admin=admin,
+            status=StatusReader(self.engine, admin),
+            health=self,
+            registry=registry,
+        )
+        config = uvicorn.Config(
+            create_app(self.control),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
+        )
+        self.http_server = _Uvicorn(config)
 
     def _build_transfers(self) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
@@ -244,11 +269,9 @@ class Service:
 
     async def _start_l2(self) -> None:
         assert self.l2 is not None
+        assert self.admin is not None
         for config in self.settings.l2.adapters:
-            try:
-                await self.l2.tiers.add(config)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"l2.adapters[{config.name}]: cannot start: {exc}") from None
+            await self.admin.add_adapter(config)  # ConfigError naming the adapter when it cannot
         for i in range(self.settings.l2.store_concurrency):
             self.supervisor.start(f"l2-store-{i}", self.l2.store.run_worker(), drain=False)
 
@@ -295,6 +318,7 @@ class Service:
             l1_bytes=self.engine.cache.allocator.capacity,
             arena=self.engine.arena.name,
             chunk_size=s.l1.chunk_size,
+            admin_token="set" if s.http.admin_token is not None else "none",
         )
         try:
             await self._stop.wait()
@@ -339,6 +363,9 @@ class Service:
             self._state_executor = None
         if self.arena is not None:
             self.arena.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 async def serve(settings: Settings) -> int:

@@ -11,7 +11,9 @@ storage/config.py (re-exported below for the wiring and the control plane).
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +26,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -70,8 +73,47 @@ class HttpSettings(BaseModel):
     host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     admin_token: SecretStr | None = Field(
-        None, description="Bearer token required by mutating endpoints; unset = no token needed."
+        None,
+        description="Bearer token required by mutating endpoints and by what shows tenants; "
+        "unset = no token needed (loopback only, see allow_unauthenticated). Never empty.",
     )
+    admin_token_file: Path | None = Field(
+        None,
+        description="File holding the admin token (first line), used when admin_token is unset; "
+        "created with a random token (mode 0600) at first start. Its path is logged, never the token.",
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="Serve a non-loopback host without an admin token (every mutation open)."
+    )
+    max_body_bytes: int = Field(
+        64 * 1024, ge=1024, le=64 << 20, description="Larger request bodies are refused (413) unread."
+    )
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_token(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None and not token.get_secret_value().strip():
+            raise ValueError("must not be empty (leave it unset for no token)")
+        return token
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> HttpSettings:
+        tokenless = self.admin_token is None and self.admin_token_file is None
+        if tokenless and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host} is not loopback and no admin token is set: set http.admin_token "
+                "or http.admin_token_file, or http.allow_unauthenticated=true to serve it open"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 class DataPlaneSettings(BaseModel):
@@ -162,6 +204,12 @@ class L2Settings(BaseModel):
     )
     prefetch_max_inflight: int = Field(64, ge=1, le=1 << 16, description="Chunks being loaded at once.")
     fp8_values: bool = Field(False, description="Store V quantized to FP8 (e4m3) with scales; K exact.")
+    allowed_roots: list[Path] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Directories a disk adapter's paths must lie under (after symlinks and ..); "
+        "empty = the data dir.",
+    )
     lz4: bool = Field(False, description="Compress blobs with lz4.")
 
 
@@ -267,15 +315,29 @@ def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path 
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line: the setting's dotted name, what is wrong, and the value given."""
+    """One line: the setting's dotted name, what is wrong, and the value given (secrets masked)."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             parts.append(f"{loc}: unknown setting")
+        elif isinstance(err.get("input"), (dict, list)):
+            parts.append(f"{loc}: {msg}")
         else:
-            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+            parts.append(f"{loc}: {msg} (got {_shown(err['loc'], err.get('input'))})")
     return "invalid setting " + "; ".join(parts)
+
+
+_SECRET_NAME = re.compile(r"token|secret|password|(^|_)keys?$")
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
+
+
+def _shown(loc: tuple[int | str, ...], value: Any) -> str:
+    """`value` as an error line may show it: never a secret (a token, a key, a URL's password)."""
+    if any(isinstance(p, str) and _SECRET_NAME.search(p) for p in loc):
+        return "***"
+    return repr(_URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value)
 
 
 def _check_env_names(environ: Mapping[str, str]) -> None:

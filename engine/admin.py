@@ -5,14 +5,16 @@ administration (attach, resize, detach adapters; the store policy and the prefet
 answered with a typed answer (engine/answers.py). The data plane never calls this; api/http does.
 
 State: none of its own. It holds the tenant ledger (the L1 cache's), the quota registry writing to
-that ledger, and the engine's L2 parts (None: the sidecar runs without L2). Owned by the event loop.
+that ledger, the engine's L2 parts (None: the sidecar runs without L2) and the directories disk
+adapters may use (`allowed_roots`; None: any). Owned by the event loop.
 
 Primitives:
   quotas() / quota(salt)                    every tenant with a quota or usage / one (NotFound)
   set_quota(salt, quota) / delete_quota(salt)   durable and in effect for the next operation
   l2_adapters() / l2_policy()               the attached adapters / the policy (None: no L2)
   add_adapter(config)                       Conflict on a duplicate name; ConfigError when it
-                                            cannot start (a disk path that cannot be written)
+                                            may not start (a disk path outside the allowed roots)
+                                            or cannot (a disk path that cannot be written, ...)
   resize_adapter(name, bytes) / remove_adapter(name, mode)   NotFound for an unknown name
   set_l2_policy(store_policy, prefetch_deadline_ms)
 Every L2 change raises NotFound when the sidecar runs without L2.
@@ -21,9 +23,12 @@ Every L2 change raises NotFound when the sidecar runs without L2.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, cast
 
-from app.errors import NotFound
+import structlog
+
+from app.errors import ConfigError, KVDepotError, NotFound
 from engine.answers import (
     AdapterAnswer,
     AdapterList,
@@ -39,16 +44,22 @@ from engine.l2.tiers import RemoveMode, Tier
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import Quota, check_salt
 from engine.tenants.registry import QuotaRegistry
-from storage.config import AdapterConfig
+from storage.config import AdapterConfig, DiskAdapterConfig
+
+log = structlog.get_logger("kvdepot.admin")
 
 
 class Administration:
-    def __init__(self, ledger: TenantLedger, quotas: QuotaRegistry, l2: L2Parts | None) -> None:
+    def __init__(
+        self, ledger: TenantLedger, quotas: QuotaRegistry, l2: L2Parts | None, *,
+        allowed_roots: list[Path] | None = None,
+    ) -> None:  # fmt: skip
         if quotas.ledger is not ledger:
             raise ValueError("the quota registry must write to the L1 cache's ledger")
         self.ledger = ledger
         self.quota_registry = quotas
         self.l2 = l2
+        self.allowed_roots = None if allowed_roots is None else [r.resolve() for r in allowed_roots]
 
     # --- tenants and quotas --------------------------------------------------------------------
 
@@ -89,7 +100,30 @@ class Administration:
         )
 
     async def add_adapter(self, config: AdapterConfig) -> AdapterAnswer:
-        return adapter(await self._l2().tiers.add(config))
+        """Attach an adapter; ConfigError naming it when it may not or cannot start."""
+        l2 = self._l2()
+        self._check_paths(config)
+        try:
+            tier = await l2.tiers.add(config)
+        except KVDepotError:
+            raise
+        except Exception as exc:  # whatever an adapter raises when it starts is the config's fault
+            log.warning("l2_adapter_refused", name=config.name, error=type(exc).__name__)
+            raise ConfigError(f"l2.adapters[{config.name}]: cannot start: {type(exc).__name__}") from None
+        return adapter(tier)
+
+    def _check_paths(self, config: AdapterConfig) -> None:
+        """A disk adapter's directories must lie under an allowed root once symlinks and `..` are
+        resolved: the sidecar creates and deletes files there."""
+        if self.allowed_roots is None or not isinstance(config, DiskAdapterConfig):
+            return
+        for path in config.paths:
+            resolved = path.resolve()
+            if not any(resolved.is_relative_to(root) for root in self.allowed_roots):
+                roots = ", ".join(str(r) for r in self.allowed_roots)
+                raise ConfigError(
+                    f"l2.adapters[{config.name}]: path {path} is outside l2.allowed_roots ({roots})"
+                )
 
     async def resize_adapter(self, name: str, capacity_bytes: int) -> AdapterAnswer:
         return adapter(await self._l2().tiers.resize(name, capacity_bytes))

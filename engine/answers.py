@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from engine.l2.prefetch import PrefetchCounters
 from engine.l2.store_queue import StoreCounters
@@ -152,13 +152,18 @@ class L1Status:
 
 
 def redact_url(url: str) -> str:
-    """`url` with the password of its user part replaced by `***` (the rest unchanged)."""
+    """`url` with the password of its user part, and a `password` query parameter (redis-py reads
+    one there too), replaced by `***` (the rest unchanged)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{host}"))
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}:{MASK}@{host}")
+    if "password" in parts.query.lower():
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        masked = [(k, MASK if k.lower() == "password" else v) for k, v in query]
+        parts = parts._replace(query=urlencode(masked, safe="*"))
+    return urlunsplit(parts)
 
 
 def redacted(config: AdapterConfig) -> AdapterConfig:

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import structlog
+
 from app.errors import InvalidInput, LeaseExpired, NotFound
 from engine.keys import KVLayout, ObjectKey, TokenHasher
 from engine.l1.arena import SharedArena
@@ -43,6 +45,8 @@ from engine.requests import RequestState, RequestTable
 from engine.results import EngineCounters, Extent, LookupResult, Registration, SlotStatus, StoreSlot
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
+
+log = structlog.get_logger("kvdepot.engine")
 
 
 class CacheEngine:
@@ -290,9 +294,14 @@ class CacheEngine:
         return reservations, expired
 
     async def run_reaper(self, interval_s: float) -> None:
+        """Reap every `interval_s`; a pass that fails is logged and counted, the next one runs."""
         while True:
             await asyncio.sleep(interval_s)
-            self.reap()
+            try:
+                self.reap()
+            except Exception:
+                self.counters.reaper_errors += 1
+                log.exception("lease_reaper_pass_failed", errors=self.counters.reaper_errors)
 
     def locked_requests(self) -> int:
         """Requests holding read locks now (for /status)."""

@@ -63,3 +63,4 @@ class EngineCounters:
     retrieved_chunks: int = 0
     expired_locks: int = 0
     l2_hit_chunks: int = 0
+    reaper_errors: int = 0

@@ -44,6 +44,9 @@ class ServiceStatus:
     l1: L1Status
     l2: L2Status
     tenants: TenantsSummary
+    tenant_details: bool
+    """False: an admin token is set and the request did not hold it, so the tenants' names
+    (`tenants.largest`) were left out."""
     settings: dict[str, Any]
     """The settings in effect (as `Settings`), secrets masked (`***`)."""
 
@@ -52,6 +55,7 @@ _WHY = {
     401: "The admin bearer token is missing or wrong.",
     404: "Not found.",
     409: "Conflicts with the current state.",
+    413: "The body is larger than http.max_body_bytes (code `payload_too_large`); it was not read.",
     422: "Invalid input (the message names the field).",
     500: "Unexpected failure (no details).",
 }

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 import structlog
 from fastapi import FastAPI, Request, Response
+from starlette.routing import BaseRoute, Match
+from starlette.types import Scope
 
 from api.http.context import ControlContext
+from api.http.deps import token_ok
 from api.http.errors import install_error_handlers
+from api.http.guard import RequestGuard
 from api.http.routes import ROUTERS
 from app import __version__
 
@@ -27,8 +32,15 @@ def create_app(ctx: ControlContext) -> FastAPI:
     )
     app.state.ctx = ctx
     install_error_handlers(app)
+    routes: list[BaseRoute] = []
     for router in ROUTERS:
         app.include_router(router)
+        routes += router.routes
+    # Inside the request scope below (its rejections are logged), outside everything that reads bodies.
+    http = ctx.settings.http
+    app.add_middleware(
+        RequestGuard, max_body_bytes=http.max_body_bytes, token_ok=functools.partial(token_ok, http)
+    )
 
     @app.middleware("http")
     async def request_scope(
@@ -47,10 +59,25 @@ def create_app(ctx: ControlContext) -> FastAPI:
                 "http_request",
                 request_id=request_id,
                 method=request.method,
-                path=request.url.path,
+                path=route_of(request.scope, routes),
                 status=response.status_code,
                 ms=round((time.perf_counter() - start) * 1000, 2),
             )
         return response
 
     return app
+
+
+def route_of(scope: Scope, routes: list[BaseRoute]) -> str:
+    """The path template of the route a request is for (`/quotas/{cache_salt:path}`), so that
+    request logs never show a tenant's salt: the route the router chose, else (a request refused
+    before routing) the first of `routes` that matches. A path no route matches is logged as is."""
+    chosen = scope.get("route")
+    candidates = (
+        [chosen] if chosen is not None else [r for r in routes if r.matches(scope)[0] is not Match.NONE]
+    )
+    for route in candidates:
+        path = getattr(route, "path", None)
+        if isinstance(path, str):
+            return path
+    return str(scope["path"])[:200]

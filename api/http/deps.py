@@ -1,4 +1,5 @@
-"""FastAPI dependencies, as `Annotated` aliases: the context, and the admin-token guard."""
+"""FastAPI dependencies, as `Annotated` aliases: the context, the admin-token guard, and whether a
+request holds the token (for answers that show tenants only to the token's holder)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.http.context import ControlContext
 from app.errors import Unauthorized
+from app.settings import HttpSettings
 
 
 def get_ctx(request: Request) -> ControlContext:
@@ -22,16 +24,31 @@ Ctx = Annotated[ControlContext, Depends(get_ctx)]
 _bearer = HTTPBearer(auto_error=False)
 
 
+def token_ok(http: HttpSettings, authorization: str | None) -> bool:
+    """Whether an `Authorization` header value carries the admin token (always, when none is set)."""
+    token = http.admin_token
+    if token is None:
+        return True
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        given = ""
+    return hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode())
+
+
+def is_admin(ctx: Ctx, request: Request) -> bool:
+    """True when the request may see tenants: it holds the admin token, or none is set."""
+    return token_ok(ctx.settings.http, request.headers.get("authorization"))
+
+
 def require_admin(
     ctx: Ctx, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
-    """Mutating endpoints depend on this: when `http.admin_token` is set, the bearer must match."""
-    token = ctx.settings.http.admin_token
-    if token is None:
-        return
-    given = credentials.credentials if credentials is not None else ""
-    if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+    """Mutating endpoints and those showing tenants depend on this: when `http.admin_token` is
+    set, the bearer must match."""
+    given = f"Bearer {credentials.credentials}" if credentials is not None else None
+    if not token_ok(ctx.settings.http, given):
         raise Unauthorized("a valid admin bearer token is required (Authorization: Bearer <token>)")
 
 
 Admin = Annotated[None, Depends(require_admin)]
+AdminView = Annotated[bool, Depends(is_admin)]

@@ -4,9 +4,11 @@ State: the region's file under /dev/shm (POSIX shared memory), its mapping and a
 the whole of it. Objects are views (`tensor(offset, size)`, `view(offset, size)`) at offsets the
 allocator hands out; there is no torch allocation per chunk.
 
-Names are `kvdepot-<instance>-<pid>`: the instance is derived from the data directory, so a sidecar
-restarted on the same data dir finds, and unlinks, the regions its dead predecessors left behind
-(`cleanup_stale`). A region whose owner is alive is never touched.
+Names are `kvdepot-<instance>-<pid>` (`arena_name`): the instance is derived from the data
+directory, so a sidecar restarted on the same data dir finds, and unlinks, the regions its dead
+predecessors left behind (`cleanup_stale`), whatever PID their names carry. Ownership is an flock
+on the region, held by the sidecar for its lifetime, never a PID: a region a live process holds is
+never touched.
 
 Primitives in call order: `cleanup_stale()`, `SharedArena.create(...)`, views, `close()` (unmaps
 and unlinks; clients that still map it keep their mapping until they unmap).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 from pathlib import Path
@@ -36,32 +39,40 @@ def instance_id(data_dir: Path) -> str:
     return blake3.blake3(str(data_dir.resolve()).encode()).hexdigest(length=6)
 
 
-def _pid_alive(pid: int) -> bool:
+def arena_name(instance: str, pid: int) -> str:
+    """The name of the arena of the sidecar with process id `pid` on the data dir of `instance`."""
+    return f"{PREFIX}{instance}-{pid}"
+
+
+def _held(path: Path) -> bool:
+    """Whether a live process holds the region at `path` (a sidecar holds an flock on its arena
+    for as long as it lives; the kernel drops it with the process, however it dies)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:
+        return True  # not ours to judge (another user's file): leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def cleanup_stale(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink regions of this instance whose owning process is gone. Returns their names.
-
-    A region of this instance whose owner is alive means another sidecar runs on the same data
-    directory: that is refused with a ConfigError rather than sharing (and corrupting) it.
+    """Unlink the regions of this instance that no live sidecar holds, whatever PID their name
+    carries (a PID repeats: PID 1 in a container; a dead sidecar's PID is reused by another
+    program). Returns their names. Call it holding the data dir's lock (app/datadir.py): then no
+    sidecar in this PID namespace can own them. A region still held belongs to a sidecar on the
+    same data dir path in another PID namespace that shares /dev/shm; it is left alone, and
+    `SharedArena.create` refuses to take its name.
     """
     removed: list[str] = []
-    prefix = f"{PREFIX}{instance}-"
-    for entry in shm_dir.glob(f"{prefix}*"):
-        pid_text = entry.name[len(prefix) :]
-        if not pid_text.isdigit():
-            continue
-        pid = int(pid_text)
-        if pid != os.getpid() and _pid_alive(pid):
-            raise ConfigError(f"data_dir: another kvdepot (pid {pid}) is running on this data directory")
-        if pid == os.getpid():
+    for entry in shm_dir.glob(f"{PREFIX}{instance}-*"):
+        if not entry.name[len(PREFIX) + len(instance) + 1 :].isdigit() or _held(entry):
             continue
         with contextlib.suppress(FileNotFoundError):
             entry.unlink()
@@ -86,13 +97,19 @@ class SharedArena:
     def create(
         cls, size: int, instance: str, *, populate: bool = True, shm_dir: Path = SHM_DIR
     ) -> SharedArena:
-        name = f"{PREFIX}{instance}-{os.getpid()}"
+        name = arena_name(instance, os.getpid())
         path = shm_dir / name
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o660)
+        except FileExistsError:
+            raise ConfigError(
+                f"l1: shared memory {path} belongs to a live kvdepot on a data dir of the same path in "
+                "another PID namespace sharing /dev/shm; give each sidecar a data_dir path of its own"
+            ) from None
         except OSError as exc:
             raise ConfigError(f"l1: cannot create shared memory {path}: {exc.strerror}") from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
             os.ftruncate(fd, size)
             if populate:
                 try:

@@ -91,10 +91,14 @@ def test_quotas_in_a_real_sidecar_evict_only_the_tenants_own_chunks(sidecar_fact
         assert (z["bytes"], z["quota_refusals"]) == (0, 3)
     finally:
         c.close()
-    with urllib.request.urlopen(sc.http + "/metrics", timeout=5) as resp:
+    scrape = urllib.request.Request(sc.http + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(scrape, timeout=5) as resp:
         metrics = resp.read().decode()
     assert 'kvdepot_tenant_evictions_total{tenant="a",tier="l1"} 7.0' in metrics
     assert 'kvdepot_tenant_quota_refused_chunks_total{tenant="z",tier="l1"} 3.0' in metrics
+    with urllib.request.urlopen(sc.http + "/metrics", timeout=5) as resp:  # no token: no tenants
+        anonymous = resp.read().decode()
+    assert "kvdepot_l1_used_bytes" in anonymous and 'tenant="' not in anonymous
 
 
 def test_quotas_survive_a_restart_of_the_sidecar(sidecar_factory: StartSidecar, tmp_path: Path) -> None:

@@ -42,8 +42,8 @@ async def list_adapters(ctx: Ctx) -> AdapterList:
     "/adapters",
     status_code=201,
     response_model=AdapterAnswer,
-    summary="Attach an adapter (JSON adapter config)",
-    responses=errors(401, 404, 409, 422),
+    summary="Attach an adapter (JSON adapter config; disk paths only under l2.allowed_roots)",
+    responses=errors(401, 404, 409, 413, 422),
 )
 async def add_adapter(ctx: Ctx, _: Admin, config: Annotated[AdapterConfig, Body()]) -> AdapterAnswer:
     return await ctx.admin.add_adapter(config)
@@ -53,7 +53,7 @@ async def add_adapter(ctx: Ctx, _: Admin, config: Annotated[AdapterConfig, Body(
     "/adapters/{name}",
     response_model=AdapterAnswer,
     summary="Change an adapter's capacity",
-    responses=errors(401, 404, 422),
+    responses=errors(401, 404, 413, 422),
 )
 async def patch_adapter(ctx: Ctx, _: Admin, name: str, patch: AdapterPatch) -> AdapterAnswer:
     return await ctx.admin.resize_adapter(name, int(patch.capacity_gb * (1 << 30)))
@@ -77,7 +77,7 @@ async def remove_adapter(
     "/policy",
     response_model=L2Policy,
     summary="Change the store policy or the prefetch deadline",
-    responses=errors(401, 404, 422),
+    responses=errors(401, 404, 413, 422),
 )
 async def patch_policy(ctx: Ctx, _: Admin, patch: PolicyPatch) -> L2Policy:
     return ctx.admin.set_l2_policy(patch.store_policy, patch.prefetch_deadline_ms)

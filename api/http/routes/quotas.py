@@ -2,6 +2,7 @@
 
 A limit is bytes, or null for unlimited; 0 means the tenant stores nothing in that tier. Changes are
 written to `<data_dir>/quotas.json` before they are answered and apply to the next operation.
+Salts are tenants' secrets (vLLM's cache_salt): when an admin token is set, reading needs it too.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def salt_of(name: str) -> str:
     "",
     response_model=QuotaList,
     summary="Every tenant with a quota or usage: quota, limits and usage per tier",
-    responses=errors(),
+    responses=errors(401),
 )
-async def list_quotas(ctx: Ctx) -> QuotaList:
+async def list_quotas(ctx: Ctx, _: Admin) -> QuotaList:
     return ctx.admin.quotas()
 
 
@@ -60,9 +61,9 @@ async def list_quotas(ctx: Ctx) -> QuotaList:
     "/{cache_salt:path}",
     response_model=TenantQuota,
     summary="One tenant's quota, limits and usage per tier",
-    responses=errors(404, 422),
+    responses=errors(401, 404, 422),
 )
-async def get_quota(ctx: Ctx, cache_salt: Salt) -> TenantQuota:
+async def get_quota(ctx: Ctx, _: Admin, cache_salt: Salt) -> TenantQuota:
     return ctx.admin.quota(salt_of(cache_salt))
 
 
@@ -70,7 +71,7 @@ async def get_quota(ctx: Ctx, cache_salt: Salt) -> TenantQuota:
     "/{cache_salt:path}",
     response_model=TenantQuota,
     summary="Set a tenant's quota (null = unlimited)",
-    responses=errors(401, 422),
+    responses=errors(401, 413, 422),
 )
 async def put_quota(ctx: Ctx, _: Admin, cache_salt: Salt, body: QuotaBody) -> TenantQuota:
     quota = Quota(l1_bytes=body.l1_bytes, l2_bytes=body.l2_bytes)

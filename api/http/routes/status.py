@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter
 
 from api.http.answers import ServiceStatus, errors
-from api.http.deps import Ctx
+from api.http.deps import AdminView, Ctx
 from app import __version__
 from app.settings import Settings
 from engine.answers import redact_url
@@ -18,10 +19,13 @@ router = APIRouter(tags=["status"])
 @router.get(
     "/status",
     response_model=ServiceStatus,
-    summary="Version, uptime, components, settings (no secrets), L1/L2/tenants",
+    summary="Version, uptime, components, settings (no secrets), L1/L2/tenants (names: token only)",
     responses=errors(),
 )
-async def status(ctx: Ctx) -> ServiceStatus:
+async def status(ctx: Ctx, admin: AdminView) -> ServiceStatus:
+    tenants = ctx.status.tenants()
+    if not admin:
+        tenants = dataclasses.replace(tenants, largest=[])  # salts: for the token's holder only
     return ServiceStatus(
         version=__version__,
         uptime_s=round(ctx.health.uptime_s(), 3),
@@ -29,7 +33,8 @@ async def status(ctx: Ctx) -> ServiceStatus:
         components=ctx.health.components(),
         l1=ctx.status.l1(),
         l2=ctx.status.l2(),
-        tenants=ctx.status.tenants(),
+        tenants=tenants,
+        tenant_details=admin,
         settings=settings_summary(ctx.settings),
     )
 

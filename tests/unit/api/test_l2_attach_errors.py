@@ -3,7 +3,6 @@ nothing half attached (the adapter list is what it was, the name is free for a l
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,9 +26,10 @@ async def attach(running: RunningService, config: dict[str, Any]) -> tuple[int, 
 
 
 async def test_a_disk_adapter_under_a_regular_file_is_refused_and_not_attached(
-    running: RunningService, tmp_path: Path
+    running: RunningService,
 ) -> None:
-    not_a_dir = tmp_path / "plain-file"
+    data_dir = running.service.settings.data_dir  # disk adapters live under it (l2.allowed_roots)
+    not_a_dir = data_dir / "plain-file"
     not_a_dir.write_text("not a directory")
     before = await adapters(running)
 
@@ -40,7 +40,7 @@ async def test_a_disk_adapter_under_a_regular_file_is_refused_and_not_attached(
     assert "d2" in error["message"] and "cannot start" in error["message"]
     assert await adapters(running) == before
     # The name was not left reserved: a disk adapter that can start takes it.
-    status, _ = await attach(running, {"type": "disk", "name": "d2", "paths": [str(tmp_path / "ok")]})
+    status, _ = await attach(running, {"type": "disk", "name": "d2", "paths": [str(data_dir / "ok")]})
     assert status == 201
     assert [a["name"] for a in await adapters(running)] == [*(a["name"] for a in before), "d2"]
 

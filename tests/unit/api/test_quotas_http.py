@@ -243,7 +243,7 @@ async def test_random_bodies_never_get_a_5xx(running: RunningService) -> None:
 # --- the admin token ------------------------------------------------------------------------------
 
 
-async def test_mutations_need_the_admin_token_reads_do_not(serve: ServeService) -> None:
+async def test_mutations_and_reads_need_the_admin_token(serve: ServeService) -> None:
     async with serve({"http.admin_token": TOKEN}) as running:
         c = running.client
         wrong = {"Authorization": "Bearer nope"}
@@ -253,10 +253,13 @@ async def test_mutations_need_the_admin_token_reads_do_not(serve: ServeService) 
                 await c.put("/quotas/a", json={"l1_bytes": -1}, headers=headers), 401, "unauthorized"
             )
             assert_error(await c.delete("/quotas/a", headers=headers), 401, "unauthorized")
-        assert_error(await c.get("/quotas/a"), 404, "not_found")  # nothing was changed
+            # Salts are tenants' secrets: reading them needs the token too.
+            assert_error(await c.get("/quotas", headers=headers), 401, "unauthorized")
+            assert_error(await c.get("/quotas/a", headers=headers), 401, "unauthorized")
+        assert_error(await c.get("/quotas/a", headers=AUTH), 404, "not_found")  # nothing was changed
         assert (await c.put("/quotas/a", json={"l1_bytes": 1}, headers=AUTH)).status_code == 200
-        assert (await c.get("/quotas")).status_code == 200
-        assert (await c.get("/quotas/a")).status_code == 200
+        assert (await c.get("/quotas", headers=AUTH)).status_code == 200
+        assert (await c.get("/quotas/a", headers=AUTH)).status_code == 200
         assert_error(await c.delete("/quotas/a", headers=wrong), 401, "unauthorized")
         assert (await c.delete("/quotas/a", headers=AUTH)).status_code == 204
 

@@ -85,6 +85,7 @@ def test_flags_override_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_nested_env_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVDEPOT_L1__SIZE_GB", "0.5")
     monkeypatch.setenv("KVDEPOT_HTTP__HOST", "0.0.0.0")
+    monkeypatch.setenv("KVDEPOT_HTTP__ADMIN_TOKEN", "t0ken")
     monkeypatch.setenv("KVDEPOT_LOGGING__LEVEL", "debug")
     monkeypatch.setenv("KVDEPOT_SHUTDOWN_TIMEOUT_S", "7")
     s = load_settings()
