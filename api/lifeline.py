@@ -5,8 +5,8 @@ Each client process connects a plain unix stream socket to `<data_dir>/lifeline.
 refuses any uid but its own (or root); the first frame must be a Hello whose token
 `authenticate(token)` knows (it returns the holder the token stands for, or None), else the
 connection is closed. Then the server sends the descriptors `offer(holder)` names (the arena's
-memfd), accepts the sealed regions a client shares (`on_fds`, which takes ownership of the
-descriptors or raises LifelineRefused), and calls `on_closed(line)` as soon as the peer is gone
+memfd), accepts the sealed regions a client shares (`on_fds`, which owns the descriptors from
+then on, and may raise LifelineRefused), and calls `on_closed(line)` as soon as the peer is gone
 (EOF, ECONNRESET, or a protocol error).
 
 State: the listening socket and one `Lifeline` per connection (buffers, received descriptors not
@@ -64,7 +64,8 @@ class LifelineLimits:
 
 
 class LifelineRefused(Exception):
-    """Raised by `on_fds` to refuse a share; the client is told `reason` and the fds are closed."""
+    """Raised by `on_fds` to refuse a share; the client is told `reason`. `on_fds` owns (closes)
+    the descriptors it was given whether it returns or raises."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,13 +189,11 @@ class Lifeline:
             return
         regions = [SharedRegion(n, fd, s) for n, fd, s in zip(message.names, fds, message.sizes, strict=True)]
         try:
-            self._server.on_fds(self, regions)
+            self._server.on_fds(self, regions)  # owns the descriptors from here, even if it raises
         except LifelineRefused as exc:
-            _close_fds(fds)
             self.send(Refused(reason=str(exc)[:1024]))
             return
         except Exception:
-            _close_fds(fds)
             log.exception("lifeline_share_failed", pid=self.pid)
             self.refuse("the sidecar could not take the share")
             return
@@ -258,7 +257,7 @@ class LifelineServer:
         *,
         authenticate: Callable[[bytes], object | None],
         on_fds: Callable[[Lifeline, list[SharedRegion]], None],
-        on_closed: Callable[[Lifeline], None],
+        on_closed: Callable[[Lifeline], object],
         offer: Callable[[object], Sequence[tuple[str, int]]] | None = None,
         limits: LifelineLimits = LifelineLimits(),
     ) -> None:
@@ -336,7 +335,10 @@ class LifelineServer:
             log.info("lifeline_dropped", pid=line.pid, reason=why)
             return
         log.info("lifeline_closed", pid=line.pid, reason=why)
-        self.on_closed(line)
+        try:
+            self.on_closed(line)
+        except Exception:
+            log.exception("lifeline_on_closed_failed", pid=line.pid)
 
 
 def _close_fds(fds: Sequence[int]) -> None:

@@ -8,25 +8,23 @@ transfer engine (gpu/transfer.py) waits on it in an executor.
 - `CudaDevice`: CUDA streams and events; tensors shared as CUDA IPC handles; host memory pinned
   with cudaHostRegister. Built only where torch sees a GPU.
 - `CpuDevice`: the same path on CPU. A stream is a queue of copies, `record` closes a batch, and
-  `synchronize` performs the batch's copies, in the calling (executor) thread. Tensors are shared
-  as named shared-memory regions.
+  `synchronize` performs the batch's copies, in the calling (executor) thread. Tensors lie in
+  sealed memfd regions the engine shared over its lifeline (gpu/sealed.py), never in files
+  opened by name.
 
-Tensor handles are plain dicts (from the data plane): {"kind": "cpu-shm" | "cuda-ipc", "shape",
-"stride", "dtype", "offset" (elements), ...kind-specific fields}.
+Tensor handles are plain dicts (from the data plane): {"kind": "cpu-memfd" | "cuda-ipc", "shape",
+"stride", "dtype", "offset" (elements), ...kind-specific fields}; "name" names a sealed region.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from gpu.sealed import SealedRegions, SealError
 from kvdepot_connector.layout import DTYPE_SIZES
-
-SHM_DIR = Path("/dev/shm")
 
 # Every dtype a KV layout may name, as torch's dtype of the same name.
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
@@ -99,27 +97,20 @@ class CpuDevice:
 
     kind = "cpu"
 
-    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
-        self._shm_dir = shm_dir
+    def __init__(self, regions: SealedRegions | None = None) -> None:
+        self.regions = regions if regions is not None else SealedRegions()
         self._maps: dict[int, mmap.mmap] = {}
 
     def open(self, handle: dict[str, Any]) -> torch.Tensor:
-        if handle.get("kind") != "cpu-shm":
-            raise HandleError(f"the CPU device opens cpu-shm handles, not {handle.get('kind')!r}")
-        name = str(handle.get("name", ""))
-        if not name or "/" in name or name.startswith("."):
-            raise HandleError(f"bad shared-memory name {name!r}")
+        kind = handle.get("kind")
+        if kind == "cpu-shm":
+            raise HandleError("named shared memory is not opened: share a sealed memfd over the lifeline")
+        if kind != "cpu-memfd":
+            raise HandleError(f"the CPU device opens cpu-memfd handles, not {kind!r}")
         try:
-            fd = os.open(self._shm_dir / name, os.O_RDWR)
-        except OSError as exc:
-            raise HandleError(f"cannot open shared memory {name!r}: {exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size <= 0:
-                raise HandleError(f"shared memory {name!r} is empty")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            mm = self.regions.get(str(handle.get("name", "")))
+        except SealError as exc:
+            raise HandleError(str(exc)) from None
         tensor = _view(torch.frombuffer(mm, dtype=torch.uint8), handle)
         self._maps[id(tensor)] = mm
         return tensor
@@ -211,6 +202,6 @@ class CudaDevice:
         return event
 
 
-def default_device() -> Device:
-    """CUDA where torch sees a GPU, the CPU stub otherwise."""
-    return CudaDevice() if torch.cuda.is_available() else CpuDevice()
+def default_device(regions: SealedRegions | None = None) -> Device:
+    """CUDA where torch sees a GPU, the CPU stub (opening handles in `regions`) otherwise."""
+    return CudaDevice() if torch.cuda.is_available() else CpuDevice(regions)

@@ -40,6 +40,8 @@ class Recorder:
 
     def on_fds(self, line: Lifeline, regions: list[SharedRegion]) -> None:
         if self.refuse:
+            for r in regions:
+                os.close(r.fd)
             raise LifelineRefused("not sealed")
         self.regions.extend(regions)
 
