@@ -277,7 +277,9 @@ class Service:
         device = default_device(regions)
         device.pin(self.engine.arena.tensor_all)
         self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
-        return KVTransfers(self.engine, TransferEngine(device, self._transfer_executor))
+        return KVTransfers(
+            self.engine, TransferEngine(device, self._transfer_executor), self.settings.transfers
+        )
 
     async def _start_l2(self) -> None:
         assert self.l2 is not None
