@@ -312,6 +312,13 @@ class Service:
         s = self.settings
         try:
             await self._start_l2()
+            if self.lifeline is not None:
+                try:
+                    self.lifeline.start()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"data_dir: cannot listen on {self.lifeline.path}: {exc.strerror or exc}"
+                    ) from None
         except BaseException:
             await self._shutdown_l2(0)
             self.close()
@@ -323,8 +330,6 @@ class Service:
         # full passes, which otherwise stall the loop for tens of milliseconds now and then.
         gc.collect()
         gc.freeze()
-        if self.lifeline is not None:
-            self.lifeline.start()
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))

@@ -90,10 +90,6 @@ def start_sidecar(
 ) -> SidecarProcess:
     full_env = dict(os.environ)
     full_env.update(env or {})
-    # From a checkout, the sidecar imports the pure connector modules of that same checkout.
-    here = Path(__file__).resolve().parents[2] / "connector"
-    if (here / "kvdepot_connector").is_dir():
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), full_env.get("PYTHONPATH")) if p)
     full_env.setdefault("KVDEPOT_LOGGING__FORMAT", "json")
     cmd = [
         sys.executable, "-m", "app.cli", "serve", "--http-port", "0", "--data-dir", str(data_dir),
