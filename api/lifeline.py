@@ -115,7 +115,7 @@ class Lifeline:
         space = socket.CMSG_SPACE(limits.max_fds_per_message * _INT)
         while not self.closed:
             try:
-                data, ancdata, flags, _ = self._sock.recvmsg(65536, space)
+                data, ancdata, flags, _ = self._sock.recvmsg(65536, space, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:

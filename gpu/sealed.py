@@ -29,6 +29,7 @@ F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 #: the seals a region must carry: its size is fixed for good
 REQUIRED_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
 MAX_REGIONS = 4096
+MAX_REGIONS_PER_HOLDER = 1024
 
 
 class SealError(ValueError):
@@ -79,9 +80,10 @@ class Region:
 class SealedRegions:
     """Mapped sealed regions by name; the device opens tensor handles inside them."""
 
-    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+    def __init__(self, max_regions: int = MAX_REGIONS, per_holder: int = MAX_REGIONS_PER_HOLDER) -> None:
         self._regions: dict[str, Region] = {}
         self._max = max_regions
+        self._per_holder = per_holder
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -93,6 +95,8 @@ class SealedRegions:
                 raise SealError(f"a region named {name!r} is already shared")
             if len(self._regions) >= self._max:
                 raise SealError(f"{self._max} regions are shared already")
+            if sum(1 for r in self._regions.values() if r.holder is holder) >= self._per_holder:
+                raise SealError(f"one holder may share at most {self._per_holder} regions")
             self._regions[name] = Region(holder, open_sealed(fd, nbytes))
         finally:
             os.close(fd)

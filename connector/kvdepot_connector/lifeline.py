@@ -179,7 +179,7 @@ class LifelineClient:
                         raise LifelineError("lifeline frame without its descriptors")
                     fds, self._fds = self._fds[:count], self._fds[count:]
                     return message, fds
-            data, ancdata, _flags, _addr = self._sock.recvmsg(65536, space)
+            data, ancdata, _flags, _addr = self._sock.recvmsg(65536, space, socket.MSG_CMSG_CLOEXEC)
             _take_fds(ancdata, self._fds)
             if not data:
                 raise LifelineError("the sidecar closed the lifeline")

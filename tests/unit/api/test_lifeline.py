@@ -89,6 +89,7 @@ def test_a_client_with_the_token_gets_the_offer_and_shares_regions(tmp_path: Pat
         client = await asyncio.to_thread(LifelineClient, server.path, TOKEN)
         arena = client.take("arena")
         assert os.fstat(arena).st_size == 4096  # the very memfd the server offered
+        assert not os.get_inheritable(arena)
         os.close(arena)
         region = os.memfd_create("region")
         os.ftruncate(region, 8192)
@@ -96,6 +97,7 @@ def test_a_client_with_the_token_gets_the_offer_and_shares_regions(tmp_path: Pat
         os.close(region)
         [got] = rec.regions
         assert (got.name, got.size, os.fstat(got.fd).st_size) == ("kv0", 8192, 8192)
+        assert not os.get_inheritable(got.fd)  # never leaks into a process the sidecar starts
         [line] = server.lines
         assert (line.pid, line.uid, line.holder) == (os.getpid(), os.getuid(), "holder-1")
         client.close()

@@ -97,6 +97,16 @@ def test_a_region_name_is_never_replaced_and_goes_with_its_holder(shared: Shared
         regions.get(shared.name)
 
 
+def test_one_holder_cannot_fill_the_table(shared: SharedTensor) -> None:
+    regions = SealedRegions(max_regions=8, per_holder=2)
+    for i in range(2):
+        regions.add(HOLDER, f"r{i}", shared_copy(shared), shared.nbytes)
+    with pytest.raises(SealError, match="at most 2"):
+        regions.add(HOLDER, "r2", shared_copy(shared), shared.nbytes)
+    regions.add(object(), "other", shared_copy(shared), shared.nbytes)  # another holder still may
+    assert len(regions) == 3
+
+
 def test_the_sealed_arena_maps_in_a_client_that_cannot_truncate_it() -> None:
     arena = SealedArena.create_sealed(1 << 20, "test", populate=True)
     try:
