@@ -167,6 +167,7 @@ class Lifeline:
     def _handle(self, message: Message, fds: list[int]) -> None:
         if self.holder is None:
             if not isinstance(message, Hello):
+                _close_fds(fds)
                 self.refuse("the first frame must be a hello")
                 return
             holder = self._server.authenticate(message.token)

@@ -147,6 +147,7 @@ def test_an_unknown_token_is_refused_and_closed(tmp_path: Path) -> None:
 
 def test_a_share_before_hello_is_refused(tmp_path: Path) -> None:
     async def body(server: LifelineServer, rec: Recorder) -> None:
+        before = open_fds()
         sock = raw(server.path)
         region = os.memfd_create("early")
         sock.sendmsg([encode_frame(Share(names=["x"], sizes=[1]))],
@@ -154,6 +155,7 @@ def test_a_share_before_hello_is_refused(tmp_path: Path) -> None:
         os.close(region)
         assert await asyncio.to_thread(_read_until_eof, sock)
         assert rec.regions == []
+        assert open_fds() == before  # the server kept none of it
 
     run(body, tmp_path)
 
