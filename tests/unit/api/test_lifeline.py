@@ -6,9 +6,11 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -242,3 +244,35 @@ def test_a_refused_share_closes_its_descriptors_and_keeps_the_lifeline(tmp_path:
         client.close()
 
     run(body, tmp_path, refuse=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client under another uid")
+def test_a_client_of_another_uid_is_refused() -> None:
+    where = Path(tempfile.mkdtemp(prefix="kvdepot-lifeline-", dir="/tmp"))  # reachable by any uid
+    script = (
+        "import os\n"
+        "from kvdepot_connector.lifeline import LifelineClient, LifelineError\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "try:\n"
+        f"    LifelineClient({str(where / 'lifeline.sock')!r}, {TOKEN!r})\n"
+        "    print('admitted')\n"
+        "except LifelineError as exc:\n"
+        "    print('refused', exc)\n"
+    )
+
+    async def body(server: LifelineServer, rec: Recorder) -> None:
+        os.chmod(where, 0o777)
+        os.chmod(server.path, 0o666)  # let the other uid reach the socket: only the peer check is left
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'connector'}:{ROOT}")
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, env=env
+        )
+        out, _ = await asyncio.wait_for(child.communicate(), 60)
+        assert out.startswith(b"refused"), out
+        assert server.refused == 1  # connected, and dropped by the peer-credential check
+        assert server.lines == set()
+
+    try:
+        run(body, where)
+    finally:
+        shutil.rmtree(where)
