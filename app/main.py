@@ -17,6 +17,9 @@ import contextlib
 import errno
 import functools
 import gc
+import hmac
+import os
+import secrets
 import signal
 import socket
 import time
@@ -31,6 +34,7 @@ from pydantic import SecretStr
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
 from api.http.context import ControlContext
+from api.lifeline import Lifeline, LifelineRefused, LifelineServer, SharedRegion
 from api.metrics import DataPlaneMetrics, build_registry
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
@@ -54,6 +58,7 @@ from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 from engine.transfers import KVTransfers
 from gpu.device import default_device
+from gpu.sealed import SealedRegions, SealError
 from gpu.transfer import TransferEngine
 from storage.base import L2Adapter
 from storage.factory import build_adapter
@@ -85,6 +90,36 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 
 # --- builders: the wiring of the engine, shared with tests/factories.py ----------------------------
+
+
+def build_lifeline(data_dir: Path, regions: SealedRegions) -> LifelineServer:
+    """The lifeline server at `<data_dir>/lifeline.sock`; shared sealed regions land in `regions`
+    and go when their holder's lifeline closes. Until the data-plane hello hands each client its
+    own token, the token is one per start, written 0600 to `<data_dir>/lifeline.token`: only the
+    service user can read it, and the server admits no other uid (or root) anyway."""
+    token = secrets.token_bytes(32)
+    path = data_dir / "lifeline.token"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(token)
+
+    def authenticate(offered: bytes) -> object | None:
+        return object() if hmac.compare_digest(offered, token) else None
+
+    def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
+        for i, region in enumerate(shared):
+            try:
+                regions.add(line.holder, region.name, region.fd, region.size)
+            except SealError as exc:
+                for rest in shared[i + 1 :]:
+                    os.close(rest.fd)
+                raise LifelineRefused(f"{region.name}: {exc}") from None
+
+    return LifelineServer(
+        data_dir / "lifeline.sock", authenticate=authenticate, on_fds=on_fds,
+        on_closed=lambda line: regions.drop(line.holder),
+    )  # fmt: skip
 
 
 def build_cache(
@@ -157,6 +192,7 @@ class Service:
         self.arena: SharedArena | None = None
         self.engine: CacheEngine | None = None
         self.dataplane: DataPlaneServer | None = None
+        self.lifeline: LifelineServer | None = None
         self.http_server: _Uvicorn | None = None
         self.http_socket: socket.socket | None = None
         self.l2: L2Parts | None = None
@@ -262,10 +298,13 @@ class Service:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
         the CPU stub otherwise; waits on copy completion run in their own executor."""
         assert self.engine is not None
-        device = default_device()
+        self.lifeline = build_lifeline(self.settings.data_dir, regions := SealedRegions())
+        device = default_device(regions)
         device.pin(self.engine.arena.tensor_all)
         self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
-        return KVTransfers(self.engine, TransferEngine(device, self._transfer_executor))
+        return KVTransfers(
+            self.engine, TransferEngine(device, self._transfer_executor), self.settings.transfers
+        )
 
     async def _start_l2(self) -> None:
         assert self.l2 is not None
@@ -296,6 +335,13 @@ class Service:
         s = self.settings
         try:
             await self._start_l2()
+            if self.lifeline is not None:
+                try:
+                    self.lifeline.start()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"data_dir: cannot listen on {self.lifeline.path}: {exc.strerror or exc}"
+                    ) from None
         except BaseException:
             await self._shutdown_l2(0)
             self.close()
@@ -348,6 +394,9 @@ class Service:
         self._stop.set()
 
     def close(self) -> None:
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
         if self.dataplane is not None:
             self.dataplane.close()
             self.dataplane = None

@@ -36,6 +36,7 @@ from pydantic_settings import (
 )
 
 from app.errors import ConfigError
+from engine.transfer_limits import TransferLimits
 from storage.config import (
     AdapterConfig,
     AdapterName,
@@ -255,6 +256,7 @@ class Settings(BaseSettings):
     l1: L1Settings = Field(default_factory=L1Settings)
     l2: L2Settings = Field(default_factory=L2Settings)
     tenants: TenantSettings = Field(default_factory=TenantSettings)
+    transfers: TransferLimits = Field(default_factory=TransferLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @property

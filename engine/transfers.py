@@ -1,13 +1,16 @@
 """KVTransfers: the sidecar copies between an engine's paged KV blocks and L1 itself.
 
-Used where the engine can share its KV cache with the sidecar (CUDA IPC handles on a GPU; a
-shared-memory region with the CPU stub): the engine then sends block ids instead of copying.
+Used where the engine can share its KV cache with the sidecar (CUDA IPC handles on a GPU; a sealed
+memfd region with the CPU stub): the engine then sends block ids instead of copying.
 
 State: per registered engine, its KV planes opened by the device (one per layer, or per K/V plane
 where they are separate), each viewed as [blocks, block bytes], and their chunk format
 (`kvdepot_connector.layout.ChunkFormat`: which block of which plane is where in a chunk). Owned
-by the event loop; the copies themselves run through gpu.TransferEngine (a stream, an event
-awaited in an executor), so the loop never blocks on them.
+by the event loop. Every call is bounded (`TransferLimits`: planes per registration, block ids,
+chunks and copies per call; refusals are InvalidInput) and costs the loop O(chunks): the loop
+checks, reserves or locks, and hands a compact plan (per chunk: its arena offset, its engine
+block ids, the first block to copy) to the transfer executor, which expands it into copies a
+bounded batch at a time (gpu.TransferEngine.run_lazy), merging runs of consecutive blocks.
 
 Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
@@ -19,7 +22,7 @@ L1 memory stays locked (load) or reserved (save) until its copy has completed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +31,11 @@ import torch
 from app.errors import InvalidInput, NotFound, TransferError
 from engine.facade import CacheEngine
 from engine.results import SlotStatus
+from engine.transfer_limits import TransferLimits
 from gpu.device import HandleError
-from gpu.transfer import TransferEngine
+from gpu.transfer import CopyPair, TransferEngine
 from kvdepot_connector.layout import ChunkFormat, blocks_per_chunk
+from kvdepot_connector.protocol import TOKEN_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,14 +45,47 @@ class SaveOutcome:
     refused: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One call's copies, compactly: per chunk its arena offset, its engine blocks, and the first
+    of them to copy; expanded into copies only in the transfer executor."""
+
+    arena: torch.Tensor
+    planes: list[torch.Tensor]
+    fmt: ChunkFormat
+    chunks: list[tuple[int, Sequence[int], int]]  # (arena offset, block ids of the chunk, first j)
+    to_arena: bool
+
+    def copies(self) -> Iterator[CopyPair]:
+        bpc, spans = self.fmt.blocks_per_chunk, self.fmt.spans()
+        for offset, ids, start in self.chunks:
+            for plane, (pos, n) in zip(self.planes, spans, strict=True):
+                rows = self.arena[offset + pos : offset + pos + n].view(bpc, -1)
+                j = start
+                while j < bpc:
+                    k = j + 1
+                    while k < bpc and ids[k] == ids[k - 1] + 1:
+                        k += 1
+                    engine_rows = plane[ids[j] : ids[j] + k - j]
+                    yield (rows[j:k], engine_rows) if self.to_arena else (engine_rows, rows[j:k])
+                    j = k
+
+
 class KVTransfers:
-    def __init__(self, engine: CacheEngine, transfer: TransferEngine) -> None:
+    def __init__(
+        self, engine: CacheEngine, transfer: TransferEngine, limits: TransferLimits | None = None
+    ) -> None:
         self.engine = engine
         self.transfer = transfer
+        self.limits = limits or TransferLimits()
         self._planes: dict[int, tuple[list[torch.Tensor], ChunkFormat]] = {}
 
     def register(self, engine_id: int, handles: Sequence[dict[str, Any]]) -> int:
         reg = self.engine.registration(engine_id)
+        if len(handles) > self.limits.max_planes:
+            raise InvalidInput(
+                f"{len(handles)} KV planes exceed transfers.max_planes={self.limits.max_planes}"
+            )
         device = self.transfer.device
         planes: list[torch.Tensor] = []
         try:
@@ -79,30 +117,24 @@ class KVTransfers:
             raise NotFound(f"engine {engine_id} registered no KV cache (REGISTER_KV_CACHE first)")
         return found
 
-    def _cut(self, offset: int, size: int, fmt: ChunkFormat) -> list[torch.Tensor]:
-        """The chunk's bytes in the arena, as one [block, block bytes] view per plane."""
-        region = self.engine.arena.tensor(offset, size)
-        return [region[pos : pos + n].view(fmt.blocks_per_chunk, -1) for pos, n in fmt.spans()]
-
     async def load(
         self, engine_id: int, request_id: str, *, first_chunk: int, num_chunks: int, block_ids: Sequence[int],
         skip_blocks: int = 0,
     ) -> bool:  # fmt: skip
         planes, fmt = self._registered(engine_id)
         bpc = fmt.blocks_per_chunk
+        self._check_call(len(planes), bpc, num_chunks, block_ids)
         if len(block_ids) < (first_chunk + num_chunks) * bpc:
             raise InvalidInput(f"{len(block_ids)} block ids for chunks up to {first_chunk + num_chunks}")
         self._check_blocks(block_ids, planes)
         extents = self.engine.retrieve(engine_id, request_id, first_chunk, num_chunks)
-        cuts = [self._cut(ext.offset, ext.size, fmt) for ext in extents]
-        chunks = range(first_chunk, first_chunk + len(extents))
-        pairs = [
-            (plane[block], src[j])
-            for i, j, block in fmt.block_pairs(chunks, block_ids, skip_blocks=skip_blocks)
-            for plane, src in zip(planes, cuts[i], strict=True)
-        ]
+        chunks = []
+        for i, ext in enumerate(extents):
+            base = (first_chunk + i) * bpc
+            chunks.append((ext.offset, block_ids[base : base + bpc], max(0, skip_blocks - base)))
+        plan = _Plan(self.engine.arena.tensor_all, planes, fmt, chunks, to_arena=False)
         try:
-            await self.transfer.run(pairs)
+            await self.transfer.run_lazy(plan.copies)
         except Exception as exc:
             self.engine.release(engine_id, request_id)
             raise TransferError(f"copy into the engine's blocks failed: {exc}") from None
@@ -120,21 +152,23 @@ class KVTransfers:
     ) -> SaveOutcome:
         planes, fmt = self._registered(engine_id)
         bpc = fmt.blocks_per_chunk
+        chunk_tokens = self.engine.registration(engine_id).layout.chunk_size
+        self._check_call(
+            len(planes), bpc, len(tokens) // TOKEN_BYTES // chunk_tokens - first_chunk, block_ids
+        )
         self._check_blocks(block_ids, planes)
         slots = self.engine.store(engine_id, request_id, tokens, salt, first_chunk)
         reserved = [s for s in slots if s.status is SlotStatus.RESERVED]
         if len(block_ids) < len(slots) * bpc:
             self.engine.abort(engine_id, [s.oid for s in reserved])
             raise InvalidInput(f"{len(block_ids)} block ids for {len(slots)} chunks of {bpc} blocks")
-        cuts = [self._cut(s.offset, s.size, fmt) for s in reserved]
-        chunks = [s.chunk - first_chunk for s in reserved]
-        pairs = [
-            (dst[j], plane[block])
-            for i, j, block in fmt.block_pairs(chunks, block_ids)
-            for plane, dst in zip(planes, cuts[i], strict=True)
-        ]
+        chunks = []
+        for s in reserved:
+            base = (s.chunk - first_chunk) * bpc
+            chunks.append((s.offset, block_ids[base : base + bpc], 0))
+        plan = _Plan(self.engine.arena.tensor_all, planes, fmt, chunks, to_arena=True)
         try:
-            await self.transfer.run(pairs)
+            await self.transfer.run_lazy(plan.copies)
         except Exception as exc:
             self.engine.abort(engine_id, [s.oid for s in reserved])
             raise TransferError(f"copy out of the engine's blocks failed: {exc}") from None
@@ -142,6 +176,23 @@ class KVTransfers:
         existing = sum(1 for s in slots if s.status is SlotStatus.EXISTS)
         stored = sum(committed)
         return SaveOutcome(stored=stored, existing=existing, refused=len(slots) - existing - stored)
+
+    def _check_call(self, planes: int, bpc: int, chunks: int, block_ids: Sequence[int]) -> None:
+        """Refuse a call past the limits before any work: the loop's cost stays O(chunks)."""
+        lim = self.limits
+        if len(block_ids) > lim.max_blocks_per_call:
+            raise InvalidInput(
+                f"{len(block_ids)} block ids exceed transfers.max_blocks_per_call={lim.max_blocks_per_call}"
+            )
+        if chunks > lim.max_chunks_per_call:
+            raise InvalidInput(
+                f"{chunks} chunks exceed transfers.max_chunks_per_call={lim.max_chunks_per_call}"
+            )
+        if max(0, chunks) * bpc * planes > lim.max_copies_per_call:
+            raise InvalidInput(
+                f"{chunks} chunks of {bpc} blocks in {planes} planes exceed "
+                f"transfers.max_copies_per_call={lim.max_copies_per_call} block copies"
+            )
 
     @staticmethod
     def _check_blocks(block_ids: Sequence[int], planes: list[torch.Tensor]) -> None:

@@ -5,28 +5,29 @@ transfers (`pin`), queues copies on a stream (`copy`) and records an event after
 whose `synchronize` blocks until they are done. The event loop never calls `synchronize`: the
 transfer engine (gpu/transfer.py) waits on it in an executor.
 
-- `CudaDevice`: CUDA streams and events; tensors shared as CUDA IPC handles; host memory pinned
-  with cudaHostRegister. Built only where torch sees a GPU.
+- `CudaDevice`: CUDA streams and events; tensors shared as CUDA IPC handles, every field checked
+  and the storage checked against its allocation before use (gpu/cuda_ipc.py); host memory
+  pinned with cudaHostRegister. Built only where torch sees a GPU.
 - `CpuDevice`: the same path on CPU. A stream is a queue of copies, `record` closes a batch, and
-  `synchronize` performs the batch's copies, in the calling (executor) thread. Tensors are shared
-  as named shared-memory regions.
+  `synchronize` performs the batch's copies, in the calling (executor) thread. Tensors lie in
+  sealed memfd regions the engine shared over its lifeline (gpu/sealed.py), never in files
+  opened by name.
 
-Tensor handles are plain dicts (from the data plane): {"kind": "cpu-shm" | "cuda-ipc", "shape",
-"stride", "dtype", "offset" (elements), ...kind-specific fields}.
+Tensor handles are plain dicts (from the data plane): {"kind": "cpu-memfd" | "cuda-ipc", "shape",
+"stride", "dtype", "offset" (elements), ...kind-specific fields}; "name" names a sealed region.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
-from pathlib import Path
+import weakref
 from typing import Any, Protocol
 
 import torch
 
+from gpu.cuda_ipc import CudaHandleError, RefCounter, driver_address_range, validate, within_allocation
+from gpu.sealed import SealedRegions, SealError
 from kvdepot_connector.layout import DTYPE_SIZES
-
-SHM_DIR = Path("/dev/shm")
 
 # Every dtype a KV layout may name, as torch's dtype of the same name.
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
@@ -99,27 +100,20 @@ class CpuDevice:
 
     kind = "cpu"
 
-    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
-        self._shm_dir = shm_dir
+    def __init__(self, regions: SealedRegions | None = None) -> None:
+        self.regions = regions if regions is not None else SealedRegions()
         self._maps: dict[int, mmap.mmap] = {}
 
     def open(self, handle: dict[str, Any]) -> torch.Tensor:
-        if handle.get("kind") != "cpu-shm":
-            raise HandleError(f"the CPU device opens cpu-shm handles, not {handle.get('kind')!r}")
-        name = str(handle.get("name", ""))
-        if not name or "/" in name or name.startswith("."):
-            raise HandleError(f"bad shared-memory name {name!r}")
+        kind = handle.get("kind")
+        if kind == "cpu-shm":
+            raise HandleError("named shared memory is not opened: share a sealed memfd over the lifeline")
+        if kind != "cpu-memfd":
+            raise HandleError(f"the CPU device opens cpu-memfd handles, not {kind!r}")
         try:
-            fd = os.open(self._shm_dir / name, os.O_RDWR)
-        except OSError as exc:
-            raise HandleError(f"cannot open shared memory {name!r}: {exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size <= 0:
-                raise HandleError(f"shared memory {name!r} is empty")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            mm = self.regions.get(str(handle.get("name", "")))
+        except SealError as exc:
+            raise HandleError(str(exc)) from None
         tensor = _view(torch.frombuffer(mm, dtype=torch.uint8), handle)
         self._maps[id(tensor)] = mm
         return tensor
@@ -156,26 +150,38 @@ class CudaDevice:
             raise RuntimeError("no CUDA device")
         self.index = index
         self._pinned: set[int] = set()
+        self._refs = RefCounter()
+        weakref.finalize(self, self._refs.close)
 
     def open(self, handle: dict[str, Any]) -> torch.Tensor:
-        if handle.get("kind") != "cuda-ipc":
-            raise HandleError(f"the CUDA device opens cuda-ipc handles, not {handle.get('kind')!r}")
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        # The fields are torch's own (reduce_tensor / storage._share_cuda_), sent by the engine.
+        """Every field checked (gpu/cuda_ipc.py) before torch sees one; torch gets the sidecar's own
+        ref counter; the opened storage is checked against the allocation the driver reports."""
         try:
-            dtype = DTYPES[str(handle["dtype"])]
-            event = handle.get("event_handle")
-            shape = tuple(int(x) for x in handle["shape"])
-            stride = tuple(int(x) for x in handle["stride"])
-            tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
-                torch.Tensor, shape, stride, int(handle.get("offset", 0)), torch.storage.TypedStorage, dtype,
-                int(handle["device"]), bytes(handle["ipc_handle"]), int(handle["storage_bytes"]),
-                int(handle["storage_offset_bytes"]), False, bytes(handle["ref_counter_handle"]),
-                int(handle["ref_counter_offset"]), bytes(event) if event else None,
-                bool(handle["event_sync_required"]),
+            f = validate(handle)
+            if f.device >= torch.cuda.device_count():
+                raise CudaHandleError(f"no CUDA device {f.device}")
+        except CudaHandleError as exc:
+            raise HandleError(str(exc)) from None
+        try:
+            torch.cuda._lazy_init()  # type: ignore[no-untyped-call]
+            storage = torch.UntypedStorage._new_shared_cuda(
+                f.device, f.ipc_handle, f.storage_bytes, f.storage_offset_bytes, self._refs.handle, 0,
+                f.event_handle, f.event_sync_required,
             )  # fmt: skip
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            ptr = int(storage.data_ptr())
+            base, size = driver_address_range(ptr)
+            if not within_allocation(ptr, f.storage_bytes, base, size):
+                raise CudaHandleError(
+                    f"storage of {f.storage_bytes} bytes at {ptr:#x} overruns its allocation "
+                    f"[{base:#x}, +{size})"
+                )
+            dtype = DTYPES[f.dtype]
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
+            rebuild = torch._utils._rebuild_tensor
+            tensor: torch.Tensor = rebuild(typed, f.offset, f.shape, f.stride)  # type: ignore[no-untyped-call]
+        except CudaHandleError as exc:
+            raise HandleError(str(exc)) from None
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise HandleError(f"cannot open CUDA IPC handle: {exc}") from None
         return tensor
 
@@ -211,6 +217,6 @@ class CudaDevice:
         return event
 
 
-def default_device() -> Device:
-    """CUDA where torch sees a GPU, the CPU stub otherwise."""
-    return CudaDevice() if torch.cuda.is_available() else CpuDevice()
+def default_device(regions: SealedRegions | None = None) -> Device:
+    """CUDA where torch sees a GPU, the CPU stub (opening handles in `regions`) otherwise."""
+    return CudaDevice() if torch.cuda.is_available() else CpuDevice(regions)

@@ -1,13 +1,18 @@
 """Client-side mapping of the sidecar's shared-memory L1 arena.
 
-The sidecar creates the region (`/dev/shm/<name>`) and owns its lifetime; a client only maps it,
-read-write, with MAP_POPULATE so the first copies do not pay a page fault per 4 KiB. When the
-sidecar exits it unlinks the name; a client's mapping stays valid until the client unmaps it.
+The sidecar creates the region and owns its lifetime; a client only maps it, read-write, with
+MAP_POPULATE so the first copies do not pay a page fault per 4 KiB. Two ways in:
+- `ArenaMapping.from_fd(fd, size)`: the arena's sealed memfd, received over the lifeline. Its
+  size is sealed, so no client can truncate it (and SIGBUS the sidecar or another client); no
+  name in /dev/shm is opened.
+- `ArenaMapping(name, size)`: by name under /dev/shm (older sidecars).
+A client's mapping stays valid until the client unmaps it, even after the sidecar exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 from pathlib import Path
@@ -15,6 +20,8 @@ from pathlib import Path
 import torch
 
 SHM_DIR = Path("/dev/shm")
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+SIZE_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
 class ArenaMapping:
@@ -33,6 +40,23 @@ class ArenaMapping:
         self.name = name
         self.size = size
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int) -> ArenaMapping:
+        """Map the arena's memfd (the caller keeps and closes `fd`); refused unless its size is
+        sealed and at least `size`."""
+        if fcntl.fcntl(fd, F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+            raise ValueError("the arena descriptor is not sealed against resizing")
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise ValueError(f"arena is {actual} bytes, expected {size}")
+        self = cls.__new__(cls)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.name = os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")
+        self.size = size
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self
 
     def region(self, offset: int, size: int) -> torch.Tensor:
         if offset < 0 or size < 0 or offset + size > self.size:

@@ -33,6 +33,10 @@ log = structlog.get_logger("kvdepot.l1.arena")
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvdepot-"
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 
 
 def instance_id(data_dir: Path) -> str:
@@ -156,5 +160,50 @@ class SharedArena:
             self._mm.close()
         except BufferError:
             # Views still referenced somewhere; the mapping goes with the process.
+            log.warning("arena_views_outstanding", name=self.name)
+        os.close(self._fd)
+
+
+class SealedArena(SharedArena):
+    """The arena as a sealed memfd: no name in /dev/shm; clients get the descriptor over their
+    lifeline (`fd`) and can neither truncate nor grow it (F_SEAL_SHRINK | GROW | SEAL)."""
+
+    @classmethod
+    def create_sealed(cls, size: int, instance: str, *, populate: bool = True) -> SealedArena:
+        name = f"{PREFIX}{instance}-{os.getpid()}"
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            if populate:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                        raise ConfigError(
+                            f"l1.size_gb: {size / (1 << 30):.2f} GiB of memory are not free"
+                        ) from None
+                    raise
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.info("arena_created", name=name, size=size, populated=populate, sealed=True)
+        return cls(name, size, fd, mm, Path(f"/memfd:{name}"))
+
+    @property
+    def fd(self) -> int:
+        """The memfd, to offer over the lifeline (the receiver gets its own duplicate)."""
+        return self._fd
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        del self._tensor
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
             log.warning("arena_views_outstanding", name=self.name)
         os.close(self._fd)

@@ -6,12 +6,14 @@ KV cache in a shared-memory region)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.handles import SharedTensor, export_tensor
+from kvdepot_connector.lifeline import LifelineClient
 from kvdepot_connector.protocol import Layout
 from kvdepot_connector.vllm.plan import LoadSpec
 from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
@@ -53,6 +55,13 @@ class KV:
         return [layer[b].clone() for layer in self.layers for b in blocks]
 
 
+def lifeline(data_dir: Path, kv: KV) -> LifelineClient:
+    """This process's lifeline to the sidecar, over which the KV cache's sealed region goes."""
+    line = LifelineClient(data_dir / "lifeline.sock", (data_dir / "lifeline.token").read_bytes())
+    line.share([kv.shared.region()])
+    return line
+
+
 @pytest.fixture
 def kv() -> Iterator[KV]:
     cache = KV()
@@ -61,8 +70,13 @@ def kv() -> Iterator[KV]:
 
 
 @pytest.mark.parametrize("by_sidecar", [False, True], ids=["worker-copies", "sidecar-copies"])
-def test_plan_save_lookup_load_round_trip(sidecar_factory: StartSidecar, kv: KV, by_sidecar: bool) -> None:
-    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
+def test_plan_save_lookup_load_round_trip(
+    sidecar_factory: StartSidecar, kv: KV, by_sidecar: bool, tmp_path: Path
+) -> None:
+    sc = sidecar_factory(
+        env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "sc"
+    )
+    line = lifeline(tmp_path / "sc", kv)
     sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False)
     work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=not by_sidecar)
     shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
@@ -100,6 +114,7 @@ def test_plan_save_lookup_load_round_trip(sidecar_factory: StartSidecar, kv: KV,
     finally:
         sched_client.close()
         work_client.close()
+        line.close()
 
 
 def test_a_load_whose_locks_are_gone_is_reported_failed(sidecar_factory: StartSidecar, kv: KV) -> None:
@@ -115,8 +130,13 @@ def test_a_load_whose_locks_are_gone_is_reported_failed(sidecar_factory: StartSi
         client.close()
 
 
-def test_sidecar_copies_refuse_handles_outside_their_region(sidecar_factory: StartSidecar, kv: KV) -> None:
-    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
+def test_sidecar_copies_refuse_handles_outside_their_region(
+    sidecar_factory: StartSidecar, kv: KV, tmp_path: Path
+) -> None:
+    sc = sidecar_factory(
+        env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "sc"
+    )
+    line = lifeline(tmp_path / "sc", kv)
     client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False)
     try:
         good = export_tensor(kv.planes()[0], kv.shared)
@@ -138,3 +158,4 @@ def test_sidecar_copies_refuse_handles_outside_their_region(sidecar_factory: Sta
         assert sc.get_json("/ready") == {"ready": True}
     finally:
         client.close()
+        line.close()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,10 +22,17 @@ def shared() -> Iterator[SharedTensor]:
     t.close()
 
 
+def device_with(shared: SharedTensor) -> CpuDevice:
+    """A CPU device that received `shared` over a lifeline."""
+    device = CpuDevice()
+    device.regions.add(object(), shared.name, os.dup(shared.fd), shared.nbytes)
+    return device
+
+
 def test_cpu_device_opens_a_view_of_the_engines_shared_tensor(shared: SharedTensor) -> None:
     view = shared.tensor[2]
     handle = msgspec.structs.asdict(export_tensor(view, shared))
-    opened = CpuDevice().open(handle)
+    opened = device_with(shared).open(handle)
     assert torch.equal(opened, view)
     opened[0, 0] = 42  # the same memory, not a copy
     assert float(shared.tensor[2, 0, 0]) == 42
@@ -32,17 +40,17 @@ def test_cpu_device_opens_a_view_of_the_engines_shared_tensor(shared: SharedTens
 
 @pytest.mark.parametrize(
     "change",
-    [{"kind": "cuda-ipc"}, {"name": "../etc/passwd"}, {"name": "no-such-region"}, {"offset": 10**9},
-     {"shape": [0]}, {"dtype": "complex64"}, {"stride": [1]}],
+    [{"kind": "cuda-ipc"}, {"kind": "cpu-shm"}, {"name": "../etc/passwd"}, {"name": "no-such-region"},
+     {"offset": 10**9}, {"shape": [0]}, {"dtype": "complex64"}, {"stride": [1]}],
 )  # fmt: skip
 def test_bad_handles_are_refused(shared: SharedTensor, change: dict[str, object]) -> None:
     handle = msgspec.structs.asdict(export_tensor(shared.tensor[1], shared)) | change
     with pytest.raises(HandleError):
-        CpuDevice().open(handle)
+        device_with(shared).open(handle)
 
 
 def test_transfer_engine_copies_when_awaited_never_on_the_loop(shared: SharedTensor) -> None:
-    device = CpuDevice()
+    device = device_with(shared)
     src = device.open(msgspec.structs.asdict(export_tensor(shared.tensor[0], shared)))
     dst = torch.zeros_like(src)
     with ThreadPoolExecutor(1, thread_name_prefix="test-transfer") as pool:
