@@ -5,9 +5,8 @@ admin token file, shared memory, data plane and HTTP binds) and raises ConfigErr
 `Service.run()` starts the background tasks through the supervisor, serves until SIGTERM/SIGINT
 (or `request_stop()`), then stops accepting, drains for `shutdown_timeout_s`, cancels the rest,
 releases the arena and the data dir's lock and returns 0.
-The builders (`build_cache`, `build_l2`, `build_engine`, `build_admin`) wire the engine's parts
-from their settings; `Service.build` and tests/factories.py both use them. Nothing imports this
-module but the CLI and tests.
+The engine's parts are wired by the builders of app/wiring.py (shared with tests/factories.py).
+Nothing imports this module but the CLI and tests.
 """
 
 from __future__ import annotations
@@ -15,17 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import gc
-import hmac
-import os
-import secrets
 import signal
 import socket
 import time
-from collections.abc import Callable, Generator
-from concurrent.futures import Executor, ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import uvicorn
@@ -34,33 +28,26 @@ from pydantic import SecretStr
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
 from api.http.context import ControlContext
-from api.lifeline import Lifeline, LifelineRefused, LifelineServer, SharedRegion
+from api.lifeline import LifelineServer
 from api.metrics import DataPlaneMetrics, build_registry
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
-from app.settings import AdapterConfig, L1Settings, L2Settings, Settings
+from app.settings import Settings
 from app.supervisor import Supervisor
+from app.wiring import build_admin, build_cache, build_engine, build_l2, build_lifeline
 from engine.admin import Administration
 from engine.facade import CacheEngine
-from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena, cleanup_stale, instance_id
-from engine.l1.cache import L1Cache, Shedder
-from engine.l1.eviction import LRUPolicy
-from engine.l2.layouts import codec_options
 from engine.l2.parts import L2Parts
-from engine.l2.prefetch import PrefetchController
-from engine.l2.store import StoreController
 from engine.l2.store_queue import StoreQueue
-from engine.l2.tiers import L2Tiers
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 from engine.transfers import KVTransfers
 from gpu.device import default_device
-from gpu.sealed import SealedRegions, SealError
+from gpu.sealed import SealedRegions
 from gpu.transfer import TransferEngine
-from storage.base import L2Adapter
 from storage.factory import build_adapter
 
 log = structlog.get_logger("kvdepot")
@@ -87,90 +74,6 @@ def bind_http(host: str, port: int) -> socket.socket:
         raise ConfigError(f"http.host/http.port: cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
-
-
-# --- builders: the wiring of the engine, shared with tests/factories.py ----------------------------
-
-
-def build_lifeline(data_dir: Path, regions: SealedRegions) -> LifelineServer:
-    """The lifeline server at `<data_dir>/lifeline.sock`; shared sealed regions land in `regions`
-    and go when their holder's lifeline closes. Until the data-plane hello hands each client its
-    own token, the token is one per start, written 0600 to `<data_dir>/lifeline.token`: only the
-    service user can read it, and the server admits no other uid (or root) anyway."""
-    token = secrets.token_bytes(32)
-    path = data_dir / "lifeline.token"
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(token)
-
-    def authenticate(offered: bytes) -> object | None:
-        return object() if hmac.compare_digest(offered, token) else None
-
-    def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
-        for i, region in enumerate(shared):
-            try:
-                regions.add(line.holder, region.name, region.fd, region.size)
-            except SealError as exc:
-                for rest in shared[i + 1 :]:
-                    os.close(rest.fd)
-                raise LifelineRefused(f"{region.name}: {exc}") from None
-
-    return LifelineServer(
-        data_dir / "lifeline.sock", authenticate=authenticate, on_fds=on_fds,
-        on_closed=lambda line: regions.drop(line.holder),
-    )  # fmt: skip
-
-
-def build_cache(
-    l1: L1Settings, capacity: int, ledger: TenantLedger | None = None, shedder: Shedder | None = None
-) -> L1Cache:
-    """An L1 cache over `capacity` bytes of arena, LRU, reporting into `ledger` (a fresh one if None),
-    letting go of chunks queued for write-behind through `shedder` when it has no other room."""
-    return L1Cache(
-        ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
-        low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
-    )  # fmt: skip
-
-
-def build_l2(
-    l2: L2Settings, *, cache: L1Cache, queue: StoreQueue, arena: SharedArena,
-    build: Callable[[AdapterConfig], L2Adapter],
-    executor: Executor, drain_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-) -> L2Parts:  # fmt: skip
-    """The L2 machinery (no adapter attached yet): tiers building adapters with `build` and
-    reporting into the cache's ledger, write-behind of what `queue` holds (the queue the cache was
-    given as its shedder) and prefetch, running codecs in `executor`."""
-    tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger)
-    store = StoreController(
-        cache=cache, arena=arena, tiers=tiers, queue=queue, policy=l2.store_policy,
-        codec_options=functools.partial(codec_options, fp8_values=l2.fp8_values, lz4=l2.lz4),
-        executor=executor,
-    )  # fmt: skip
-    prefetch = PrefetchController(
-        cache=cache, arena=arena, tiers=tiers, deadline_s=l2.prefetch_deadline_ms / 1000,
-        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock,
-    )  # fmt: skip
-    return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
-
-
-def build_engine(
-    l1: L1Settings, *, arena: SharedArena, cache: L1Cache, l2: L2Parts | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> CacheEngine:  # fmt: skip
-    return CacheEngine(
-        arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock
-    )
-
-
-def build_admin(
-    engine: CacheEngine, quota_file: Path | None = None, executor: Executor | None = None,
-    allowed_roots: list[Path] | None = None,
-) -> Administration:  # fmt: skip
-    """Quota and L2 administration of `engine`; quotas saved to `quota_file` (None: in memory);
-    disk adapters only under `allowed_roots` (None: anywhere)."""
-    quotas = QuotaRegistry(engine.tenants, quota_file, executor)
-    return Administration(engine.tenants, quotas, engine.l2, allowed_roots=allowed_roots)
 
 
 def with_admin_token(settings: Settings) -> Settings:

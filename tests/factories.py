@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
-from app.main import build_admin, build_cache, build_engine, build_l2
 from app.settings import AdapterConfig, L1Settings, L2Settings
+from app.wiring import build_admin, build_cache, build_engine, build_l2
 from engine.admin import Administration
 from engine.answers import StorePolicy
 from engine.facade import CacheEngine

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from app.main import build_cache, build_engine
+from app.wiring import build_cache, build_engine
 from engine.results import SlotStatus
 from tests.factories import arena, l1_settings, small_layout, tokens
 
