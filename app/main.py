@@ -32,7 +32,7 @@ from api.http.context import ControlContext
 from api.metrics import DataPlaneMetrics, build_registry
 from app import __version__
 from app.errors import ConfigError
-from app.settings import AdapterConfig, L1Settings, L2Settings, Settings
+from app.settings import AdapterConfig, DataPlaneSettings, L1Settings, L2Settings, Settings
 from app.supervisor import Supervisor
 from engine.admin import Administration
 from engine.facade import CacheEngine
@@ -118,11 +118,15 @@ def build_l2(
 
 def build_engine(
     l1: L1Settings, *, arena: SharedArena, cache: L1Cache, l2: L2Parts | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, data_plane: DataPlaneSettings | None = None,
 ) -> CacheEngine:  # fmt: skip
+    dp = data_plane or DataPlaneSettings()
     return CacheEngine(
-        arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock
-    )
+        arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock,
+        max_request_share=l1.max_request_share, max_registrations=dp.max_registrations,
+        max_registrations_per_instance=dp.max_registrations_per_instance,
+        registration_idle_s=dp.session_idle_s,
+    )  # fmt: skip
 
 
 def build_admin(
@@ -199,7 +203,9 @@ class Service:
                 build=lambda config: build_adapter(config, data_dir),
                 executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
             )  # fmt: skip
-            self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)
+            self.engine = build_engine(
+                s.l1, arena=self.arena, cache=cache, l2=self.l2, data_plane=s.data_plane
+            )
             # quotas.json writes (fsync) run here, one at a time.
             self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
             admin = build_admin(self.engine, quota_file, self._state_executor)
@@ -211,6 +217,8 @@ class Service:
                 max_tokens=s.data_plane.max_tokens,
                 metrics=DataPlaneMetrics(registry),
                 transfers=self._build_transfers(),
+                max_sessions=s.data_plane.max_sessions,
+                session_idle_s=s.data_plane.session_idle_s,
             )
             self.dataplane.bind()
             self.http_socket = bind_http(s.http.host, s.http.port)

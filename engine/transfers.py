@@ -9,11 +9,15 @@ where they are separate), each viewed as [blocks, block bytes], and their chunk 
 by the event loop; the copies themselves run through gpu.TransferEngine (a stream, an event
 awaited in an executor), so the loop never blocks on them.
 
+Engine ids are per engine instance (engine/registry.py), so two engines of one model never share
+planes; `drop` lets the planes of a registration the registry dropped go.
+
 Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
   load(engine, request, first, n, blocks, skip) retrieve the request's locked chunks, copy them
                                                 into the blocks, release -> False if a lease expired
   save(engine, request, tokens, salt, first, blocks) reserve, copy out of the blocks, commit
+  drop(engine)                                  the planes are closed
 L1 memory stays locked (load) or reserved (save) until its copy has completed.
 """
 
@@ -73,6 +77,11 @@ class KVTransfers:
         self._planes[engine_id] = (planes, fmt)
         return len(planes)
 
+    def drop(self, engine_id: int) -> None:
+        planes, _ = self._planes.pop(engine_id, ([], None))
+        for tensor in planes:
+            self.transfer.device.close(tensor)
+
     def _registered(self, engine_id: int) -> tuple[list[torch.Tensor], ChunkFormat]:
         found = self._planes.get(engine_id)
         if found is None:
@@ -101,12 +110,13 @@ class KVTransfers:
             for i, j, block in fmt.block_pairs(chunks, block_ids, skip_blocks=skip_blocks)
             for plane, src in zip(planes, cuts[i], strict=True)
         ]
+        oids = [ext.oid for ext in extents]
         try:
             await self.transfer.run(pairs)
         except Exception as exc:
-            self.engine.release(engine_id, request_id)
+            self.engine.release(engine_id, request_id, oids)
             raise TransferError(f"copy into the engine's blocks failed: {exc}") from None
-        return self.engine.release(engine_id, request_id)
+        return self.engine.release(engine_id, request_id, oids)
 
     async def save(
         self,
