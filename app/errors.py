@@ -81,3 +81,11 @@ class IntegrityError(KVDepotError, code="integrity"):
 
 class TransferError(KVDepotError, code="transfer", retryable=True):
     """A copy between device memory and L1 failed."""
+
+
+class NotOwner(KVDepotError, code="not_owner"):
+    """A data-plane call named an engine id or reservation of another engine instance."""
+
+
+class Overloaded(KVDepotError, code="overloaded", retryable=True):
+    """A bounded table (sessions, registrations) is full; try again later."""

@@ -165,7 +165,9 @@ class Service:
             build=lambda config: build_adapter(config, data_dir),
             executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
         )  # fmt: skip
-        self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)
+        self.engine = build_engine(
+            s.l1, arena=self.arena, cache=cache, l2=self.l2, data_plane=s.data_plane
+        )
         # quotas.json writes (fsync) run here, one at a time.
         self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
         roots = s.l2.allowed_roots or [s.data_dir]
@@ -178,6 +180,8 @@ class Service:
             max_tokens=s.data_plane.max_tokens,
             metrics=DataPlaneMetrics(registry),
             transfers=self._build_transfers(),
+            max_sessions=s.data_plane.max_sessions,
+            session_idle_s=s.data_plane.session_idle_s,
         )
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)

@@ -133,6 +133,22 @@ class DataPlaneSettings(BaseModel):
     max_tokens: int = Field(
         1 << 20, ge=1, le=1 << 24, description="Largest token sequence accepted in one operation."
     )
+    max_sessions: int = Field(
+        4096, ge=1, le=1 << 20,
+        description="Connections that said HELLO at once; when full, one idle for session_idle_s "
+        "makes room, else HELLO is refused.",
+    )  # fmt: skip
+    session_idle_s: float = Field(
+        600.0, gt=0, le=86400, description="A session silent this long may be closed to make room."
+    )
+    max_registrations: int = Field(
+        1024, ge=1, le=1 << 16,
+        description="Engine registrations in all; when full, one idle for session_idle_s is dropped "
+        "(its engine registers again), else REGISTER is refused.",
+    )  # fmt: skip
+    max_registrations_per_instance: int = Field(
+        64, ge=1, le=1 << 16, description="Engine registrations of one engine instance."
+    )
 
     @field_validator("url")
     @classmethod
@@ -163,6 +179,11 @@ class L1Settings(BaseModel):
         60.0, gt=0, le=3600, description="A read lock not released within this is reclaimed."
     )
     reap_interval_s: float = Field(0.5, gt=0, le=60, description="How often expired leases are reclaimed.")
+    max_request_share: float = Field(
+        0.5, gt=0, le=1,
+        description="Most of L1 one STORE may reserve when its tenant has no L1 quota (at least one "
+        "chunk); the chunks beyond are refused as no_space.",
+    )  # fmt: skip
     populate: bool = Field(True, description="Reserve the arena's pages at start (fails early if short).")
 
     @field_validator("low_watermark")

@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from api.lifeline import Lifeline, LifelineRefused, LifelineServer, SharedRegion
-from app.settings import AdapterConfig, L1Settings, L2Settings
+from app.settings import AdapterConfig, DataPlaneSettings, L1Settings, L2Settings
 from engine.admin import Administration
 from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
@@ -106,11 +106,15 @@ def build_l2(
 
 def build_engine(
     l1: L1Settings, *, arena: SharedArena, cache: L1Cache, l2: L2Parts | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, data_plane: DataPlaneSettings | None = None,
 ) -> CacheEngine:  # fmt: skip
+    dp = data_plane or DataPlaneSettings()
     return CacheEngine(
-        arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock
-    )
+        arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock,
+        max_request_share=l1.max_request_share, max_registrations=dp.max_registrations,
+        max_registrations_per_instance=dp.max_registrations_per_instance,
+        registration_idle_s=dp.session_idle_s,
+    )  # fmt: skip
 
 
 def build_admin(

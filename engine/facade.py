@@ -1,22 +1,35 @@
 """CacheEngine: the data plane's one entry point (api/dataplane and the sidecar's own transfers).
 
-State: engine registrations, the L1 cache, the per-request state (engine/requests.py: read
-locks, lease, prefetch), counters. Owned by the event loop; every method is synchronous and short
-(no I/O), so handlers run them inline.
+State: engine registrations (engine/registry.py: engine id -> owning instance), the L1 cache, the
+per-request state (engine/requests.py: read locks, lease, prefetch), counters. Owned by the event
+loop; every method is synchronous and short (no I/O), so handlers run them inline.
 
 Primitives in data-plane call order:
-  register(model, layout, kv_rank, group)           -> Registration (engine/registry.py)
+  register(model, layout, kv_rank, group, instance) -> Registration (engine/registry.py)
+  owned(engine, instance)                           -> Registration; NotOwner for another instance's
   lookup(engine, request, tokens, salt)             -> LookupResult; hit objects read-locked, misses
                                                        prefetched from L2 (query_prefetch/wait_prefetch)
-  retrieve(engine, request, first, count)           -> extents of the locked objects to copy out
-  release(engine, request)                          -> False if the lease had expired (copy unsafe)
+  retrieve(engine, request, first, count)           -> extents (and oids) of the locked objects
+  release(engine, request, oids)                    -> True only if the copy is safe (see below)
   store(engine, request, tokens, salt, first_chunk) -> per-chunk StoreSlot (reserve; client copies)
-  commit(engine, oids)                              -> per-oid ok / lease expired; visible at once
+  commit(engine, oids)                              -> per-oid ok / lease expired; visible at once;
+                                                       NotOwner (nothing done) for a reservation of
+                                                       another instance (abort likewise)
   free_lookup_locks / end_request / clear
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
 The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
 status snapshots in engine/status.py (they read `engines.all()` and `locked_requests()`).
+
+Ownership: engine ids belong to the instance that registered them (the data-plane server checks
+`owned` for every message naming one); requests are keyed by engine id, reservations record their
+instance. The generation check: RELEASE is valid only when every object the reader copied from
+(the oids RETRIEVE gave) is still alive, i.e. the same committed, immutable object; a RELEASE
+without oids is valid only while the request still held its locks. Nothing is remembered of
+expired requests, so no history can overflow.
+
+Admission: a store by a tenant without an L1 limit reserves at most `max_request_share` of L1
+(at least one chunk); the chunks beyond are refused as no_space.
 
 Tenants: a store by a tenant with an L1 limit holds (read-locks) the chunks of that store
 which are present already, until it returns, so the reservations of the same store never evict
@@ -29,12 +42,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import structlog
 
-from app.errors import InvalidInput, LeaseExpired, NotFound
+from app.errors import InvalidInput, LeaseExpired, NotFound, NotOwner
 from engine.keys import KVLayout, ObjectKey, TokenHasher
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
@@ -59,6 +72,10 @@ class CacheEngine:
         read_lease_s: float,
         l2: L2Parts | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_request_share: float = 0.5,
+        max_registrations: int = 1024,
+        max_registrations_per_instance: int = 64,
+        registration_idle_s: float = 600.0,
     ) -> None:
         self.arena = arena
         self.cache = cache
@@ -70,17 +87,30 @@ class CacheEngine:
         self.read_lease_s = read_lease_s
         self.counters = EngineCounters()
         self._clock = clock
-        self.engines = EngineRegistry(chunk_size=chunk_size, capacity=cache.allocator.capacity)
+        self.max_request_share = max_request_share
+        self.engines = EngineRegistry(
+            chunk_size=chunk_size, capacity=cache.allocator.capacity, max_total=max_registrations,
+            max_per_instance=max_registrations_per_instance, idle_s=registration_idle_s,
+        )  # fmt: skip
         self._requests = RequestTable(cache, read_lease_s)
         self.l2 = l2
 
     # --- registration --------------------------------------------------------------------------
 
-    def register(self, model: str, layout: KVLayout, kv_rank: int = 0, group: int = 0) -> Registration:
-        return self.engines.register(model, layout, kv_rank, group)
+    def register(
+        self, model: str, layout: KVLayout, kv_rank: int = 0, group: int = 0, *, instance: str = ""
+    ) -> Registration:
+        return self.engines.register(model, layout, kv_rank, group, instance=instance, now=self._clock())
 
     def registration(self, engine_id: int) -> Registration:
-        return self.engines.get(engine_id)
+        return self.engines.get(engine_id, self._clock())
+
+    def owned(self, engine_id: int, instance: str) -> Registration:
+        """The registration of `engine_id` if `instance` owns it; NotOwner otherwise."""
+        reg = self.registration(engine_id)
+        if reg.instance != instance:
+            raise NotOwner(f"engine {engine_id} belongs to another engine instance")
+        return reg
 
     # --- lookup and read -----------------------------------------------------------------------
 
@@ -155,9 +185,7 @@ class CacheEngine:
         rid = (engine_id, request_id)
         entry = self._requests.get(rid)
         if entry is None:
-            if self._requests.was_expired(rid):
-                raise LeaseExpired(f"request {request_id!r}: read locks expired before RETRIEVE")
-            raise NotFound(f"request {request_id!r} holds no read locks (LOOKUP first)")
+            raise NotFound(f"request {request_id!r} holds no read locks (LOOKUP first; or its lease expired)")
         end = first_chunk + num_chunks
         if first_chunk < 0 or num_chunks < 0 or end > len(entry.objects):
             raise InvalidInput(
@@ -165,17 +193,17 @@ class CacheEngine:
             )
         self.counters.retrieves += 1
         self.counters.retrieved_chunks += num_chunks
-        return [Extent(o.offset, o.size) for o in entry.objects[first_chunk:end]]
+        return [Extent(o.offset, o.size, o.oid) for o in entry.objects[first_chunk:end]]
 
-    def release(self, engine_id: int, request_id: str) -> bool:
-        """Drop the request's read locks after it copied. False: a lease had expired, discard the copy."""
+    def release(self, engine_id: int, request_id: str, oids: Sequence[int] = ()) -> bool:
+        """Drop the request's read locks after it copied. True only when the copy is safe: every
+        object in `oids` (those it copied from) is still alive; without oids, the request still
+        held its locks. False: discard the copy."""
         self.registration(engine_id)
-        rid = (engine_id, request_id)
-        if self._requests.release(rid):
-            return True
-        expired = self._requests.was_expired(rid)
-        self._requests.forget(rid)
-        return not expired
+        alive = self.cache.alive
+        valid = all(alive(oid) for oid in oids)  # before unlocking: a last unlock may free them
+        held = self._requests.release((engine_id, request_id))
+        return valid if oids else held > 0
 
     def free_lookup_locks(self, engine_id: int, request_id: str) -> int:
         self.registration(engine_id)
@@ -184,9 +212,7 @@ class CacheEngine:
     def end_request(self, engine_id: int, request_id: str) -> int:
         self.registration(engine_id)
         rid = (engine_id, request_id)
-        n = self._requests.release(rid)
-        self._requests.forget(rid)
-        return n
+        return self._requests.release(rid)
 
     # --- store ---------------------------------------------------------------------------------
 
@@ -203,6 +229,7 @@ class CacheEngine:
         now = self._clock()
         cache = self.cache
         size = reg.chunk_bytes
+        charge = cache.allocator.aligned(size)
         slots: list[StoreSlot] = []
         refused: SlotStatus | None = None
         c = self.counters
@@ -211,6 +238,8 @@ class CacheEngine:
         # A tenant with an L1 limit: a lowered limit is met now, and the chunks of this store that
         # are present are held until it returns (see the module docstring).
         limited = self.tenants.limit(salt, L1) is not None
+        share = None if limited else max(int(self.max_request_share * cache.allocator.capacity), 1)
+        taken = 0
         held: list[L1Object] = []
         if limited:
             cache.fit_quota(salt)
@@ -228,11 +257,14 @@ class CacheEngine:
                     slots.append(StoreSlot(i, SlotStatus.EXISTS))
                     c.existing_chunks += 1
                     continue
-                if refused is None:
-                    got = cache.try_reserve(key, size, now)
+                if refused is None and share is not None and taken and taken + charge > share:
+                    refused = SlotStatus.NO_SPACE  # one request may not take more than its share
+                elif refused is None:
+                    got = cache.try_reserve(key, size, now, owner=reg.instance)
                     if isinstance(got, L1Object):
                         slots.append(StoreSlot(i, SlotStatus.RESERVED, got.oid, got.offset, got.size))
                         c.stored_chunks += 1
+                        taken += charge
                         continue
                     refused = SlotStatus.QUOTA if got is Refusal.QUOTA else SlotStatus.NO_SPACE
                 elif refused is SlotStatus.QUOTA:
@@ -249,8 +281,10 @@ class CacheEngine:
         return slots
 
     def commit(self, engine_id: int, oids: list[int]) -> list[bool]:
-        """Make reserved chunks ready. Per oid: True, or False when its lease had expired."""
+        """Make reserved chunks ready. Per oid: True, or False when its lease had expired (or it is
+        unknown). NotOwner, and nothing committed, if one is another instance's reservation."""
         reg = self.registration(engine_id)
+        self._check_owner(reg, oids)
         now = self._clock()
         out: list[bool] = []
         store = self.l2.store if self.l2 is not None else None
@@ -266,8 +300,9 @@ class CacheEngine:
         return out
 
     def abort(self, engine_id: int, oids: list[int]) -> int:
-        """Drop reservations the client will not fill (a copy failed)."""
-        self.registration(engine_id)
+        """Drop reservations the client will not fill (a copy failed). NotOwner, and nothing
+        dropped, if one is another instance's reservation."""
+        self._check_owner(self.registration(engine_id), oids)
         n = 0
         for oid in oids:
             try:
@@ -277,6 +312,13 @@ class CacheEngine:
             self.cache.abort(obj)
             n += 1
         return n
+
+    def _check_owner(self, reg: Registration, oids: Sequence[int]) -> None:
+        owner_of = self.cache.owner_of
+        for oid in oids:
+            owner = owner_of(oid)
+            if owner is not None and owner != reg.instance:
+                raise NotOwner(f"reservation {oid} belongs to another engine instance")
 
     # --- maintenance ---------------------------------------------------------------------------
 

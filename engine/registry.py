@@ -1,23 +1,36 @@
-"""EngineRegistry: the engines registered on the data plane, each a namespace of cache keys.
+"""EngineRegistry: the engines registered on the data plane, each a namespace of cache keys,
+owned by the engine instance that registered it.
 
-State: engine id -> Registration, and the identity (model, layout fingerprint, kv rank, group) ->
-engine id. Owned by the event loop. Ids are random per process: an id from before a restart is
-unknown here, so a client that reconnects must register again (and re-map the new arena) before
-touching offsets.
+State: engine id -> Registration (in least recently used order, with when each was last used),
+and (instance, namespace) -> engine id. Owned by the event loop. Ids are random per process: an
+id from before a restart is unknown here, so a client that reconnects must register again (and
+re-map the new arena) before touching offsets.
+
+Ownership: an engine id belongs to the instance (the nonce an engine's processes share, see the
+protocol) that registered it. Two instances registering the same model get different engine ids,
+so their requests, locks and KV planes never mix, but the same namespace: the instance is not
+part of any cache key, and both hit what either stored.
+
+Bounds: at most `max_per_instance` registrations per instance and `max_total` in all. When the
+table is full, the least recently used registration idle for `idle_s` is dropped (its instance,
+if still alive, is told `not_registered` and registers again; `on_drop` lets the KV planes go);
+otherwise the registration is refused (Overloaded).
 
 Primitives in call order:
-  register(model, layout, kv_rank, group)  -> Registration (idempotent per identity); InvalidInput
-                                              for a bad model id, chunk size, rank or a chunk larger
-                                              than L1
-  get(engine_id)                           -> Registration; NotRegistered for an unknown id
+  register(model, layout, kv_rank, group, instance) -> Registration (idempotent per instance and
+                                              identity); InvalidInput for a bad model id, chunk
+                                              size, rank or a chunk larger than L1; Overloaded
+  get(engine_id[, now])                    -> Registration; NotRegistered for an unknown id
   all()                                    the registrations (for /status)
 """
 
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
+from collections.abc import Callable
 
-from app.errors import InvalidInput, NotRegistered
+from app.errors import InvalidInput, NotRegistered, Overloaded
 from engine.keys import KVLayout, Namespace
 from engine.results import Registration
 
@@ -25,13 +38,34 @@ MAX_ID_LEN = 256
 
 
 class EngineRegistry:
-    def __init__(self, *, chunk_size: int, capacity: int) -> None:
+    def __init__(
+        self,
+        *,
+        chunk_size: int,
+        capacity: int,
+        max_total: int = 1024,
+        max_per_instance: int = 64,
+        idle_s: float = 600.0,
+    ) -> None:
         self.chunk_size = chunk_size
         self.capacity = capacity
-        self._registrations: dict[int, Registration] = {}
-        self._by_identity: dict[Namespace, int] = {}
+        self.max_total = max_total
+        self.max_per_instance = max_per_instance
+        self.idle_s = idle_s
+        #: called with the engine id of a registration dropped to make room
+        self.on_drop: list[Callable[[int], None]] = []
+        self._registrations: OrderedDict[int, Registration] = OrderedDict()
+        self._last_used: dict[int, float] = {}
+        self._by_identity: dict[tuple[str, Namespace], int] = {}
+        self._per_instance: dict[str, int] = {}
 
-    def register(self, model: str, layout: KVLayout, kv_rank: int = 0, group: int = 0) -> Registration:
+    def __len__(self) -> int:
+        return len(self._registrations)
+
+    def register(
+        self, model: str, layout: KVLayout, kv_rank: int = 0, group: int = 0, *, instance: str = "",
+        now: float = 0.0,
+    ) -> Registration:  # fmt: skip
         if not model or len(model) > MAX_ID_LEN:
             raise InvalidInput(f"model id must be 1..{MAX_ID_LEN} characters")
         if layout.chunk_size != self.chunk_size:
@@ -46,20 +80,54 @@ class EngineRegistry:
                 f"one chunk ({layout.chunk_bytes} bytes) is larger than L1 ({self.capacity} bytes)"
             )
         ns = Namespace(model=model, layout_fp=layout.fingerprint, kv_rank=kv_rank, group=group)
-        engine_id = self._by_identity.get(ns)
-        if engine_id is None:
+        engine_id = self._by_identity.get((instance, ns))
+        if engine_id is not None:
+            return self.get(engine_id, now)
+        if self._per_instance.get(instance, 0) >= self.max_per_instance:
+            raise Overloaded(
+                f"this engine instance has {self.max_per_instance} registrations "
+                "(data_plane.max_registrations_per_instance)"
+            )
+        if len(self._registrations) >= self.max_total and not self._drop_idle(now):
+            raise Overloaded(
+                f"{self.max_total} engines are registered and none is idle (data_plane.max_registrations)"
+            )
+        engine_id = secrets.randbelow((1 << 31) - 1) + 1
+        while engine_id in self._registrations:
             engine_id = secrets.randbelow((1 << 31) - 1) + 1
-            while engine_id in self._registrations:
-                engine_id = secrets.randbelow((1 << 31) - 1) + 1
-            self._registrations[engine_id] = Registration(engine_id, ns, layout, layout.chunk_bytes)
-            self._by_identity[ns] = engine_id
-        return self._registrations[engine_id]
+        reg = Registration(engine_id, ns, layout, layout.chunk_bytes, instance)
+        self._registrations[engine_id] = reg
+        self._last_used[engine_id] = now
+        self._by_identity[(instance, ns)] = engine_id
+        self._per_instance[instance] = self._per_instance.get(instance, 0) + 1
+        return reg
 
-    def get(self, engine_id: int) -> Registration:
+    def get(self, engine_id: int, now: float | None = None) -> Registration:
+        """The registration; `now` given: it counts as used (it will not be dropped as idle)."""
         reg = self._registrations.get(engine_id)
         if reg is None:
             raise NotRegistered(f"engine {engine_id} is not registered (REGISTER first)")
+        if now is not None:
+            self._registrations.move_to_end(engine_id)
+            self._last_used[engine_id] = now
         return reg
 
     def all(self) -> list[Registration]:
         return list(self._registrations.values())
+
+    def _drop_idle(self, now: float) -> bool:
+        """Drop the least recently used registration if it was idle for `idle_s`."""
+        engine_id, reg = next(iter(self._registrations.items()))
+        if now - self._last_used[engine_id] < self.idle_s:
+            return False
+        del self._registrations[engine_id]
+        del self._last_used[engine_id]
+        del self._by_identity[(reg.instance, reg.namespace)]
+        left = self._per_instance[reg.instance] - 1
+        if left:
+            self._per_instance[reg.instance] = left
+        else:
+            del self._per_instance[reg.instance]
+        for hook in self.on_drop:
+            hook(engine_id)
+        return True

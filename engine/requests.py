@@ -1,8 +1,10 @@
 """Per-request state: what a LOOKUP holds for its request until the request has read it.
 
 State: (engine id, request id) -> RequestState (the read-locked objects in chunk order, the lease
-deadline, the handle of the prefetch bringing more of them from L2), and a bounded record of
-requests whose lease expired (so a late RELEASE learns its copy is unsafe). Owned by the event
+deadline, the handle of the prefetch bringing more of them from L2). Engine ids belong to one
+engine instance (engine/registry.py), so a request is its instance's. No record of expired
+requests is kept: a late RELEASE learns whether its copy is safe from the generation check (the
+objects it copied from are still alive, engine/l1/cache.py `alive`). Owned by the event
 loop. Read locks are taken and dropped here only, through the L1 cache. A state that is replaced
 (a newer lookup), released, ended or reaped is no longer current: its prefetch attaches nothing
 more to it (the chunks it still brings stay in L1 as ordinary objects).
@@ -15,13 +17,11 @@ Primitives in call order:
   attach(state, obj, now)   a prefetched chunk arrived, in order: read-locked if still current
   get(rid) / settle(rid)    the current state; a finished prefetch that brought nothing is dropped
   release(rid)              drop the request's state and locks -> how many were held
-  was_expired(rid) / forget(rid)
-  reap(now)                 -> requests whose lease expired (locks dropped, remembered as expired)
+  reap(now)                 -> requests whose lease expired (locks dropped)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.l1.cache import L1Cache
@@ -48,13 +48,11 @@ class RequestState:
 
 
 class RequestTable:
-    def __init__(self, cache: L1Cache, read_lease_s: float, expired_memory: int = 4096) -> None:
+    def __init__(self, cache: L1Cache, read_lease_s: float) -> None:
         self.cache = cache
         self.read_lease_s = read_lease_s
-        self.expired_memory = expired_memory
         #: the current state of every request that holds locks or waits for a prefetch
         self.locks: dict[RequestId, RequestState] = {}
-        self._expired: OrderedDict[RequestId, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.locks)
@@ -75,7 +73,6 @@ class RequestTable:
         for i, obj in enumerate(held):
             if i >= len(found) or found[i] is not obj:
                 cache.unlock(obj)
-        self._expired.pop(rid, None)
         return RequestState(found, now + self.read_lease_s)
 
     def keep(self, rid: RequestId, state: RequestState) -> None:
@@ -110,24 +107,14 @@ class RequestTable:
             self.cache.unlock(obj)
         return len(state.objects)
 
-    def was_expired(self, rid: RequestId) -> bool:
-        return rid in self._expired
-
-    def forget(self, rid: RequestId) -> None:
-        self._expired.pop(rid, None)
-
     def reap(self, now: float) -> int:
-        """Drop the states whose lease expired. Those that held locks are remembered as expired
-        (a late reader must discard its copy); returns how many."""
+        """Drop the states whose lease expired; returns how many held locks."""
         expired = 0
         for rid in [rid for rid, state in self.locks.items() if state.deadline <= now]:
             if not self.locks[rid].objects:
                 self._drop(rid)  # held nothing: nothing a late reader could miss
                 continue
             self.release(rid)
-            self._expired[rid] = None
-            while len(self._expired) > self.expired_memory:
-                self._expired.popitem(last=False)
             expired += 1
         return expired
 

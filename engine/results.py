@@ -14,6 +14,8 @@ class Registration:
     namespace: Namespace
     layout: KVLayout
     chunk_bytes: int
+    instance: str = ""
+    """The engine instance that owns this engine id (never part of a cache key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class StoreSlot:
 class Extent:
     offset: int
     size: int
+    oid: int = 0
 
 
 @dataclass(slots=True)

@@ -12,11 +12,15 @@ checks, reserves or locks, and hands a compact plan (per chunk: its arena offset
 block ids, the first block to copy) to the transfer executor, which expands it into copies a
 bounded batch at a time (gpu.TransferEngine.run_lazy), merging runs of consecutive blocks.
 
+Engine ids are per engine instance (engine/registry.py), so two engines of one model never share
+planes; `drop` lets the planes of a registration the registry dropped go.
+
 Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
   load(engine, request, first, n, blocks, skip) retrieve the request's locked chunks, copy them
                                                 into the blocks, release -> False if a lease expired
   save(engine, request, tokens, salt, first, blocks) reserve, copy out of the blocks, commit
+  drop(engine)                                  the planes are closed
 L1 memory stays locked (load) or reserved (save) until its copy has completed.
 """
 
@@ -111,6 +115,11 @@ class KVTransfers:
         self._planes[engine_id] = (planes, fmt)
         return len(planes)
 
+    def drop(self, engine_id: int) -> None:
+        planes, _ = self._planes.pop(engine_id, ([], None))
+        for tensor in planes:
+            self.transfer.device.close(tensor)
+
     def _registered(self, engine_id: int) -> tuple[list[torch.Tensor], ChunkFormat]:
         found = self._planes.get(engine_id)
         if found is None:
@@ -133,12 +142,13 @@ class KVTransfers:
             base = (first_chunk + i) * bpc
             chunks.append((ext.offset, block_ids[base : base + bpc], max(0, skip_blocks - base)))
         plan = _Plan(self.engine.arena.tensor_all, planes, fmt, chunks, to_arena=False)
+        oids = [ext.oid for ext in extents]
         try:
             await self.transfer.run_lazy(plan.copies)
         except Exception as exc:
-            self.engine.release(engine_id, request_id)
+            self.engine.release(engine_id, request_id, oids)
             raise TransferError(f"copy into the engine's blocks failed: {exc}") from None
-        return self.engine.release(engine_id, request_id)
+        return self.engine.release(engine_id, request_id, oids)
 
     async def save(
         self,

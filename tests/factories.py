@@ -68,11 +68,12 @@ def make_cache(capacity: int, *, alignment: int = 4096, high: float = 1.0, low: 
 
 def l1_settings(
     *, chunk_size: int = 16, alignment: int = 4096, read_lease_s: float = 20.0, write_lease_s: float = 10.0,
-    high: float = 1.0, low: float = 1.0,
+    high: float = 1.0, low: float = 1.0, max_request_share: float = 1.0,
 ) -> L1Settings:  # fmt: skip
+    """Settings for tiny test arenas; one request may take all of L1 unless a test says otherwise."""
     return L1Settings(
         chunk_size=chunk_size, alignment=alignment, read_lease_s=read_lease_s, write_lease_s=write_lease_s,
-        high_watermark=high, low_watermark=low,
+        high_watermark=high, low_watermark=low, max_request_share=max_request_share,
     )  # fmt: skip
 
 
@@ -85,11 +86,16 @@ def reserve(cache: L1Cache, k: ObjectKey, size: int, now: float) -> L1Object | N
 @contextmanager
 def engine(
     capacity: int, *, chunk_size: int = 16, read_lease_s: float = 20.0, write_lease_s: float = 10.0,
-    high: float = 1.0, low: float = 1.0,
+    high: float = 1.0, low: float = 1.0, max_request_share: float = 1.0,
 ) -> Iterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
     clock = FakeClock()
     l1 = l1_settings(
-        chunk_size=chunk_size, read_lease_s=read_lease_s, write_lease_s=write_lease_s, high=high, low=low
+        chunk_size=chunk_size,
+        read_lease_s=read_lease_s,
+        write_lease_s=write_lease_s,
+        high=high,
+        low=low,
+        max_request_share=max_request_share,
     )
     with arena(capacity) as a:
         yield build_engine(l1, arena=a, cache=build_cache(l1, a.size), clock=clock), clock

@@ -1,6 +1,7 @@
 """DataPlaneServer: the ZMQ ROUTER the engine-side clients talk to, on the sidecar's event loop.
 
-State: the socket and a closing flag. Cache state lives in the engine facade; handlers are short
+State: the socket, a closing flag and the sessions (api/dataplane/sessions.py: routing id ->
+session, made by HELLO). Cache state lives in the engine facade; handlers are short
 synchronous calls into it, run inline in arrival order, so a COMMIT's reply is sent only after the
 objects are visible and the next LOOKUP from anyone sees them.
 
@@ -10,9 +11,16 @@ Every error reply is made in one place, `_error`: the error's class gives its wi
 (api/dataplane/errors.py) and the error counter counts it. An unexpected exception in a handler is
 logged and answered with code `internal`; the loop goes on. A handler that has to wait returns an
 awaitable, answered later; its latency is observed and its log context bound until it is done.
+A deferred reply is sent from a task; sending touches the socket, which can consume the edge of
+its edge-triggered descriptor, so the reader drains the socket again right after.
+
+Identity: every connection says HELLO first (anything else before it: `hello_required`); its
+session names the engine instance it acts for. A message naming an engine id of another instance
+is refused with `not_owner` before its handler runs; reservations are checked by the facade.
+CLEAR of every tenant is refused here (`unauthorized`): it is an administrator's act.
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),
-`handle(frame) -> reply bytes` (pure; also what tests and the fuzzer drive), `stop()`.
+`handle(frame, peer) -> reply bytes` (also what tests and the fuzzer drive), `stop()`.
 """
 
 from __future__ import annotations
@@ -30,9 +38,17 @@ import structlog
 import zmq
 
 from api.dataplane.errors import wire_code
+from api.dataplane.sessions import Session, SessionTable
 from api.metrics import DataPlaneMetrics
 from app import __version__
-from app.errors import ConfigError, InvalidInput, KVDepotError, ProtocolError, UnsupportedVersion
+from app.errors import (
+    ConfigError,
+    InvalidInput,
+    KVDepotError,
+    ProtocolError,
+    Unauthorized,
+    UnsupportedVersion,
+)
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult
@@ -59,6 +75,8 @@ class DataPlaneServer:
         max_tokens: int,
         metrics: DataPlaneMetrics | None = None,
         transfers: KVTransfers | None = None,
+        max_sessions: int = 4096,
+        session_idle_s: float = 600.0,
     ) -> None:
         self.engine = engine
         self.transfers = transfers
@@ -66,14 +84,16 @@ class DataPlaneServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
         self.metrics = metrics
+        self.sessions = SessionTable(max_sessions=max_sessions, idle_s=session_idle_s)
+        if transfers is not None:
+            engine.engines.on_drop.append(transfers.drop)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._closing = False
         self._done: asyncio.Future[None] | None = None
         self._deferred: set[asyncio.Task[None]] = set()
         self.running = False
-        self._handlers: dict[type, Callable[[Any], p.Reply | Awaitable[p.Reply]]] = {
-            p.Hello: self._hello,
+        self._handlers: dict[type, Callable[[Any, Session], p.Reply | Awaitable[p.Reply]]] = {
             p.Register: self._register,
             p.Lookup: self._lookup,
             p.QueryPrefetch: self._query_prefetch,
@@ -159,7 +179,7 @@ class DataPlaneServer:
                         error = self._error(-1, "malformed", ProtocolError("expected exactly one frame"))
                         self._send(sock, [frames[0], error])
                     continue
-                reply = self.handle(frames[1])
+                reply = self.handle(frames[1], frames[0])
                 if isinstance(reply, bytes):
                     self._send(sock, [frames[0], reply])
                 else:  # answered later (a LOOKUP waiting for L2): the loop goes on meanwhile
@@ -181,6 +201,9 @@ class DataPlaneServer:
             frames = [ident, await reply]
             if self._sock is not None:
                 self._send(self._sock, frames)
+                # Sending may have consumed the edge of the socket's descriptor: messages that
+                # arrived meanwhile would wait for the next one. Drain now.
+                self._on_readable()
 
         task = asyncio.get_running_loop().create_task(send_later(), name="dataplane-deferred-reply")
         self._deferred.add(task)
@@ -205,9 +228,10 @@ class DataPlaneServer:
 
     # --- dispatch ------------------------------------------------------------------------------
 
-    def handle(self, frame: bytes) -> bytes | Awaitable[bytes]:
-        """The reply to one frame; an awaitable when the answer has to wait (LOOKUP with wait,
-        LOAD_BLOCKS, SAVE_BLOCKS). Latency is observed when the reply is ready, awaited or not."""
+    def handle(self, frame: bytes, peer: bytes = b"") -> bytes | Awaitable[bytes]:
+        """The reply to one frame from connection `peer` (its routing id); an awaitable when the
+        answer has to wait (LOOKUP with wait, LOAD_BLOCKS, SAVE_BLOCKS). Latency is observed when
+        the reply is ready, awaited or not."""
         start = time.perf_counter()
         op = "malformed"
         rid = -1
@@ -223,7 +247,13 @@ class DataPlaneServer:
             rid = msg.id
             op = _TAGS[type(msg)]
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
-                reply = self._handlers[type(msg)](msg)
+                if isinstance(msg, p.Hello):
+                    return p.encode(self._hello(msg, peer))
+                session = self.sessions.get(peer, time.monotonic())
+                engine_id = getattr(msg, "engine_id", None)
+                if engine_id is not None:
+                    self.engine.owned(engine_id, session.instance)
+                reply = self._handlers[type(msg)](msg, session)
             if isinstance(reply, msgspec.Struct):
                 return p.encode(reply)
             pending = reply
@@ -270,9 +300,13 @@ class DataPlaneServer:
 
     # --- handlers ------------------------------------------------------------------------------
 
-    def _hello(self, m: p.Hello) -> p.Reply:
+    def _hello(self, m: p.Hello, peer: bytes) -> p.Reply:
         if m.version != p.PROTOCOL_VERSION:
-            raise UnsupportedVersion(f"sidecar speaks protocol {p.PROTOCOL_VERSION}, client {m.version}")
+            raise UnsupportedVersion(
+                f"protocol version mismatch: the sidecar speaks {p.PROTOCOL_VERSION}, "
+                f"the client {m.version}; upgrade the older side"
+            )
+        session = self.sessions.hello(peer, m.instance, time.monotonic())
         arena = self.engine.arena
         return p.HelloReply(
             id=m.id,
@@ -282,9 +316,10 @@ class DataPlaneServer:
             arena_name=arena.name,
             arena_size=arena.size,
             max_frame_bytes=self.max_frame_bytes,
+            session=session.id,
         )
 
-    def _register(self, m: p.Register) -> p.Reply:
+    def _register(self, m: p.Register, s: Session) -> p.Reply:
         lay = m.layout
         try:
             layout = KVLayout(
@@ -298,10 +333,11 @@ class DataPlaneServer:
             )
         except ValueError as exc:
             raise InvalidInput(f"layout: {exc}") from None
-        reg = self.engine.register(m.model, layout, m.kv_rank, m.group)
+        reg = self.engine.register(m.model, layout, m.kv_rank, m.group, instance=s.instance)
         log.info(
             "engine_registered",
             engine_id=reg.engine_id,
+            session=s.id,
             model=m.model,
             kv_rank=m.kv_rank,
             layout=lay.kind,
@@ -314,7 +350,7 @@ class DataPlaneServer:
             layout_fingerprint=layout.fingerprint,
         )
 
-    def _lookup(self, m: p.Lookup) -> p.Reply | Awaitable[p.Reply]:
+    def _lookup(self, m: p.Lookup, _: Session) -> p.Reply | Awaitable[p.Reply]:
         r = self.engine.lookup(m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt)
         if m.wait and r.pending_chunks:
             return self._lookup_when_loaded(m)
@@ -323,17 +359,17 @@ class DataPlaneServer:
     async def _lookup_when_loaded(self, m: p.Lookup) -> p.Reply:
         return _lookup_reply(m.id, await self.engine.wait_prefetch(m.engine_id, m.request_id))
 
-    def _query_prefetch(self, m: p.QueryPrefetch) -> p.Reply:
+    def _query_prefetch(self, m: p.QueryPrefetch, _: Session) -> p.Reply:
         return _lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id))
 
-    def _retrieve(self, m: p.Retrieve) -> p.Reply:
+    def _retrieve(self, m: p.Retrieve, _: Session) -> p.Reply:
         extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks)
-        return p.RetrieveReply(id=m.id, extents=[p.Extent(e.offset, e.size) for e in extents])
+        return p.RetrieveReply(id=m.id, extents=[p.Extent(e.offset, e.size, e.oid) for e in extents])
 
-    def _release(self, m: p.Release) -> p.Reply:
-        return p.ReleaseReply(id=m.id, valid=self.engine.release(m.engine_id, m.request_id))
+    def _release(self, m: p.Release, _: Session) -> p.Reply:
+        return p.ReleaseReply(id=m.id, valid=self.engine.release(m.engine_id, m.request_id, m.oids))
 
-    def _store(self, m: p.Store) -> p.Reply:
+    def _store(self, m: p.Store, _: Session) -> p.Reply:
         slots = self.engine.store(
             m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk
         )
@@ -342,22 +378,27 @@ class DataPlaneServer:
             slots=[p.Slot(s.chunk, p.SlotStatus(s.status.value), s.oid, s.offset, s.size) for s in slots],
         )
 
-    def _commit(self, m: p.Commit) -> p.Reply:
+    def _commit(self, m: p.Commit, _: Session) -> p.Reply:
         return p.CommitReply(id=m.id, ok=self.engine.commit(m.engine_id, m.oids))
 
-    def _abort(self, m: p.Abort) -> p.Reply:
+    def _abort(self, m: p.Abort, _: Session) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.abort(m.engine_id, m.oids))
 
-    def _free_lookup_locks(self, m: p.FreeLookupLocks) -> p.Reply:
+    def _free_lookup_locks(self, m: p.FreeLookupLocks, _: Session) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.free_lookup_locks(m.engine_id, m.request_id))
 
-    def _end_request(self, m: p.EndRequest) -> p.Reply:
+    def _end_request(self, m: p.EndRequest, _: Session) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.end_request(m.engine_id, m.request_id))
 
-    def _ping(self, m: p.Ping) -> p.Reply:
+    def _ping(self, m: p.Ping, _: Session) -> p.Reply:
         return p.Pong(id=m.id, server_time=time.time())
 
-    def _clear(self, m: p.Clear) -> p.Reply:
+    def _clear(self, m: p.Clear, _: Session) -> p.Reply:
+        if m.cache_salt is None:
+            raise Unauthorized(
+                "clearing every tenant is not a data-plane operation: give a cache_salt to clear one "
+                "tenant (restart the sidecar, or remove the tenant's quota and data over HTTP, for more)"
+            )
         return p.CountReply(id=m.id, count=self.engine.clear(m.cache_salt))
 
     # --- copies done by the sidecar (engines that share their KV cache) ------------------------
@@ -367,18 +408,18 @@ class DataPlaneServer:
             raise InvalidInput("this sidecar does not copy engine KV caches itself")
         return self.transfers
 
-    def _register_kv_cache(self, m: p.RegisterKVCache) -> p.Reply:
+    def _register_kv_cache(self, m: p.RegisterKVCache, _: Session) -> p.Reply:
         handles = [msgspec.structs.asdict(h) for h in m.layers]
         return p.CountReply(id=m.id, count=self._transfers().register(m.engine_id, handles))
 
-    async def _load_blocks(self, m: p.LoadBlocks) -> p.Reply:
+    async def _load_blocks(self, m: p.LoadBlocks, _: Session) -> p.Reply:
         valid = await self._transfers().load(
             m.engine_id, m.request_id, first_chunk=m.first_chunk, num_chunks=m.num_chunks,
             block_ids=m.block_ids, skip_blocks=m.skip_blocks,
         )  # fmt: skip
         return p.ReleaseReply(id=m.id, valid=valid)
 
-    async def _save_blocks(self, m: p.SaveBlocks) -> p.Reply:
+    async def _save_blocks(self, m: p.SaveBlocks, _: Session) -> p.Reply:
         out = await self._transfers().save(
             m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
             first_chunk=m.first_chunk, block_ids=m.block_ids,

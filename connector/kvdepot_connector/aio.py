@@ -102,11 +102,12 @@ class AsyncKVDepotClient(ClientBase):
         try:
             await asyncio.to_thread(self._session.copy_out, reply, outs)
         finally:
-            valid = await self.release(request_id)
+            valid = await self.release(request_id, self._session.oids(reply))
         return valid
 
-    async def release(self, request_id: str) -> bool:
-        return await self._call(self._session.release(request_id))
+    async def release(self, request_id: str, oids: Sequence[int] = ()) -> bool:
+        """As `KVDepotClient.release`."""
+        return await self._call(self._session.release(request_id, oids))
 
     async def store(
         self,

@@ -13,6 +13,10 @@ KV bytes never travel through the socket: the client copies between its tensors 
 itself, at the offsets the sidecar hands out. A sidecar that does not answer within `timeout_s`
 raises `SidecarUnavailable`; a sidecar that restarted (its engine ids are random per process, so
 an old id is unknown to it) is re-handshaken transparently on the next call.
+
+Every client acts for an engine instance (`instance`, a hex nonce): the sidecar lets only clients
+of the same instance touch the requests and reservations it made. The processes of one engine
+give the same nonce; a client given none has a random one of its own.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.errors import SidecarUnavailable
 from kvdepot_connector.protocol import encode_tokens
-from kvdepot_connector.session import Call, ClientBase, StoreOutcome, T, Tokens
+from kvdepot_connector.session import Call, ClientBase, Locked, StoreOutcome, T, Tokens
 
-__all__ = ["AsyncKVDepotClient", "KVDepotClient", "StoreOutcome", "encode_tokens"]
+__all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
 
 
 class KVDepotClient(ClientBase):
@@ -61,6 +65,7 @@ class KVDepotClient(ClientBase):
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+            self._session.engine_id = 0  # a new connection says HELLO (and registers) first
 
     def _raw_call(self, msg: p.Request) -> p.Reply:
         sock = self._socket()
@@ -128,25 +133,28 @@ class KVDepotClient(ClientBase):
     def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """Copy the request's locked chunks `first_chunk..` into `outs`, then release the locks.
 
-        False when the locks' lease expired (the bytes may have been overwritten): discard `outs`.
+        False when the bytes may have changed under the copy (a lease expired, the objects were
+        reclaimed): discard `outs`.
         """
         with self._lock:
             reply = self._call(self._session.retrieve(request_id, first_chunk, len(outs)))
             try:
                 self._session.copy_out(reply, outs)
             finally:
-                valid = self.release(request_id)
+                valid = self.release(request_id, self._session.oids(reply))
             return valid
 
-    def release(self, request_id: str) -> bool:
-        return self._call(self._session.release(request_id))
+    def release(self, request_id: str, oids: Sequence[int] = ()) -> bool:
+        """Drop the request's locks. True only when copies from the objects `oids` (or, without
+        oids, from the request's locks) are valid."""
+        return self._call(self._session.release(request_id, oids))
 
-    def locked_views(self, request_id: str, *, first_chunk: int, num_chunks: int) -> list[torch.Tensor]:
-        """Arena views (uint8) of the request's locked chunks `first_chunk..`, for callers that copy
-        themselves (e.g. scattering into paged KV blocks). Call `release` afterwards: its answer
-        says whether the copies are valid."""
+    def locked(self, request_id: str, *, first_chunk: int, num_chunks: int) -> Locked:
+        """Arena views (uint8) of the request's locked chunks `first_chunk..` and their object
+        ids, for callers that copy themselves (e.g. scattering into paged KV blocks). Call
+        `release(request_id, locked.oids)` afterwards: its answer says whether the copies are valid."""
         reply = self._call(self._session.retrieve(request_id, first_chunk, num_chunks))
-        return [self._session.region(ext.offset, ext.size) for ext in reply.extents]
+        return self._session.locked(reply)
 
     def register_kv_cache(self, layers: Sequence[p.TensorHandle]) -> int:
         """Share the engine's KV planes with the sidecar (it then copies itself)."""

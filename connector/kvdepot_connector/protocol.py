@@ -7,19 +7,44 @@ the map's `op` field names the type. No pickle, ever.
 
 Tokens travel as bytes: unsigned 32-bit little-endian integers (`TOKEN_BYTES`, `encode_tokens`).
 
+Versions. `PROTOCOL_VERSION` is the major version; HELLO carries it and the sidecar refuses any
+other (error `unsupported_version`, naming both versions). Within one major version the protocol
+only grows: new fields are optional (they have a default, and a peer that omits them keeps the
+old meaning), new messages are new tags, and unknown fields are ignored by both sides, so an
+older peer of the same major version keeps working. Anything else (a field removed, retyped or
+given a new meaning, a default changed) bumps the major version.
+  1: the first protocol.
+  2: HELLO first on every connection, with the engine instance nonce; ids owned by the instance
+     (`not_owner`); RETRIEVE returns each extent's object id and RELEASE carries them back (the
+     generation check); data-plane CLEAR needs a cache_salt.
+
+Sessions and ownership. Every connection says HELLO first; other messages before it are refused
+(`hello_required`, also after the sidecar restarted: say HELLO again and register again). HELLO
+names the engine `instance`: a random hex nonce shared by an engine's processes (its scheduler and
+its workers, on different connections); empty means a private instance of that connection alone.
+Engine ids (REGISTER), requests, read locks and reservations belong to the instance that made
+them; a message naming another instance's engine id or reservation is refused with `not_owner`
+and changes nothing. Ids are unguessable (random). The instance is never part of a cache key:
+two instances of one model register different engine ids and share the cached chunks.
+
 Requests, in the order a client uses them:
 
-  Hello(version)                         -> HelloReply: chunk size, arena name and size
-  Register(model, layout, kv_rank, group)-> RegisterReply: engine_id, chunk_bytes
+  Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session
+  Register(model, layout, kv_rank, group)-> RegisterReply: engine_id (per instance), chunk_bytes
   Lookup(engine_id, request_id, tokens, cache_salt)
                                          -> LookupReply: hit_tokens from the start; hits read-locked
   Retrieve(engine_id, request_id, first_chunk, num_chunks)
-                                         -> RetrieveReply: (offset, size) per locked chunk
-  Release(engine_id, request_id)         -> ReleaseReply: valid=False if a lease expired
+                                         -> RetrieveReply: (offset, size, oid) per locked chunk
+  Release(engine_id, request_id, oids)   -> ReleaseReply: valid=True only when every object the
+                                            client copied from (`oids`, from RETRIEVE) is still the
+                                            same live object (its bytes unchanged); without oids,
+                                            only when the request still held its locks
   Store(engine_id, request_id, tokens, cache_salt, first_chunk)
-                                         -> StoreReply: per chunk reserved(offset)/exists/no_space/quota
+                                         -> StoreReply: per chunk reserved(oid, offset)/exists/
+                                            no_space/quota
   Commit(engine_id, oids)                -> CommitReply: per oid True, False = lease expired
-  Abort(engine_id, oids), FreeLookupLocks, EndRequest, Clear -> CountReply
+  Abort(engine_id, oids), FreeLookupLocks, EndRequest -> CountReply
+  Clear(cache_salt)                      -> CountReply: one tenant only (all tenants: HTTP)
   QueryPrefetch(engine_id, request_id)   -> LookupReply (after a Lookup that said pending_chunks > 0)
   Ping                                   -> Pong
 
@@ -46,10 +71,13 @@ import msgspec
 
 from kvdepot_connector import layout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 TOKEN_BYTES = 4
 MAX_ID_LEN = 256
 MAX_LIST = 1 << 16
+
+#: an engine instance nonce: lowercase hex (empty: a private instance of the connection)
+INSTANCE_PATTERN = "^([0-9a-f]{16,128})?$"
 
 Id = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]
 EngineId = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
@@ -70,6 +98,9 @@ class ErrorCode(enum.StrEnum):
     QUOTA_EXCEEDED = "quota_exceeded"
     OVERLOADED = "overloaded"
     SHUTTING_DOWN = "shutting_down"
+    HELLO_REQUIRED = "hello_required"
+    NOT_OWNER = "not_owner"
+    UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
 
 
@@ -80,11 +111,13 @@ class SlotStatus(enum.StrEnum):
     QUOTA = "quota"
 
 
-class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+class _Msg(msgspec.Struct, tag_field="op"):
+    """Unknown fields are ignored (the version policy above); unknown tags are refused."""
+
     id: Id
 
 
-class Layout(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class Layout(msgspec.Struct, frozen=True):
     """One engine rank's KV layout. `kind` names the memory arrangement of a chunk's bytes."""
 
     dtype: Annotated[str, msgspec.Meta(max_length=32)]
@@ -107,8 +140,12 @@ class Layout(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class Hello(_Msg, tag="hello"):
+    """`instance`: the engine instance nonce its processes share (INSTANCE_PATTERN); empty: a
+    private instance for this connection alone."""
+
     version: Count
     client: Name = ""
+    instance: Annotated[str, msgspec.Meta(pattern=INSTANCE_PATTERN)] = ""
 
 
 class Register(_Msg, tag="register"):
@@ -142,8 +179,11 @@ class Retrieve(_Msg, tag="retrieve"):
 
 
 class Release(_Msg, tag="release"):
+    """`oids`: the objects the client copied from (RETRIEVE's extents); see the module docstring."""
+
     engine_id: EngineId
     request_id: Name
+    oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)] = msgspec.field(default_factory=list)
 
 
 class Store(_Msg, tag="store"):
@@ -182,7 +222,7 @@ class Clear(_Msg, tag="clear"):
     cache_salt: Name | None = None
 
 
-class TensorHandle(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class TensorHandle(msgspec.Struct, frozen=True):
     """A tensor of the engine's shared with the sidecar, so the sidecar copies it itself.
 
     kind "cuda-ipc": torch's CUDA IPC fields (storage._share_cuda_); kind "cpu-shm": a tensor
@@ -257,6 +297,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     arena_name: str
     arena_size: int
     max_frame_bytes: int
+    session: int = 0
 
 
 class RegisterReply(_Msg, tag="register_reply"):
@@ -291,6 +332,7 @@ class CommitReply(_Msg, tag="commit_reply"):
 class Extent(msgspec.Struct, array_like=True, frozen=True):
     offset: int
     size: int
+    oid: int = 0
 
 
 class RetrieveReply(_Msg, tag="retrieve_reply"):

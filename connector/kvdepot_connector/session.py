@@ -2,8 +2,10 @@
 handshake state, the arena mapping and the copy steps between the caller's tensors and the arena.
 No I/O here: the clients (`client.KVDepotClient`, `aio.AsyncKVDepotClient`) only send and receive.
 
-State (`Session`): the engine's identity (model, layout, kv rank, group), the engine id the sidecar
-gave it (0 until the handshake), the request id counter and the mapped arena. Touched by one
+State (`Session`): the engine's identity (model, layout, kv rank, group), the engine instance
+nonce it says HELLO with (shared by an engine's processes: they own their requests and
+reservations together), the engine id the sidecar gave it (0 until the handshake), the request id
+counter and the mapped arena. Touched by one
 client, under its lock (blocking) or on its event loop (asyncio).
 
 Primitives:
@@ -11,14 +13,16 @@ Primitives:
   Session.lookup(...), retrieve(...), ... one `Call` per operation: the message to send and how
                                          to read its reply
   Session.message(call)                 the call's message, with a fresh id and the engine id
-  Session.stale(call, reply)            the sidecar no longer knows this engine (it restarted):
-                                         handshake again and resend
+  Session.stale(call, reply)            the sidecar no longer knows this connection or engine (it
+                                         restarted, or closed an idle session): handshake again
+                                         and resend
   Session.copy_in / copy_out / outcome  the copies of a store or a retrieve and their result
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -47,6 +51,15 @@ class StoreOutcome:
     def complete(self) -> bool:
         """Every requested chunk is now in L1 (stored now or already there)."""
         return self.no_space == 0 and self.quota == 0 and self.expired == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Locked:
+    """Arena views (uint8) of a request's read-locked chunks and their object ids: copy out of the
+    views, then `release(request_id, oids)`; its answer says whether the copies are valid."""
+
+    views: list[torch.Tensor]
+    oids: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +99,11 @@ class Session:
     """What both clients share: the operations, the handshake state, the arena, the copy steps."""
 
     def __init__(
-        self, model: str, layout: p.Layout, kv_rank: int, group: int, *, name: str, map_arena: bool
-    ) -> None:
+        self, model: str, layout: p.Layout, kv_rank: int, group: int, *, name: str, map_arena: bool,
+        instance: str,
+    ) -> None:  # fmt: skip
         self.model = model
+        self.instance = instance
         self.layout = layout
         self.kv_rank = kv_rank
         self.group = group
@@ -104,9 +119,11 @@ class Session:
 
     @staticmethod
     def stale(call: Call[T], reply: p.Reply) -> bool:
-        return (
-            call.registered and isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.NOT_REGISTERED
-        )
+        if not isinstance(reply, p.ErrorReply):
+            return False
+        if reply.code == p.ErrorCode.HELLO_REQUIRED:
+            return True
+        return call.registered and reply.code == p.ErrorCode.NOT_REGISTERED
 
     def close_arena(self) -> None:
         if self.arena is not None:
@@ -116,7 +133,9 @@ class Session:
     # --- handshake -----------------------------------------------------------------------------
 
     def hello(self) -> Call[None]:
-        build = lambda i, _: p.Hello(id=i, version=p.PROTOCOL_VERSION, client=self.name)  # noqa: E731
+        build = lambda i, _: p.Hello(  # noqa: E731
+            id=i, version=p.PROTOCOL_VERSION, client=self.name, instance=self.instance
+        )
         return Call(build, lambda r: self._accept_hello(check_reply(r, p.HelloReply)), registered=False)
 
     def _accept_hello(self, reply: p.HelloReply) -> None:
@@ -175,8 +194,11 @@ class Session:
         )  # fmt: skip
 
     @staticmethod
-    def release(request_id: str) -> Call[bool]:
-        return _call(lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id), p.ReleaseReply, _valid)
+    def release(request_id: str, oids: Sequence[int] = ()) -> Call[bool]:
+        ids = list(oids)
+        return _call(
+            lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id, oids=ids), p.ReleaseReply, _valid
+        )
 
     @staticmethod
     def register_kv_cache(layers: Sequence[p.TensorHandle]) -> Call[int]:
@@ -264,6 +286,16 @@ class Session:
             oids.append(slot.oid)
         return oids
 
+    def locked(self, reply: p.RetrieveReply) -> Locked:
+        return Locked(
+            [self.region(ext.offset, ext.size) for ext in reply.extents], [ext.oid for ext in reply.extents]
+        )
+
+    @staticmethod
+    def oids(reply: p.RetrieveReply) -> list[int]:
+        """The objects a retrieve's copies come from (what RELEASE checks)."""
+        return [ext.oid for ext in reply.extents if ext.oid]
+
     def copy_out(self, reply: p.RetrieveReply, outs: Sequence[torch.Tensor]) -> None:
         for ext, dst in zip(reply.extents, outs, strict=True):
             view = _as_u8(dst)
@@ -313,11 +345,18 @@ class ClientBase:
         timeout_s: float = 5.0,
         map_arena: bool = True,
         name: str = "",
+        instance: str | None = None,
     ) -> None:
+        """`instance`: the engine instance nonce (lowercase hex, 16..128 characters) this client
+        acts for; the clients of one engine (scheduler, workers) give the same one, since they own
+        its requests and reservations together. None: a fresh random one, this client's alone."""
         self.url = url
         self.timeout_s = timeout_s
         self.name = name
-        self._session = Session(model, layout, kv_rank, group, name=name, map_arena=map_arena)
+        self.instance = secrets.token_hex(16) if instance is None else instance
+        self._session = Session(
+            model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance
+        )
         self._open_transport()
 
     def _open_transport(self) -> None:

@@ -1,16 +1,20 @@
 """L1Cache: the objects in the arena, their lifecycles, leases, eviction and tenant quotas.
 
 State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
-object for write reservations, the allocator, the eviction policy, counters, the tenant ledger
-it reports every object's memory into (charged from reservation until freed; engine/tenants), and
-the `Shedder` given at construction (the write-behind queue, engine/l2/store_queue.py). Only this
-package changes an L1Object; the L2 controllers go through the primitives below.
+object for every live object and for write reservations (oids are random, 62 bits, never reused
+while their object lives; each reservation records the engine instance that owns it), the
+allocator, the eviction policy, counters, the tenant ledger it reports every object's memory into
+(charged from reservation until freed; engine/tenants), and the `Shedder` given at construction
+(the write-behind queue, engine/l2/store_queue.py). Only this package changes an L1Object; the L2
+controllers go through the primitives below.
 
 Primitives in call order:
   find(key)                      visible object or None (touches LRU)
-  try_reserve(key, size, now[, temporary])
+  alive(oid)                     the object is still the same committed object (bytes unchanged)
+  try_reserve(key, size, now[, temporary, owner])
                                  -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
   busy_for_io(obj)               context: threads write into the reservation, never reap it
+  owner_of(oid)                  the owner of a live reservation, or None
   commit(oid, now)               -> READY (LeaseExpired if the reservation was reclaimed)
   abort(obj)                     reservation dropped, memory freed
   lock(obj, now) / unlock(obj)   read locks; the last unlock of a doomed/temporary object frees it
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
+import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -107,7 +111,7 @@ class L1Cache:
         self.counters = L1Counters()
         self._objects: dict[ObjectKey, L1Object] = {}
         self._reservations: dict[int, L1Object] = {}
-        self._oids = itertools.count(1)
+        self._by_oid: dict[int, L1Object] = {}
         self._shedder = shedder
 
     # --- queries -------------------------------------------------------------------------------
@@ -131,6 +135,12 @@ class L1Cache:
         self.policy.on_access(obj)
         return obj
 
+    def alive(self, oid: int) -> bool:
+        """The object `oid` is committed and not yet freed: committed objects are immutable, so its
+        bytes are those it was committed with (the generation check of a late reader)."""
+        obj = self._by_oid.get(oid)
+        return obj is not None and obj.visible
+
     def state_counts(self) -> dict[str, int]:
         counts = {
             s.value: 0 for s in (ObjectState.WRITE_RESERVED, ObjectState.READY, ObjectState.READ_LOCKED)
@@ -142,7 +152,7 @@ class L1Cache:
     # --- writes --------------------------------------------------------------------------------
 
     def try_reserve(
-        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False
+        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = ""
     ) -> L1Object | Refusal:
         """Reserve room for `key`, within its tenant's quota (see the module docstring). A
         temporary object, once committed, is deleted when its last reader lets go (`make_ordinary`
@@ -161,16 +171,25 @@ class L1Cache:
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE
+        oid = secrets.randbits(62)
+        while oid == 0 or oid in self._by_oid:
+            oid = secrets.randbits(62)
         obj = L1Object(
-            oid=next(self._oids), key=key, offset=offset, size=size, last_access=now, temporary=temporary
+            oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner
         )
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
         self._objects[key] = obj
-        self._reservations[obj.oid] = obj
+        self._reservations[oid] = obj
+        self._by_oid[oid] = obj
         ledger.charge(salt, L1, charge)
         self.counters.reserved += 1
         return obj
+
+    def owner_of(self, oid: int) -> str | None:
+        """The engine instance owning the live reservation `oid`; None when there is none."""
+        obj = self._reservations.get(oid)
+        return None if obj is None else obj.owner
 
     def commit(self, oid: int, now: float) -> L1Object:
         obj = self._reservations.pop(oid, None)
@@ -355,6 +374,7 @@ class L1Cache:
     def _release(self, obj: L1Object) -> None:
         if self._objects.get(obj.key) is obj:
             del self._objects[obj.key]
+        self._by_oid.pop(obj.oid, None)
         self.policy.on_remove(obj)
         self.allocator.free(obj.offset)
         self.ledger.credit(obj.key.salt, L1, self.allocator.aligned(obj.size))

@@ -84,6 +84,7 @@ class L1Object:
     """One chunk in L1: its key, its extent in the arena and its lifecycle."""
 
     oid: int
+    """Random (62 bits), never reused while the object lives: names this object, not its extent."""
     key: ObjectKey
     offset: int
     size: int
@@ -94,6 +95,7 @@ class L1Object:
     temporary: bool = False
     in_l2: bool = False
     io_busy: bool = False  # a thread is copying into this reservation: never reap it meanwhile
+    owner: str = ""  # the engine instance that reserved it ("" : the sidecar itself, e.g. L2 loads)
     lease_deadline: float = 0.0
     last_access: float = 0.0
 

@@ -6,6 +6,9 @@ MODE reserve-and-hang: STORE (reserve) CHUNKS chunks, print "reserved", then wai
 MODE lock-and-hang:    store CHUNKS chunks, LOOKUP them (read locks), print "locked", wait.
 MODE store-retrieve:   4 requests x CHUNKS chunks: store, lookup right after, retrieve, compare;
                        prints one JSON line with the figures.
+MODE reserve-then-commit: STORE (reserve) CHUNKS chunks, print "reserved OID...", wait for a
+                       line on stdin, fill the slots, COMMIT, print "committed OK..." (1/0 per
+                       oid), then lookup and compare: print "identical HIT" (HIT chunks compared).
 """
 
 from __future__ import annotations
@@ -77,6 +80,23 @@ def main() -> None:
             same = all(torch.equal(o, chunk_data(rs, i)) for i, o in enumerate(outs))
             result["identical"] = result["identical"] and valid and same
         print(json.dumps(result), flush=True)
+        c.close()
+    elif mode == "reserve-then-commit":
+        from kvdepot_connector.protocol import SlotStatus
+
+        reply = c.reserve(toks, request_id="slow")
+        slots = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
+        print("reserved " + " ".join(str(s.oid) for s in slots), flush=True)
+        sys.stdin.readline()
+        for s in slots:
+            c.slot_view(s).copy_(chunk_data(seed, s.chunk).view(torch.uint8))
+        ok = c.commit([s.oid for s in slots])
+        print("committed " + " ".join(str(int(x)) for x in ok), flush=True)
+        hit = c.lookup(toks, request_id="check").hit_chunks
+        outs = [torch.empty(LAYOUT.chunk_bytes // 2, dtype=torch.float16) for _ in range(hit)]
+        valid = c.retrieve("check", outs) if hit else True
+        same = valid and all(torch.equal(o, chunk_data(seed, i)) for i, o in enumerate(outs))
+        print(f"identical {hit}" if same else "different", flush=True)
         c.close()
     else:
         raise SystemExit(f"unknown mode {mode}")

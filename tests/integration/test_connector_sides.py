@@ -5,6 +5,7 @@ KV cache in a shared-memory region)."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,8 +78,9 @@ def test_plan_save_lookup_load_round_trip(
         env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "sc"
     )
     line = lifeline(tmp_path / "sc", kv)
-    sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False)
-    work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=not by_sidecar)
+    engine = secrets.token_hex(16)  # the scheduler and the worker of one engine instance
+    sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False, instance=engine)
+    work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=not by_sidecar, instance=engine)
     shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
     worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK, shared=shared)
     sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load_async=False)

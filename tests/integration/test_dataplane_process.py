@@ -67,6 +67,7 @@ LEASE_ENV = CHUNK_ENV | {
     "KVDEPOT_L1__WRITE_LEASE_S": "1.0",
     "KVDEPOT_L1__READ_LEASE_S": "1.0",
     "KVDEPOT_L1__REAP_INTERVAL_S": "0.1",
+    "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",  # the victim's one request pins all of L1
 }
 
 

@@ -89,7 +89,7 @@ def test_mock_faults_give_shorter_hits_within_the_deadline(
     assert elapsed <= BOUND_S
     check_bytes(c, 1, "longer", hit)
     # With L1 emptied, everything depends on the faulty tier: a miss, in time, no error.
-    c.clear()
+    c.clear(cache_salt="")
     hit, elapsed = timed_lookup(c, 1, 4, "cold")
     assert hit == 0
     assert elapsed <= BOUND_S
@@ -113,7 +113,7 @@ def test_redis_killed_and_frozen_mid_run_then_back(
 
         store(c, 10)
         wait_for(lambda: written() >= 4)
-        c.clear()
+        c.clear(cache_salt="")
         hit, _ = timed_lookup(c, 10, 4, "warm")
         assert hit == 4  # served from Redis
         check_bytes(c, 10, "warm", hit)
@@ -122,7 +122,7 @@ def test_redis_killed_and_frozen_mid_run_then_back(
         assert redis_server.proc is not None
         os.kill(redis_server.proc.pid, signal.SIGSTOP)
         try:
-            c.clear()
+            c.clear(cache_salt="")
             hit, elapsed = timed_lookup(c, 10, 4, "frozen")
             assert hit == 0
             assert elapsed <= BOUND_S
@@ -143,7 +143,7 @@ def test_redis_killed_and_frozen_mid_run_then_back(
         before = written()
         store(c, 13)
         wait_for(lambda: written() >= before + 4, timeout=30)
-        c.clear()
+        c.clear(cache_salt="")
         hit, _ = timed_lookup(c, 13, 4, "again")
         assert hit == 4
         check_bytes(c, 13, "again", hit)

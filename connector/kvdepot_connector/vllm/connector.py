@@ -19,6 +19,11 @@ Settings (`kv_connector_extra_config`):
                        the mapped arena), "sidecar" (CUDA IPC handles; the sidecar copies on its
                        own streams), or "auto" (default: sidecar for CUDA caches, else connector)
 
+Ownership: the scheduler and the workers of one engine say HELLO with the same instance nonce,
+derived from vLLM's `kv_transfer_config.engine_id` (`identity.instance_nonce`), so the workers may
+read and release what the scheduler locked and nobody else may. Engines given the same explicit
+engine_id would share ownership: leave it unset (vLLM then draws a uuid) or make it unique.
+
 A load that fails is reported to vLLM as failed blocks, which vLLM recomputes: the connector sets
 the failure policy to "recompute" (a cache must never fail a request), and `requires_kv_delivery`
 is False (a dropped save is a future miss, nothing more).
@@ -48,6 +53,7 @@ from kvdepot_connector.layout import (
 )
 from kvdepot_connector.protocol import Layout
 from kvdepot_connector.vllm.guard import SidecarGuard
+from kvdepot_connector.vllm.identity import instance_nonce
 from kvdepot_connector.vllm.plan import StepPlan
 from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvdepot_connector.vllm.worker import WorkerSide, kv_planes
@@ -125,6 +131,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         default_model = served[0] if isinstance(served, list | tuple) else (served or mc.model)
         self._model = str(ktc.get_from_extra_config("kvdepot_model_id", default_model))
         self._layout = _layout(vllm_config, self._chunk_size)
+        self._instance = instance_nonce(str(ktc.engine_id or ""))
         if ktc.kv_load_failure_policy != "recompute":
             log.info(
                 "kvdepot: kv_load_failure_policy set to 'recompute' (a cache miss never fails a request)"
@@ -137,7 +144,8 @@ class KVDepotConnector(KVConnectorBase_V1):
             guard = SidecarGuard()
             clients = [
                 KVDepotClient(self._url, model=self._model, layout=self._layout, kv_rank=rank,
-                              timeout_s=self._timeout_s, map_arena=False, name=f"vllm-scheduler-{rank}")
+                              timeout_s=self._timeout_s, map_arena=False, name=f"vllm-scheduler-{rank}",
+                              instance=self._instance)
                 for rank in range(pc.tensor_parallel_size)
             ]  # fmt: skip
             self._scheduler = SchedulerSide(
@@ -225,7 +233,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         rank = get_tensor_model_parallel_rank()
         client = KVDepotClient(
             self._url, model=self._model, layout=lay, kv_rank=rank, timeout_s=self._timeout_s,
-            name=f"vllm-worker-{rank}", map_arena=not by_sidecar,
+            name=f"vllm-worker-{rank}", map_arena=not by_sidecar, instance=self._instance,
         )  # fmt: skip
         # CUDA: the sidecar opens the planes through IPC handles and copies on its own streams.
         shared = [export_tensor(p) for p in planes] if by_sidecar else None

@@ -13,8 +13,10 @@ chunk's blocks of every plane, plane-major):
 
 Primitives, in vLLM's step order:
   load(specs)     in start_load_kv: the request's read-locked chunks into its blocks of every
-                  plane, then the locks released; an expired lease or any failure reports the
-                  request's blocks as failed (never garbage KV)
+                  plane, then the locks released with the object ids copied from; RELEASE saying
+                  valid=False (the objects changed: a lease expired, the scheduler ended the
+                  request), or any failure, reports the request's blocks as failed, which vLLM
+                  recomputes (never garbage KV)
   save(specs)     in wait_for_save: reserve, fill from the blocks, commit; failures are logged
                   and skipped (a future miss, nothing more)
   take_finished() / take_load_errors()  what get_finished / get_block_ids_with_load_errors report
@@ -133,15 +135,19 @@ class WorkerSide:
         return valid
 
     def _copy_in(self, spec: LoadSpec) -> bool:
-        views = self.client.locked_views(
-            spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks
-        )
-        cuts = [self._cut(view) for view in views]
-        chunks = range(spec.first_chunk, spec.first_chunk + len(views))
-        for i, j, block in self.format.block_pairs(chunks, spec.block_ids, skip_blocks=spec.skip_blocks):
-            for plane, src in zip(self.planes, cuts[i], strict=True):
-                plane[block].copy_(src[j])
-        return self.client.release(spec.request_id)
+        """Copy out of the locked chunks; valid only if the sidecar confirms that every object
+        copied from is still the same (the generation check): else the blocks are failed."""
+        locked = self.client.locked(spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks)
+        cuts = [self._cut(view) for view in locked.views]
+        chunks = range(spec.first_chunk, spec.first_chunk + len(locked.views))
+        try:
+            for i, j, block in self.format.block_pairs(chunks, spec.block_ids, skip_blocks=spec.skip_blocks):
+                for plane, src in zip(self.planes, cuts[i], strict=True):
+                    plane[block].copy_(src[j])
+        except BaseException:
+            self.client.release(spec.request_id, locked.oids)
+            raise
+        return self.client.release(spec.request_id, locked.oids) and len(locked.views) == spec.num_chunks
 
     def _cut(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """A chunk's bytes (a uint8 view of the arena) as one [block, block bytes] view per plane."""

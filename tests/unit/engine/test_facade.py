@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import InvalidInput, LeaseExpired, NotFound, NotRegistered
+from app.errors import InvalidInput, NotFound, NotRegistered
 from engine.results import SlotStatus
 from tests.factories import engine, small_layout, tokens
 
@@ -89,7 +89,7 @@ def test_expired_read_lease_is_reported_to_a_late_reader() -> None:
         eng.lookup(eid, "r", tokens(2 * CHUNK), "")
         clock.advance(3.5)
         assert eng.reap() == (0, 1)
-        with pytest.raises(LeaseExpired):
+        with pytest.raises(NotFound, match="lease expired"):
             eng.retrieve(eid, "r", 0, 2)
         assert eng.release(eid, "r") is False
         assert eng.cache.state_counts()["read_locked"] == 0

@@ -54,10 +54,11 @@ def read_hits(eng: CacheEngine, eid: int, toks: bytes, salt: str) -> list[bytes]
     """LOOKUP + RETRIEVE + RELEASE: the bytes of every chunk the lookup found."""
     hit = eng.lookup(eid, "r", toks, salt).hit_chunks
     out = []
-    for ext in eng.retrieve(eid, "r", 0, hit) if hit else []:
+    extents = eng.retrieve(eid, "r", 0, hit) if hit else []
+    for ext in extents:
         with eng.arena.view(ext.offset, ext.size) as view:
             out.append(bytes(view))
-    assert eng.release(eid, "r") is True
+    assert eng.release(eid, "r", [ext.oid for ext in extents]) is bool(hit)
     eng.end_request(eid, "r")
     return out
 
