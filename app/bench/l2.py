@@ -57,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument(
+        "--cold",
+        action="store_true",
+        help="disk: drop the written files from the page cache (posix_fadvise) before the loads",
+    )
+    p.add_argument(
         "--dir", type=Path, help="directory for the disk adapter and its baseline (default: a temp dir)"
     )
 
@@ -65,7 +70,19 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _disk_baseline(root: Path, chunks: list[bytes]) -> tuple[float, float]:
+def _drop_cached(root: Path) -> None:
+    """Evict every file under `root` from the page cache (its pages are clean: written and
+    fsync-ed), so that the next reads come from the device."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _disk_baseline(root: Path, chunks: list[bytes], cold: bool) -> tuple[float, float]:
     root.mkdir(parents=True, exist_ok=True)
     paths = [root / f"baseline-{i}" for i in range(len(chunks))]
     start = time.perf_counter()
@@ -79,6 +96,8 @@ def _disk_baseline(root: Path, chunks: list[bytes]) -> tuple[float, float]:
         finally:
             os.close(fd)
     store_s = time.perf_counter() - start
+    if cold:
+        _drop_cached(root)
     start = time.perf_counter()
     for path, data in zip(paths, chunks, strict=True):
         buf = bytearray(len(data))
@@ -247,6 +266,8 @@ async def _through_controllers(
         await cpu.mark()
         store_s, written = await _time_store(engine, eid, requests)
         engine.clear()
+        if args.cold and args.adapter == "disk":
+            _drop_cached(workdir / "l2")
         await cpu.mark()
         load_s, hits = await _time_load(engine, eid, requests)
         await cpu.mark()
@@ -294,7 +315,7 @@ def _baseline(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -> t
     """The plain baseline's store and load seconds on the same bytes (see the module docstring)."""
     payloads: list[bytes] = got.pop("payloads")
     if args.adapter == "disk":
-        return _disk_baseline(workdir / "baseline", payloads)
+        return _disk_baseline(workdir / "baseline", payloads, args.cold)
     if args.adapter == "redis":
         return _redis_baseline(args.redis_url, payloads, got["server_cpu_s"])
     return _memory_baseline(payloads)
@@ -314,6 +335,7 @@ def _result(
     total = got["chunks"] * got["chunk_bytes"]
     result = {
         "adapter": args.adapter,
+        "cold": bool(args.cold and args.adapter == "disk"),
         "store_gbps": _gbps(total, got["store_s"]),
         "load_gbps": _gbps(total, got["load_s"]),
         "baseline_store_gbps": _gbps(total, base_store_s),
