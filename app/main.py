@@ -51,6 +51,7 @@ from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 from engine.transfers import KVTransfers
 from gpu.device import default_device
 from gpu.transfer import TransferEngine
+from storage.auth import KEY_FILE, BlobKeys
 from storage.base import L2Adapter
 from storage.factory import build_adapter
 
@@ -98,19 +99,21 @@ def build_l2(
     l2: L2Settings, *, cache: L1Cache, queue: StoreQueue, arena: SharedArena,
     build: Callable[[AdapterConfig], L2Adapter],
     executor: Executor, drain_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+    keys: BlobKeys | None = None,
 ) -> L2Parts:  # fmt: skip
     """The L2 machinery (no adapter attached yet): tiers building adapters with `build` and
     reporting into the cache's ledger, write-behind of what `queue` holds (the queue the cache was
-    given as its shedder) and prefetch, running codecs in `executor`."""
+    given as its shedder) and prefetch, running codecs in `executor`; blobs of tiers that
+    authenticate are signed and checked with `keys`."""
     tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger)
     store = StoreController(
         cache=cache, arena=arena, tiers=tiers, queue=queue, policy=l2.store_policy,
         codec_options=functools.partial(codec_options, fp8_values=l2.fp8_values, lz4=l2.lz4),
-        executor=executor,
+        executor=executor, keys=keys,
     )  # fmt: skip
     prefetch = PrefetchController(
         cache=cache, arena=arena, tiers=tiers, deadline_s=l2.prefetch_deadline_ms / 1000,
-        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock,
+        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock, keys=keys,
     )  # fmt: skip
     return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
 
@@ -193,10 +196,11 @@ class Service:
             # Checksums over whole chunks and copies of loaded blobs into the arena run here.
             self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
             data_dir = s.data_dir
+            keys = BlobKeys.from_settings([k.get_secret_value() for k in s.l2.auth_keys], data_dir / KEY_FILE)
             self.l2 = build_l2(
                 s.l2, cache=cache, queue=store_queue, arena=self.arena,
                 build=lambda config: build_adapter(config, data_dir),
-                executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
+                executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10, keys=keys,
             )  # fmt: skip
             self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2)
             # quotas.json writes (fsync) run here, one at a time.

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -33,6 +34,7 @@ from pydantic_settings import (
 )
 
 from app.errors import ConfigError
+from storage.auth import parse_secret
 from storage.config import (
     AdapterConfig,
     AdapterName,
@@ -142,6 +144,15 @@ class L1Settings(BaseModel):
         return int(self.size_gb * (1 << 30))
 
 
+def _usable_key(key: SecretStr) -> SecretStr:
+    parse_secret(key.get_secret_value())  # its ValueError says what is wrong, never the key
+    return key
+
+
+L2AuthKey = Annotated[SecretStr, AfterValidator(_usable_key)]
+"""An L2 auth key: masked wherever settings are shown."""
+
+
 class L2Settings(BaseModel):
     """The slower tiers behind L1 and the controllers that feed them."""
 
@@ -163,6 +174,13 @@ class L2Settings(BaseModel):
     prefetch_max_inflight: int = Field(64, ge=1, le=1 << 16, description="Chunks being loaded at once.")
     fp8_values: bool = Field(False, description="Store V quantized to FP8 (e4m3) with scales; K exact.")
     lz4: bool = Field(False, description="Compress blobs with lz4.")
+    auth_keys: list[L2AuthKey] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Secrets (hex or base64, 16+ bytes) that sign and check blobs of adapters with "
+        "`authenticate`: the first signs, all verify (rotation). Empty: <data_dir>/l2.key, generated "
+        "at the first start. Sidecars sharing a Redis must share them.",
+    )
 
 
 class LoggingSettings(BaseModel):
@@ -266,6 +284,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path 
     return Settings.model_construct(**dict(built))
 
 
+_SECRET_SETTINGS = frozenset({"auth_keys", "admin_token"})
+
+
 def describe_validation_error(exc: ValidationError) -> str:
     """One line: the setting's dotted name, what is wrong, and the value given."""
     parts = []
@@ -273,6 +294,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in err["loc"]) or "settings"
         if err["type"] == "extra_forbidden":
             parts.append(f"{loc}: unknown setting")
+        elif _SECRET_SETTINGS.intersection(str(p) for p in err["loc"]):
+            parts.append(f"{loc}: {err['msg']}")  # a secret is never echoed
         else:
             parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
     return "invalid setting " + "; ".join(parts)
