@@ -31,7 +31,7 @@ import os
 import secrets as _random
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
@@ -111,7 +111,7 @@ def _read_key(path: Path) -> bytes:
 @dataclass(frozen=True, slots=True)
 class MacKey:
     key_id: bytes
-    key: bytes
+    key: bytes = field(repr=False)
 
 
 def _derive(secret: bytes) -> MacKey:

@@ -15,6 +15,11 @@ Baselines, on the same bytes in the same block size:
 Before the timed phases the process's objects are frozen out of the garbage collector (gc.freeze),
 so that a full collection of the harness's own heap does not land in one phase of one side.
 
+`mac`: what authenticating the blobs costs, on the same bytes, one thread: keyed BLAKE3 (the MAC
+an adapter with `authenticate` signs and checks) against xxh3 (the checksum it replaces on loads),
+in GB/s, and the MAC's seconds as a share of the load phase (`load_share`: its CPU time, not
+necessarily on the critical path: checks of different chunks run in parallel).
+
 Besides the figures: `written` (chunks written behind) and `hit_chunks` (chunks prefetched back),
 which say what went wrong when `ok` is false, and for redis `redis_cpu_s`: the CPU seconds the Redis
 server's main thread spent in each phase (INFO cpu; other clients of a shared Redis included),
@@ -146,6 +151,25 @@ def _redis_baseline(url: str, chunks: list[bytes], cpu: dict[str, float]) -> tup
     finally:
         r.close()
     return store_s, load_s
+
+
+def _mac_cost(chunks: list[bytes], load_s: float) -> dict[str, float]:
+    """One thread: keyed BLAKE3 and xxh3 over the chunks, in GB/s; the MAC's share of load_s."""
+    import blake3
+    import xxhash
+
+    key = bytes(32)
+    start = time.perf_counter()
+    for chunk in chunks:
+        blake3.blake3(chunk, key=key).digest()
+    mac_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for chunk in chunks:
+        xxhash.xxh3_128_digest(chunk)
+    xxh3_s = time.perf_counter() - start
+    total = sum(len(c) for c in chunks)
+    return {"mac_gbps": _gbps(total, mac_s), "xxh3_gbps": _gbps(total, xxh3_s),
+            "load_share": round(mac_s / load_s, 3)}  # fmt: skip
 
 
 def _memory_baseline(chunks: list[bytes]) -> tuple[float, float]:
@@ -314,6 +338,7 @@ def _adapter(args: argparse.Namespace, workdir: Path, prefix: str) -> dict[str, 
 def _baseline(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -> tuple[float, float]:
     """The plain baseline's store and load seconds on the same bytes (see the module docstring)."""
     payloads: list[bytes] = got.pop("payloads")
+    got["mac"] = _mac_cost(payloads, got["load_s"])
     if args.adapter == "disk":
         return _disk_baseline(workdir / "baseline", payloads, args.cold)
     if args.adapter == "redis":
@@ -347,6 +372,7 @@ def _result(
         "written": got["written"],
         "hit_chunks": got["hit_chunks"],
         "ok": got["ok"],
+        "mac": got["mac"],
     }
     if got["server_cpu_s"]:
         result["redis_cpu_s"] = got["server_cpu_s"]
