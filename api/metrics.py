@@ -87,6 +87,7 @@ ADAPTER_COUNTERS: tuple[Row, ...] = tuple(
         ("stores", "Blobs stored."), ("store_bytes", "Bytes stored."), ("loads", "Blobs loaded."),
         ("load_bytes", "Bytes loaded."), ("misses", "Loads that found nothing."),
         ("errors", "Operations that failed."), ("integrity_failures", "Blobs that failed their check."),
+        ("auth_failures", "Blobs refused for a missing or wrong MAC (also integrity failures)."),
         ("evictions", "Blobs evicted (for capacity or a tenant's quota)."),
         ("no_space", "Stores refused for lack of room."),
     )

@@ -79,6 +79,10 @@ class IntegrityError(KVDepotError, code="integrity"):
     """Stored bytes failed their integrity check; they are never returned."""
 
 
+class AuthenticationError(IntegrityError, code="authentication"):
+    """A stored blob was not signed with a key of this deployment; it is never used."""
+
+
 class TransferError(KVDepotError, code="transfer", retryable=True):
     """A copy between device memory and L1 failed."""
 

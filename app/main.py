@@ -48,6 +48,7 @@ from engine.transfers import KVTransfers
 from gpu.device import default_device
 from gpu.sealed import SealedRegions
 from gpu.transfer import TransferEngine
+from storage.auth import KEY_FILE, BlobKeys
 from storage.factory import build_adapter
 
 log = structlog.get_logger("kvdepot")
@@ -160,10 +161,11 @@ class Service:
         # Checksums over whole chunks and copies of loaded blobs into the arena run here.
         self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
         data_dir = s.data_dir
+        keys = BlobKeys.from_settings([k.get_secret_value() for k in s.l2.auth_keys], data_dir / KEY_FILE)
         self.l2 = build_l2(
             s.l2, cache=cache, queue=store_queue, arena=self.arena,
             build=lambda config: build_adapter(config, data_dir),
-            executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10,
+            executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10, keys=keys,
         )  # fmt: skip
         self.engine = build_engine(
             s.l1, arena=self.arena, cache=cache, l2=self.l2, data_plane=s.data_plane

@@ -16,9 +16,10 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -37,6 +38,7 @@ from pydantic_settings import (
 
 from app.errors import ConfigError
 from engine.transfer_limits import TransferLimits
+from storage.auth import parse_secret
 from storage.config import (
     AdapterConfig,
     AdapterName,
@@ -206,6 +208,15 @@ class L1Settings(BaseModel):
         return int(self.size_gb * (1 << 30))
 
 
+def _usable_key(key: SecretStr) -> SecretStr:
+    parse_secret(key.get_secret_value())  # its ValueError says what is wrong, never the key
+    return key
+
+
+L2AuthKey = Annotated[SecretStr, AfterValidator(_usable_key)]
+"""An L2 auth key: masked wherever settings are shown."""
+
+
 class L2Settings(BaseModel):
     """The slower tiers behind L1 and the controllers that feed them."""
 
@@ -233,6 +244,13 @@ class L2Settings(BaseModel):
         "empty = the data dir.",
     )
     lz4: bool = Field(False, description="Compress blobs with lz4.")
+    auth_keys: list[L2AuthKey] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Secrets (hex or base64, 16+ bytes) that sign and check blobs of adapters with "
+        "`authenticate`: the first signs, all verify (rotation). Empty: <data_dir>/l2.key, generated "
+        "at the first start. Sidecars sharing a Redis must share them.",
+    )
 
 
 class LoggingSettings(BaseModel):

@@ -39,6 +39,7 @@ from engine.l2.tiers import L2Tiers
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QuotaRegistry
 from gpu.sealed import SealedRegions, SealError
+from storage.auth import BlobKeys
 from storage.base import L2Adapter
 
 
@@ -87,19 +88,21 @@ def build_l2(
     l2: L2Settings, *, cache: L1Cache, queue: StoreQueue, arena: SharedArena,
     build: Callable[[AdapterConfig], L2Adapter],
     executor: Executor, drain_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+    keys: BlobKeys | None = None,
 ) -> L2Parts:  # fmt: skip
     """The L2 machinery (no adapter attached yet): tiers building adapters with `build` and
     reporting into the cache's ledger, write-behind of what `queue` holds (the queue the cache was
-    given as its shedder) and prefetch, running codecs in `executor`."""
+    given as its shedder) and prefetch, running codecs in `executor`; blobs of tiers that
+    authenticate are signed and checked with `keys`."""
     tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger)
     store = StoreController(
         cache=cache, arena=arena, tiers=tiers, queue=queue, policy=l2.store_policy,
         codec_options=functools.partial(codec_options, fp8_values=l2.fp8_values, lz4=l2.lz4),
-        executor=executor,
+        executor=executor, keys=keys,
     )  # fmt: skip
     prefetch = PrefetchController(
         cache=cache, arena=arena, tiers=tiers, deadline_s=l2.prefetch_deadline_ms / 1000,
-        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock,
+        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock, keys=keys,
     )  # fmt: skip
     return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
 

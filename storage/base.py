@@ -12,7 +12,8 @@ Primitives in call order:
   contains(keys)           OK = present, MISS = absent, ERROR = could not tell
   load(keys)               OK with the blob bytes, MISS, ERROR. Integrity is the caller's check
                            (codec.decode_into); on a failed check the caller counts it in
-                           `stats.integrity_failures` and deletes the key (it is a miss)
+                           `stats.integrity_failures` (and `stats.auth_failures` when the MAC
+                           check failed) and deletes the key (it is a miss)
   load_into(keys, outs)    the zero-copy load: each out is the writable region (exactly the chunk's
                            original payload size) the blob decodes into. A raw blob whose payload is
                            exactly len(out) (codec.fits_in_place) is read with its payload straight
@@ -21,7 +22,11 @@ Primitives in call order:
                            that does not fit) comes back whole, as from load, for codec.decode_into.
                            MISS and ERROR as for load; a failed or short read is never OK. An out
                            whose result is not OK may hold garbage: the caller discards it. When
-                           load_into returns (or is cancelled), nothing writes into the outs any more
+                           load_into returns (or is cancelled), nothing writes into the outs any more.
+                           Bounded: no blob of a key is longer than codec.header_size(key) + len(out)
+                           (storage/codec.py), so nothing past that is ever read: a longer value is
+                           refused unread (`LoadResult.too_long` from the subclass), counted in
+                           `stats.integrity_failures`, deleted, and answered MISS
   delete(keys)             OK = removed, MISS = was not there, ERROR
   usage() / health()       cheap snapshots for /status and metrics
   set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)
@@ -89,6 +94,7 @@ class LoadResult:
     data: bytes | memoryview | None = None
     message: str = ""
     in_place: bool = False
+    oversized: bool = False
 
     @property
     def ok(self) -> bool:
@@ -106,6 +112,11 @@ class LoadResult:
     @classmethod
     def error(cls, message: str) -> LoadResult:
         return cls(Status.ERROR, None, message)
+
+    @classmethod
+    def too_long(cls, message: str) -> LoadResult:
+        """load_into: the stored value is longer than any blob for the out; it was not read."""
+        return cls(Status.MISS, None, message, oversized=True)
 
 
 LOAD_MISS = LoadResult(Status.MISS)
@@ -149,6 +160,7 @@ class AdapterStats:
     no_space: int = 0
     errors: int = 0
     integrity_failures: int = 0
+    auth_failures: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
 

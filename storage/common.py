@@ -15,7 +15,9 @@ Primitives in call order:
   store/contains/load/load_into/delete
                                 each batch runs inside the OpGate, is timed, counted and turned into
                                 ERROR results if anything escapes: callers never see an exception.
-                                load_into is timed and counted as "load" (payload bytes included)
+                                load_into is timed and counted as "load" (payload bytes included);
+                                its `too_long` answers (values it refused unread) are counted as
+                                integrity failures, deleted and answered MISS
   usage() / health()            snapshots: bytes and objects in `_held`, the capacity; health
   set_capacity(bytes)           runtime resize: the capacity, then `_capacity_changed`
   bind_accounting(salt_of, hook) / unbind_accounting()
@@ -205,7 +207,9 @@ class AdapterCore(ABC, Generic[V]):
         views = [_writable_bytes(out) for out in outs]
         if len(views) != len(keys):
             raise ValueError(f"load_into got {len(keys)} keys and {len(views)} outputs")
-        results = await self._batch("load", len(keys), lambda: self._load_into(keys, views), LoadResult.error)
+        results = await self._batch(
+            "load", len(keys), lambda: self._load_bounded(keys, views), LoadResult.error
+        )
         for result, out in zip(results, views, strict=True):
             if result.status is Status.OK and result.data is not None:
                 self._stats.loads += 1
@@ -256,6 +260,24 @@ class AdapterCore(ABC, Generic[V]):
             else:
                 self._health.success()
         self._latency.observe(op, time.perf_counter() - started)
+        return results
+
+    async def _load_bounded(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        """`_load_into`, then values longer than any blob for their out (refused unread) counted
+        as integrity failures, deleted (best effort) and answered MISS."""
+        results = await self._load_into(keys, outs)
+        oversized = [i for i, result in enumerate(results) if result.oversized]
+        if not oversized:
+            return results
+        self._stats.integrity_failures += len(oversized)
+        log.warning("l2_oversized_value", adapter=self._name, keys=[keys[i] for i in oversized[:8]],
+                    error=results[oversized[0]].message)  # fmt: skip
+        try:
+            await self._delete([keys[i] for i in oversized])
+        except BackendError as exc:
+            self._backend_down(f"delete of oversized values: {exc}")
+        for i in oversized:
+            results[i] = LoadResult(Status.MISS)
         return results
 
     def _backend_down(self, message: str) -> None:

@@ -45,6 +45,9 @@ class DiskAdapterConfig(BaseModel):
     fsync: Literal["always", "never"] = Field("always", description="fsync each blob before rename.")
     o_direct: bool = Field(False, description="Use O_DIRECT where the filesystem allows it.")
     io_threads: int = Field(4, ge=1, le=64, description="Threads of this adapter's file I/O executor.")
+    authenticate: bool = Field(
+        False, description="Sign blobs with the deployment key and load only signed ones (files are 0600)."
+    )
 
 
 class RedisAdapterConfig(BaseModel):
@@ -67,6 +70,11 @@ class RedisAdapterConfig(BaseModel):
         description="Values of at least this many KiB move over blocking sockets in the adapter's "
         "threads, read straight into L1; None: everything through redis-py (rediss:// always is).",
     )
+    authenticate: bool = Field(
+        True,
+        description="Sign blobs with the deployment key (l2.auth_keys or <data_dir>/l2.key) and load "
+        "only blobs signed with it: other writers to the Redis cannot plant KV.",
+    )
 
 
 class MockAdapterConfig(BaseModel):
@@ -83,6 +91,7 @@ class MockAdapterConfig(BaseModel):
     hang: bool = Field(False, description="Operations never complete (until detached).")
     corrupt_rate: float = Field(0.0, ge=0, le=1, description="Probability a load returns flipped bytes.")
     seed: int = Field(0, ge=0, description="Seed of the fault injector.")
+    authenticate: bool = Field(False, description="Sign blobs and load only signed ones, as Redis does.")
 
 
 AdapterConfig = Annotated[

@@ -17,10 +17,11 @@ Primitives in call order:
                    wrong are deleted and counted; the index is ordered by file mtime. `startup`
                    reports what was found.
   store(items)     room is made first (LRU eviction, files unlinked), then the blob is written to a
-                   temp file, fsync-ed (config.fsync) and renamed into place; the index is updated
-                   when the rename is done. A store of a key already being written waits for that
-                   write and shares its result. NO_SPACE: larger than the capacity, no room left
-                   by writes in flight, or the filesystem is full.
+                   temp file (0600), fsync-ed (config.fsync) and renamed into place, the directory
+                   fsync-ed (config.fsync); the index is updated when the rename is done. A
+                   store of a key already being written waits for that write and shares its result.
+                   NO_SPACE: larger than the capacity, no room left by writes in flight, or the
+                   filesystem is full.
   contains(keys)   the index alone (no file access, no recency change)
   load(keys)       reads the file (recency refreshed). A file that vanished or whose size differs
                    from the index is a MISS, dropped from the index (and deleted when wrong).
@@ -28,7 +29,8 @@ Primitives in call order:
   load_into(keys, outs)
                    as load, but a raw blob of the right size has its payload read straight into
                    out (preadv; through the bounce buffer under O_DIRECT); a file that ends early is
-                   a MISS like a wrong size. A cancelled load_into waits for its reads to finish
+                   a MISS like a wrong size, and so is one longer than any blob for out (not read:
+                   deleted and counted). A cancelled load_into waits for its reads to finish
   delete(keys)     drops index entries and unlinks their files
   set_capacity(n)  evicts down to n
   evict_salt(salt, nbytes)
@@ -97,6 +99,7 @@ class DiskAdapter(AdapterCore[str]):
         executor: ThreadPoolExecutor,
         *,
         owns_executor: bool = False,
+        sync_fd: Callable[[int], None] = os.fsync,
     ) -> None:
         super().__init__(config.name, int(config.capacity_gb * (1 << 30)))
         self.config = config
@@ -104,7 +107,7 @@ class DiskAdapter(AdapterCore[str]):
         self.startup: DiskStartup | None = None
         self._executor = executor
         self._owns_executor = owns_executor
-        self._files = BlobFiles(fsync=config.fsync == "always", direct=config.o_direct)
+        self._files = BlobFiles(fsync=config.fsync == "always", direct=config.o_direct, sync_fd=sync_fd)
         self._reserved = 0
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()

@@ -5,12 +5,15 @@ State: none; every function works on the paths it is given.
 
 On-disk layout of one directory::
 
+Files are 0600 and directories 0700: blobs are private to the service user.
+
     <root>/.lock                 flock-ed while an adapter owns the directory
     <root>/<2 hex>/<name>.kvd    one blob (codec header + payload), exactly the blob's bytes
     <root>/<2 hex>/<name>.tmp    a write in progress; a leftover after a crash, removed at start
 
 Primitives in call order:
-  prepare(root)        create root and its 256 subdirectories, take the lock -> fd
+  prepare(root)        create root and its 256 subdirectories (mode 0700, as is every directory
+                       created on the way; existing ones are made 0700), take the lock -> fd
                        (ConfigError when another adapter holds it)
   scan(subdir)         remove temp files, validate each blob's header (never the payload), delete
                        files that fail -> ScanReport
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from dataclasses import dataclass, field
 
 from app.errors import ConfigError, IntegrityError
@@ -31,6 +35,8 @@ BLOB_SUFFIX = ".kvd"
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
 SUBDIRS = tuple(f"{i:02x}" for i in range(256))
+FILE_MODE = 0o600  # blobs and the lock: the service user's alone
+DIR_MODE = 0o700
 _HEADER_PROBE = 4096
 
 
@@ -50,16 +56,37 @@ class ScanReport:
 
 
 def prepare(root: str) -> int:
-    os.makedirs(root, exist_ok=True)
+    _private_dir(root)
     for sub in SUBDIRS:
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _private_dir(os.path.join(root, sub))
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise ConfigError(f"disk L2 directory {root} is in use by another adapter") from None
     return fd
+
+
+def _private_dir(path: str) -> None:
+    """`path` as a directory of mode 0700: the missing ones on the way created so, `path` itself
+    made so when it exists already (its blobs are this adapter's alone)."""
+    missing: list[str] = []
+    at = os.path.abspath(path)
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+    if stat.S_IMODE(os.stat(path).st_mode) != DIR_MODE:
+        os.chmod(path, DIR_MODE)
 
 
 def release(fd: int) -> None:

@@ -5,15 +5,20 @@ reason it is no longer used. Threads share it; the only mutation is that one-way
 files lie, and the scan at start, are storage/diskdirs.py.
 
 Primitives in call order:
-  write_atomic(path, segments)      temp file in the same directory, write, fsync (per policy),
-                                    rename: readers see the whole blob or nothing
+  write_atomic(path, segments)      temp file (mode 0600) in the same directory, write, fsync
+                                    (per policy), rename, fsync of the directory (per policy):
+                                    readers see the whole blob or nothing, and after a crash the
+                                    blob is there or not, never a name without its bytes. fsync is
+                                    `sync_fd` (os.fsync; tests pass their own to observe it)
   read(path, size)                  the blob's bytes; None if the file is gone; BadFile if its size
                                     differs from what the index recorded (truncated, replaced)
   read_into(path, size, head_len, out)
                                     for load_into: a raw blob whose payload is exactly len(out) has
                                     its header read into small memory and its payload straight into
                                     out -> Placed(header); any other blob -> its bytes, as read does.
-                                    None and BadFile (also for a file that ends early) as for read
+                                    None and BadFile (also for a file that ends early) as for read;
+                                    BadFile, nothing read, for a file longer than any blob for out
+                                    (its size is the index's, checked against fstat before a read)
   remove(paths)                     unlink, ignoring files already gone
 
 Every read that must fill a buffer goes through one loop (`_read_full`), which says BadFile when
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from storage import codec
-from storage.diskdirs import TMP_SUFFIX, unlink
+from storage.diskdirs import DIR_MODE, FILE_MODE, TMP_SUFFIX, unlink
 
 ALIGN = 4096
 BOUNCE_BYTES = 8 << 20
@@ -134,8 +139,9 @@ def _pread_all(fd: int, path: str, length: int, offset: int) -> bytes:
 class BlobFiles:
     """File I/O of one disk adapter, safe to call from several executor threads at once."""
 
-    def __init__(self, *, fsync: bool, direct: bool) -> None:
+    def __init__(self, *, fsync: bool, direct: bool, sync_fd: Callable[[int], None] = os.fsync) -> None:
         self.fsync = fsync
+        self._sync_fd = sync_fd
         self.direct = direct
         self.direct_fallback: str | None = None
         self._names = itertools.count()
@@ -158,15 +164,21 @@ class BlobFiles:
         except BaseException:
             unlink(tmp)
             raise
+        if self.fsync:  # the rename itself survives a crash only once its directory is synced
+            dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._sync_fd(dir_fd)
+            finally:
+                os.close(dir_fd)
 
     def _write_file(self, tmp: str, segments: Sequence[codec.Buffer], *, direct: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
             try:
-                fd = os.open(tmp, flags, 0o644)
+                fd = os.open(tmp, flags, FILE_MODE)
             except FileNotFoundError:  # its subdirectory was removed behind our back
-                os.makedirs(os.path.dirname(tmp), exist_ok=True)
-                fd = os.open(tmp, flags, 0o644)
+                os.makedirs(os.path.dirname(tmp), DIR_MODE, exist_ok=True)
+                fd = os.open(tmp, flags, FILE_MODE)
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 raise _DirectRefused from None
@@ -177,7 +189,7 @@ class BlobFiles:
             else:
                 _write_all(fd, segments)
             if self.fsync:
-                os.fsync(fd)
+                self._sync_fd(fd)
         except BaseException:
             os.close(fd)
             unlink(tmp)
@@ -237,6 +249,8 @@ class BlobFiles:
     def read_into(
         self, path: str, size: int, head_len: int, out: memoryview
     ) -> Placed | bytes | memoryview | None:
+        if size > head_len + out.nbytes:  # no blob for out is that long: not read at all
+            raise BadFile(f"{path}: {size} bytes, a blob of this chunk has at most {head_len + out.nbytes}")
         if size != head_len + out.nbytes:
             return self.read(path, size)
 

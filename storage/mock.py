@@ -18,7 +18,10 @@ no simulated time). close() drops every blob.
 
 load_into behaves as a real tier's: after the same simulation and faults as load, a blob whose
 header says raw with a payload of len(out) (codec.fits_in_place) has its payload copied into out
-(on the loop: this is a test double) and answers with its header; any other blob comes back whole.
+(on the loop: this is a test double) and answers with its header; a value longer than any blob for
+the out is too_long (counted, deleted, MISS: storage/common.py); any other blob comes back whole.
+`authenticate` (config) is read by the controllers: they then sign what they store here and check
+the MAC of what they load, as for Redis.
 A corrupted blob is caught either way: by codec.verify_in_place when read in place, else by
 codec.decode_into.
 """
@@ -111,7 +114,11 @@ class MockAdapter(AdapterCore[bytes]):
                 continue
             blob = memoryview(result.data)
             head_len = codec.header_size(key)
-            if blob.nbytes == head_len + out.nbytes and codec.fits_in_place(blob[:head_len], out.nbytes):
+            if blob.nbytes > head_len + out.nbytes:
+                results[i] = LoadResult.too_long(
+                    f"a value of {blob.nbytes} bytes for a {out.nbytes}-byte chunk"
+                )
+            elif blob.nbytes == head_len + out.nbytes and codec.fits_in_place(blob[:head_len], out.nbytes):
                 out[:] = blob[head_len:]
                 results[i] = LoadResult.placed(bytes(blob[:head_len]))
         return results

@@ -8,8 +8,13 @@ adapter wrote: key -> size in write order (`_held`, which reports every change t
 accounting), for `usage()`, the tenant ledger and evict_salt.
 
 Keys are `key_prefix + serialized key`. Only single-key commands are sent (SET, EXISTS, GET,
-UNLINK on redis-py; SET, STRLEN and GETRANGE on the lane), so the same commands work against Redis
-Cluster, where keys of one batch live in different slots.
+GETRANGE, UNLINK on redis-py; SET, STRLEN and GETRANGE on the lane), so the same commands work
+against Redis Cluster, where keys of one batch live in different slots.
+
+Bounded reads: load_into never receives more than header + len(out) + 1 bytes of a value (a
+GETRANGE of that many on redis-py, storage/redis_read.py on the lane), so a huge value planted
+under a chunk key costs no memory: it is refused unread (too_long), counted, deleted. `load`
+(whole blobs of any length, for tools and tests) is a plain GET.
 
 Which path: a stored blob of `bulk_min_kib` or more, and a load_into whose blob would be that big,
 take the lane; everything else is one redis-py pipeline per batch (transaction=False). Both run
@@ -64,7 +69,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from app.errors import BackendError
-from storage import codec
+from storage import codec, redis_read
 from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -275,9 +280,32 @@ class RedisAdapter(AdapterCore[None]):
             return result
 
         async def pipelined(indices: list[int]) -> list[LoadResult]:
-            return await self._load([keys[i] for i in indices])
+            return await self._load_upto(
+                [keys[i] for i in indices], [head_lens[i] + outs[i].nbytes for i in indices]
+            )
 
         return await self._split(len(keys), on_lane, lane_call, pipelined, LoadResult.error)
+
+    async def _load_upto(self, keys: list[str], limits: list[int]) -> list[LoadResult]:
+        """Each key's value when it is at most its limit long (GETRANGE of limit + 1 bytes: a
+        longer value shows as such without being sent whole), whole, as from load."""
+
+        def build(pipe: Pipeline) -> None:
+            for key, limit in zip(keys, limits, strict=True):
+                pipe.getrange(self.redis_key(key), 0, limit)
+
+        results: list[LoadResult] = []
+        for key, limit, reply in zip(keys, limits, await self._run(build), strict=True):
+            if isinstance(reply, Exception):
+                results.append(LoadResult.error(f"redis: {reply}"))
+            elif not reply:  # no such key: GETRANGE answers an empty string
+                self._forget(key)
+                results.append(LoadResult(Status.MISS))
+            elif len(reply) > limit:
+                results.append(redis_read.too_long(len(reply), limit))
+            else:
+                results.append(LoadResult.hit(reply))
+        return results
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
         results: list[OpResult] = []

@@ -1,9 +1,12 @@
 """Reading one value over a bulk-lane connection (storage/redis_lane.py) into the caller's memory.
 
-Role: the two ways RespLane.get_into reads a value: one GET for values up to the lane's
-whole_get_max, GETRANGE pieces in a sliding window past it. A value of exactly header + len(out)
-whose header says raw (codec.fits_in_place) has its payload received into out -> placed(header);
-any other value is received whole into fresh memory -> hit(blob); an absent key -> MISS.
+Role: the two ways RespLane.get_into reads a value: one GETRANGE of the whole blob for values up
+to the lane's whole_get_max, GETRANGE pieces in a sliding window past it. A value of exactly
+header + len(out) whose header says raw (codec.fits_in_place) has its payload received into out ->
+placed(header); any shorter value is received whole into fresh memory -> hit(blob); an absent key
+-> MISS. No blob for `out` is longer than header + len(out) (storage/codec.py), so a longer value
+is never read: too_long (the adapter counts and deletes it). At most header + len(out) + 1 bytes
+of a value ever cross the socket (GETRANGE bounds what the server sends), whatever is stored.
 
 State: none; the connection is the caller's, used by one executor thread at a time.
 
@@ -23,11 +26,13 @@ instead.
 
 Primitives in call order (each consumes every reply it asked for, so the connection stays usable;
 resp.ReplyMismatch or a socket error when it cannot):
-  get_whole(conn, key, head_len, out)                one GET
-  get_pieces(conn, key, head_len, out, piece_bytes)  STRLEN, GETRANGE of the header, GETRANGEs of
-                                                     piece_bytes over the payload, the header again
-                                                     (and the rest, for a value longer than a raw
-                                                     blob), PIECE_WINDOW pieces asked ahead
+  get_whole(conn, key, head_len, out)                one GETRANGE of header + len(out) + 1 bytes
+                                                     (one more than any blob: a longer value shows)
+  get_pieces(conn, key, head_len, out, piece_bytes)  STRLEN (a longer value ends it here, the
+                                                     replies asked ahead skipped), GETRANGE of the
+                                                     header, GETRANGEs of piece_bytes over the
+                                                     payload, the header again, PIECE_WINDOW pieces
+                                                     asked ahead
 """
 
 from __future__ import annotations
@@ -42,18 +47,28 @@ PIECE_WINDOW = 4  # GETRANGE pieces asked ahead of the one being received
 CHANGED = LoadResult.error("redis: the value changed while it was read")
 
 
+def too_long(length: int, total: int) -> LoadResult:
+    return LoadResult.too_long(f"redis: a value of {length}+ bytes where a blob has at most {total}")
+
+
 def get_whole(conn: resp.Connection, key: bytes, head_len: int, out: memoryview) -> LoadResult:
-    """One GET: atomic, and cheap for the server below jemalloc's oversize threshold."""
-    conn.send([resp.command(b"GET", key)])
+    """One GETRANGE: atomic, and cheap for the server below jemalloc's oversize threshold."""
+    total = head_len + out.nbytes
+    conn.send([resp.command(b"GETRANGE", key, b"0", b"%d" % total)])
     line = conn.readline()
     if line[:1] == b"-":
         return LoadResult.error(f"redis: {resp.error_text(line[1:])}")
     if line[:1] != b"$":
-        raise resp.ReplyMismatch(f"unexpected GET reply {line[:64]!r}")
+        raise resp.ReplyMismatch(f"unexpected GETRANGE reply {line[:64]!r}")
     length = int(line[1:])
-    if length < 0:
+    if length <= 0:  # no such key (GETRANGE answers an empty string)
+        if length == 0:
+            conn.crlf()
         return LOAD_MISS
-    if length == head_len + out.nbytes:
+    if length > total:  # total + 1 bytes at most: skipped, never kept
+        conn.skip(length + 2)
+        return too_long(length, total)
+    if length == total:
         header = bytearray(head_len)
         conn.read_into(memoryview(header))
         if codec.fits_in_place(header, out.nbytes):
@@ -87,6 +102,9 @@ def get_pieces(
     length = _strlen(window)
     if isinstance(length, LoadResult):
         return length
+    if length > total:
+        window.drain()  # the few replies asked ahead: bounded by the window, skipped
+        return too_long(length, total)
     window.next()
     n = conn.bulk_len()
     if n != min(length, head_len):  # replaced since STRLEN
@@ -97,10 +115,6 @@ def get_pieces(
     first = bytes(dest.blob[: min(length, head_len)])
     whole = _receive_pieces(window, len(pieces), dest.body)
     whole = _same_header(window, first) and whole  # always read: every reply is consumed
-    if whole and length > total:  # longer than any raw blob for this out: the rest
-        window.add(resp.command(b"GETRANGE", key, b"%d" % total, b"-1"), header_cmd)
-        whole = _receive_rest(window, memoryview(dest.blob)[total:])
-        whole = _same_header(window, first) and whole
     if not whole:
         return CHANGED
     return LoadResult.placed(bytes(dest.blob)) if dest.placed else LoadResult.hit(memoryview(dest.blob))
@@ -146,12 +160,10 @@ class _Destination:
                 blob = bytearray(total)
                 blob[:head_len] = header
                 dest = cls(blob, memoryview(blob)[head_len:], False)
-        else:
+        else:  # shorter than a raw blob (length < total: get_pieces refused longer ones)
             blob = bytearray(length)
             conn.read_into(memoryview(blob)[:n])
-            body = (
-                memoryview(blob)[head_len : min(length, total)] if length > head_len else memoryview(blob)[:0]
-            )
+            body = memoryview(blob)[head_len:length] if length > head_len else memoryview(blob)[:0]
             dest = cls(blob, body, False)
         conn.crlf()
         return dest
@@ -174,19 +186,6 @@ def _receive_pieces(window: resp.Window, pieces: int, body: memoryview) -> bool:
         conn.crlf()
         offset += n
     return not changed and offset == body.nbytes
-
-
-def _receive_rest(window: resp.Window, rest: memoryview) -> bool:
-    """The value past a raw blob's length, into `rest`; False when it is not that long any more."""
-    conn = window.conn
-    window.next()
-    n = conn.bulk_len()
-    if n != rest.nbytes:
-        conn.skip(n + 2)
-        return False
-    conn.read_into(rest)
-    conn.crlf()
-    return True
 
 
 def _same_header(window: resp.Window, first: bytes) -> bool:

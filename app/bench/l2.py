@@ -15,6 +15,11 @@ Baselines, on the same bytes in the same block size:
 Before the timed phases the process's objects are frozen out of the garbage collector (gc.freeze),
 so that a full collection of the harness's own heap does not land in one phase of one side.
 
+`mac`: what authenticating the blobs costs, on the same bytes, one thread: keyed BLAKE3 (the MAC
+an adapter with `authenticate` signs and checks) against xxh3 (the checksum it replaces on loads),
+in GB/s, and the MAC's seconds as a share of the load phase (`load_share`: its CPU time, not
+necessarily on the critical path: checks of different chunks run in parallel).
+
 Besides the figures: `written` (chunks written behind) and `hit_chunks` (chunks prefetched back),
 which say what went wrong when `ok` is false, and for redis `redis_cpu_s`: the CPU seconds the Redis
 server's main thread spent in each phase (INFO cpu; other clients of a shared Redis included),
@@ -57,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument(
+        "--cold",
+        action="store_true",
+        help="disk: drop the written files from the page cache (posix_fadvise) before the loads",
+    )
+    p.add_argument(
         "--dir", type=Path, help="directory for the disk adapter and its baseline (default: a temp dir)"
     )
 
@@ -65,7 +75,19 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _disk_baseline(root: Path, chunks: list[bytes]) -> tuple[float, float]:
+def _drop_cached(root: Path) -> None:
+    """Evict every file under `root` from the page cache (its pages are clean: written and
+    fsync-ed), so that the next reads come from the device."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _disk_baseline(root: Path, chunks: list[bytes], cold: bool) -> tuple[float, float]:
     root.mkdir(parents=True, exist_ok=True)
     paths = [root / f"baseline-{i}" for i in range(len(chunks))]
     start = time.perf_counter()
@@ -79,6 +101,8 @@ def _disk_baseline(root: Path, chunks: list[bytes]) -> tuple[float, float]:
         finally:
             os.close(fd)
     store_s = time.perf_counter() - start
+    if cold:
+        _drop_cached(root)
     start = time.perf_counter()
     for path, data in zip(paths, chunks, strict=True):
         buf = bytearray(len(data))
@@ -127,6 +151,25 @@ def _redis_baseline(url: str, chunks: list[bytes], cpu: dict[str, float]) -> tup
     finally:
         r.close()
     return store_s, load_s
+
+
+def _mac_cost(chunks: list[bytes], load_s: float) -> dict[str, float]:
+    """One thread: keyed BLAKE3 and xxh3 over the chunks, in GB/s; the MAC's share of load_s."""
+    import blake3
+    import xxhash
+
+    key = bytes(32)
+    start = time.perf_counter()
+    for chunk in chunks:
+        blake3.blake3(chunk, key=key).digest()
+    mac_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for chunk in chunks:
+        xxhash.xxh3_128_digest(chunk)
+    xxh3_s = time.perf_counter() - start
+    total = sum(len(c) for c in chunks)
+    return {"mac_gbps": _gbps(total, mac_s), "xxh3_gbps": _gbps(total, xxh3_s),
+            "load_share": round(mac_s / load_s, 3)}  # fmt: skip
 
 
 def _memory_baseline(chunks: list[bytes]) -> tuple[float, float]:
@@ -247,6 +290,8 @@ async def _through_controllers(
         await cpu.mark()
         store_s, written = await _time_store(engine, eid, requests)
         engine.clear()
+        if args.cold and args.adapter == "disk":
+            _drop_cached(workdir / "l2")
         await cpu.mark()
         load_s, hits = await _time_load(engine, eid, requests)
         await cpu.mark()
@@ -293,8 +338,9 @@ def _adapter(args: argparse.Namespace, workdir: Path, prefix: str) -> dict[str, 
 def _baseline(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -> tuple[float, float]:
     """The plain baseline's store and load seconds on the same bytes (see the module docstring)."""
     payloads: list[bytes] = got.pop("payloads")
+    got["mac"] = _mac_cost(payloads, got["load_s"])
     if args.adapter == "disk":
-        return _disk_baseline(workdir / "baseline", payloads)
+        return _disk_baseline(workdir / "baseline", payloads, args.cold)
     if args.adapter == "redis":
         return _redis_baseline(args.redis_url, payloads, got["server_cpu_s"])
     return _memory_baseline(payloads)
@@ -314,6 +360,7 @@ def _result(
     total = got["chunks"] * got["chunk_bytes"]
     result = {
         "adapter": args.adapter,
+        "cold": bool(args.cold and args.adapter == "disk"),
         "store_gbps": _gbps(total, got["store_s"]),
         "load_gbps": _gbps(total, got["load_s"]),
         "baseline_store_gbps": _gbps(total, base_store_s),
@@ -325,6 +372,7 @@ def _result(
         "written": got["written"],
         "hit_chunks": got["hit_chunks"],
         "ok": got["ok"],
+        "mac": got["mac"],
     }
     if got["server_cpu_s"]:
         result["redis_cpu_s"] = got["server_cpu_s"]

@@ -13,8 +13,8 @@ One prefetch, in order:
      being loaded by someone else, or no room, ends the run there)
   3. load straight into the reservations (adapter.load_into: a raw blob's payload lands in L1,
      checked there by codec.verify_in_place; any other blob is decoded into it by
-     codec.decode_into: key, layout, checksum), at most `max_inflight` chunks at once over all
-     requests
+     codec.decode_into: key, layout, checksum, and for a tier with `authenticate` the MAC with the
+     deployment's keys), at most `max_inflight` chunks at once over all requests
   4. in chunk order, commit each loaded chunk and hand it to the request (`attach`), which
      read-locks it; the first failure (miss, error, integrity) ends the run
 At the deadline whatever has not been attached is a miss: the request's hit is the prefix attached
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from app.errors import IntegrityError, LeaseExpired
+from app.errors import AuthenticationError, IntegrityError, LeaseExpired
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
@@ -43,6 +44,7 @@ from engine.l1.lifecycle import L1Object, ObjectState
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
 from storage import codec
+from storage.auth import BlobKeys
 
 log = structlog.get_logger("kvdepot.l2.prefetch")
 
@@ -59,6 +61,7 @@ class PrefetchCounters:
     deadline_expired: int = 0
     load_errors: int = 0
     integrity_failures: int = 0
+    auth_failures: int = 0
     no_space: int = 0
     quota_refused: int = 0
 
@@ -101,6 +104,7 @@ class PrefetchController:
         max_inflight: int,
         executor: Executor,
         clock: Callable[[], float],
+        keys: BlobKeys | None = None,
     ) -> None:
         self.cache = cache
         self.arena = arena
@@ -110,6 +114,8 @@ class PrefetchController:
         self._slots = asyncio.Semaphore(max_inflight)
         self._executor = executor
         self._clock = clock
+        # Without the deployment's keys nothing from an authenticating tier can pass its check.
+        self._keys = keys if keys is not None else BlobKeys([secrets.token_bytes(32)])
         self._running: set[asyncio.Task[Any]] = set()
         self._loading: dict[ObjectKey, asyncio.Future[L1Object | None]] = {}
 
@@ -254,8 +260,9 @@ class PrefetchController:
                 if not _reserved(obj):
                     return False
                 check = codec.verify_in_place if result.in_place else codec.decode_into
+                keys = self._keys if slot.tier.config.authenticate else None
                 fut = asyncio.get_running_loop().run_in_executor(
-                    self._executor, check, result.data, slot.name, reg.namespace.layout_fp, out
+                    self._executor, check, result.data, slot.name, reg.namespace.layout_fp, out, keys
                 )
                 try:
                     await asyncio.shield(fut)
@@ -269,8 +276,12 @@ class PrefetchController:
                         fut.exception()  # retrieved: nobody waits for the outcome any more
                     raise
                 except IntegrityError as exc:
+                    stats = slot.tier.adapter.stats
                     self.counters.integrity_failures += 1
-                    slot.tier.adapter.stats.integrity_failures += 1
+                    stats.integrity_failures += 1
+                    if isinstance(exc, AuthenticationError):
+                        self.counters.auth_failures += 1
+                        stats.auth_failures += 1
                     log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
                     self._spawn_delete(slot.tier, slot.name)
                     return False

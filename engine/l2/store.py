@@ -4,8 +4,9 @@ State: the bounded FIFO of pending chunks (engine/l2/store_queue.py, built first
 as its shedder), each pinned in L1 (`cache.pin`: not evicted or reused before it is written), a
 bounded record of how often each chunk was seen (for the `seen_twice` policy), the bytes being
 written per (tenant, tier), counters (shared with the queue). Owned by the event loop; encoding
-(a checksum over the whole chunk, optional FP8/lz4) runs in the codec executor, adapter I/O in
-the adapters.
+(a checksum over the whole chunk, optional FP8/lz4, and the MAC when a target tier authenticates:
+one blob, signed with the deployment's first key, serves every tier) runs in the codec executor,
+adapter I/O in the adapters.
 
 Primitives in call order:
   note_seen(keys)          lookups and stores report the chunks they saw (seen_twice policy)
@@ -52,6 +53,7 @@ from engine.l2.store_queue import Pending, StoreQueue
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
 from storage import codec
+from storage.auth import BlobKeys
 from storage.base import OpResult
 
 log = structlog.get_logger("kvdepot.l2.store")
@@ -71,6 +73,7 @@ class StoreController:
         policy: str,
         codec_options: Callable[[Registration], codec.CodecOptions],
         executor: Executor,
+        keys: BlobKeys | None = None,
     ) -> None:
         self.cache = cache
         self.arena = arena
@@ -80,6 +83,7 @@ class StoreController:
         self.counters = queue.counters
         self._codec_options = codec_options
         self._executor = executor
+        self._keys = keys
         self._seen: OrderedDict[ObjectKey, int] = OrderedDict()
         self._writing: dict[tuple[str, str], int] = {}  # (salt, tier) -> bytes being written
 
@@ -208,7 +212,8 @@ class StoreController:
         if not targets:
             return [False] * len(batch)
         loop = asyncio.get_running_loop()
-        blobs = await loop.run_in_executor(self._executor, self._encode, batch)
+        sign = self._keys if any(tier.config.authenticate for tier in targets) else None
+        blobs = await loop.run_in_executor(self._executor, self._encode, batch, sign)
         salts = [item.obj.key.salt for item in batch]
         ok = [False] * len(batch)
         for tier in targets:
@@ -244,15 +249,20 @@ class StoreController:
                 for i in admitted:
                     self._written(tier, salts[i], blobs[i].nbytes)
 
-    def _encode(self, batch: list[Pending]) -> list[codec.EncodedBlob]:
-        """In the codec executor: header + checksum (+ FP8/lz4) over the pinned L1 bytes."""
+    def _encode(self, batch: list[Pending], sign: BlobKeys | None) -> list[codec.EncodedBlob]:
+        """In the codec executor: header + checksum (+ FP8/lz4, + the MAC when `sign`) over the
+        pinned L1 bytes."""
         out = []
         for item in batch:
             obj = item.obj
             payload = self.arena.view(obj.offset, obj.size)
             out.append(
                 codec.encode(
-                    obj.key.serialize(), obj.key.namespace.layout_fp, payload, self._codec_options(item.reg)
+                    obj.key.serialize(),
+                    obj.key.namespace.layout_fp,
+                    payload,
+                    self._codec_options(item.reg),
+                    sign,
                 )
             )
         return out

@@ -16,7 +16,7 @@ import torch
 
 from app.errors import ConfigError, IntegrityError
 from storage import codec, diskdirs, diskio
-from storage.base import Status
+from storage.base import MISS, Status
 from storage.codec import CodecOptions, EncodedBlob
 from storage.config import DiskAdapterConfig
 from storage.disk import DiskAdapter
@@ -361,7 +361,7 @@ async def test_load_into_returns_other_blobs_whole(make_disk: MakeDisk, o_direct
     assert same_len.nbytes == codec.header_size("fp8") + len(raw_kv)
     plain = blob("plain", 5000)
     await disk.store([("lz4", packed), ("fp8", same_len), ("plain", plain)])
-    outs = [bytearray(MiB), bytearray(len(raw_kv)), bytearray(4999)]
+    outs = [bytearray(MiB), bytearray(len(raw_kv)), bytearray(5001)]
     results = await disk.load_into(["lz4", "fp8", "plain"], [memoryview(o) for o in outs])
     assert [(r.ok, r.in_place) for r in results] == [(True, False)] * 3
     assert [r.data for r in results] == [packed.to_bytes(), same_len.to_bytes(), plain.to_bytes()]
@@ -369,6 +369,21 @@ async def test_load_into_returns_other_blobs_whole(make_disk: MakeDisk, o_direct
     assert results[0].data is not None
     codec.decode_into(results[0].data, "lz4", FP, outs[0])
     assert outs[0] == bytes(MiB)
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+async def test_load_into_refuses_a_file_longer_than_any_blob_of_the_chunk(
+    make_disk: MakeDisk, o_direct: bool
+) -> None:
+    disk = make_disk(o_direct=o_direct)
+    await disk.store([("big", blob("big", 64 * 1024))])
+    path = str(disk.path_of("big"))
+    out = bytearray(4096)  # the chunk is 4 KiB: no blob of it is 64 KiB long
+    (result,) = await disk.load_into(["big"], [memoryview(out)])
+    assert result.status is Status.MISS
+    assert disk.stats.integrity_failures == 1
+    assert not exists(path)
+    assert await disk.contains(["big"]) == [MISS]
 
 
 @pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])

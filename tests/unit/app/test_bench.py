@@ -29,6 +29,7 @@ def test_bench_l2_through_the_mock_adapter(capsys: pytest.CaptureFixture[str]) -
     assert set(got) == {
         "adapter", "store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps",
         "store_vs_baseline", "load_vs_baseline", "chunks", "chunk_bytes", "written", "hit_chunks", "ok",
+        "cold", "mac",
     }  # fmt: skip
     assert (got["adapter"], got["chunks"], got["written"], got["hit_chunks"], got["ok"]) == (
         "mock",

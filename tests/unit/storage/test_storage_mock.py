@@ -8,7 +8,7 @@ import pytest
 
 from app.errors import IntegrityError
 from storage import codec
-from storage.base import L2Adapter, Status
+from storage.base import MISS, L2Adapter, Status
 from storage.codec import CodecOptions, EncodedBlob
 from storage.config import MockAdapterConfig
 from storage.mock import MockAdapter
@@ -160,19 +160,32 @@ async def test_load_into_places_raw_payloads_and_returns_other_blobs_whole() -> 
     adapter = mock()
     raw = codec.encode("raw", FP, bytes(range(256)) * 8, CodecOptions())
     packed = codec.encode("lz4", FP, bytes(4096), CodecOptions(lz4=True))
-    await adapter.store([("raw", raw), ("lz4", packed)])
-    outs = [bytearray(2048), bytearray(4096), bytearray(10), bytearray(2047)]
-    results = await adapter.load_into(["raw", "lz4", "missing", "raw"], [memoryview(o) for o in outs])
+    small = codec.encode("small", FP, bytes(100), CodecOptions())
+    await adapter.store([("raw", raw), ("lz4", packed), ("small", small)])
+    outs = [bytearray(2048), bytearray(4096), bytearray(10), bytearray(200)]
+    results = await adapter.load_into(["raw", "lz4", "missing", "small"], [memoryview(o) for o in outs])
     assert [r.status for r in results] == [Status.OK, Status.OK, Status.MISS, Status.OK]
     assert [r.in_place for r in results] == [True, False, False, False]
     assert results[0].data == raw.header
     assert outs[0] == raw.payload
     codec.verify_in_place(results[0].data, "raw", FP, outs[0])
     assert results[1].data == packed.to_bytes()  # the caller decodes it
-    assert results[3].data == raw.to_bytes()  # does not fit this out: whole, decode_into says why
+    assert results[3].data == small.to_bytes()  # shorter than this out: whole, decode_into says why
     assert adapter.stats.loads == 3
-    assert adapter.stats.load_bytes == raw.nbytes * 2 + packed.nbytes  # in place counts the payload
+    assert adapter.stats.load_bytes == raw.nbytes + packed.nbytes + small.nbytes  # in place: payload too
     assert adapter.stats.misses == 1
+    await adapter.close()
+
+
+async def test_load_into_refuses_a_value_longer_than_any_blob_of_the_chunk_and_deletes_it() -> None:
+    adapter = mock()
+    raw = codec.encode("raw", FP, bytes(range(256)) * 8, CodecOptions())
+    await adapter.store([("raw", raw)])
+    out = bytearray(2047)  # one byte short of this blob: no blob for this out is that long
+    (result,) = await adapter.load_into(["raw"], [memoryview(out)])
+    assert result.status is Status.MISS
+    assert adapter.stats.integrity_failures == 1
+    assert await adapter.contains(["raw"]) == [MISS]  # deleted
     await adapter.close()
 
 
