@@ -173,16 +173,20 @@ class Service:
         roots = s.l2.allowed_roots or [s.data_dir]
         admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
+        regions = SealedRegions()
+        lifeline_path = (s.data_dir / "lifeline.sock").resolve()
         self.dataplane = DataPlaneServer(
             self.engine,
             url=s.data_plane_url,
             max_frame_bytes=s.data_plane.max_frame_bytes,
             max_tokens=s.data_plane.max_tokens,
             metrics=DataPlaneMetrics(registry),
-            transfers=self._build_transfers(),
+            transfers=self._build_transfers(regions),
             max_sessions=s.data_plane.max_sessions,
             session_idle_s=s.data_plane.session_idle_s,
+            lifeline_path=str(lifeline_path),
         )
+        self.lifeline = build_lifeline(s.data_dir, regions, self.dataplane.sessions)
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
         self.control = ControlContext(
@@ -201,11 +205,11 @@ class Service:
         )
         self.http_server = _Uvicorn(config)
 
-    def _build_transfers(self) -> KVTransfers:
+    def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
-        the CPU stub otherwise; waits on copy completion run in their own executor."""
+        the CPU stub otherwise (opening the sealed regions clients share over their lifelines);
+        waits on copy completion run in their own executor."""
         assert self.engine is not None
-        self.lifeline = build_lifeline(self.settings.data_dir, regions := SealedRegions())
         device = default_device(regions)
         device.pin(self.engine.arena.tensor_all)
         self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")

@@ -83,26 +83,28 @@ class KVDepotClient(ClientBase):
             # A late reply to an earlier request that timed out: skip it.
 
     def _handshake(self) -> None:
-        self._call(self._session.hello())
-        self._call(self._session.register())
+        for step in self._session.handshake():
+            self._call(step)
 
     def _call(self, call: Call[T]) -> T:
         """Send `call`'s message and read the reply; handshake first where the call needs the
-        engine id, and once more if the sidecar no longer knows it."""
+        engine id, and once more (or register again) if the sidecar no longer knows it."""
         s = self._session
         with self._lock:
             if call.registered and s.engine_id == 0:
                 self._handshake()
             reply = self._raw_call(s.message(call))
-            if s.stale(call, reply):
-                self._handshake()
+            recovery = s.recovery(call, reply)
+            if recovery:
+                for step in recovery:
+                    self._call(step)
                 reply = self._raw_call(s.message(call))
             return call.read(reply)
 
     def close(self) -> None:
         with self._lock:
             self._drop_socket()
-            self._session.close_arena()
+            self._session.close()
             self._ctx.term()
 
     def __enter__(self) -> KVDepotClient:

@@ -298,6 +298,10 @@ class HelloReply(_Msg, tag="hello_reply"):
     arena_size: int
     max_frame_bytes: int
     session: int = 0
+    #: the unix socket every client process connects its lifeline to, with this session's token
+    #: (empty: the sidecar offers no lifeline)
+    lifeline_path: str = ""
+    lifeline_token: bytes = b""
 
 
 class RegisterReply(_Msg, tag="register_reply"):

@@ -23,6 +23,7 @@ Primitives in call order:
                                  records whether the object is in L2 (`in_l2`)
   fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
   evict(...) / delete(obj) / clear(...)
+  release_holder(holder)         a client session is gone: its reservations go
   reap(now)                      reclaims expired write reservations (read locks: the facade)
 
 Room is made on reserve, in two steps:
@@ -152,11 +153,13 @@ class L1Cache:
     # --- writes --------------------------------------------------------------------------------
 
     def try_reserve(
-        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = ""
-    ) -> L1Object | Refusal:
+        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = "",
+        holder: int = 0,
+    ) -> L1Object | Refusal:  # fmt: skip
         """Reserve room for `key`, within its tenant's quota (see the module docstring). A
         temporary object, once committed, is deleted when its last reader lets go (`make_ordinary`
-        keeps it)."""
+        keeps it). `owner`: the engine instance it belongs to; `holder`: the client session that
+        writes into it (0: the sidecar itself)."""
         if key in self._objects:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
@@ -175,8 +178,9 @@ class L1Cache:
         while oid == 0 or oid in self._by_oid:
             oid = secrets.randbits(62)
         obj = L1Object(
-            oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner
-        )
+            oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner,
+            holder=holder,
+        )  # fmt: skip
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
         self._objects[key] = obj
@@ -300,6 +304,14 @@ class L1Cache:
         self.counters.quota_evicted += len(victims)
         self._evict(victims)
         return freed
+
+    def release_holder(self, holder: int) -> int:
+        """The client session `holder` is gone (its lifeline closed): its reservations are
+        dropped, their memory freed. Returns how many."""
+        mine = [o for o in self._reservations.values() if o.holder == holder]
+        for obj in mine:
+            self.abort(obj)
+        return len(mine)
 
     def reap(self, now: float) -> int:
         """Abort write reservations whose lease expired. Returns how many."""

@@ -96,6 +96,7 @@ class L1Object:
     in_l2: bool = False
     io_busy: bool = False  # a thread is copying into this reservation: never reap it meanwhile
     owner: str = ""  # the engine instance that reserved it ("" : the sidecar itself, e.g. L2 loads)
+    holder: int = 0  # the client session that writes into the reservation (0: the sidecar writes)
     lease_deadline: float = 0.0
     last_access: float = 0.0
 

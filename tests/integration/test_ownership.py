@@ -189,14 +189,16 @@ def test_every_connection_says_hello_first_and_versions_are_checked(sidecar_fact
 def test_sessions_are_bounded(sidecar_factory: StartSidecar) -> None:
     sc = sidecar_factory(env=CHUNK_ENV | {"KVDEPOT_DATA_PLANE__MAX_SESSIONS": "2"}, l1_size_gb=0.02)
     first, second = client(sc.url), client(sc.url)
+    third = KVDepotClient(sc.url, model="test-model", layout=LAYOUT, timeout_s=10)
     try:
         with pytest.raises(SidecarError) as refused:
-            client(sc.url)
+            third.connect()
         assert refused.value.code == p.ErrorCode.OVERLOADED
         assert first.ping() > 0 and second.ping() > 0
     finally:
         first.close()
         second.close()
+        third.close()
 
 
 def test_one_store_cannot_take_the_whole_arena(sidecar_factory: StartSidecar) -> None:

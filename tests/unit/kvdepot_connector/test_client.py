@@ -146,18 +146,28 @@ def test_first_call_handshakes_then_sends_with_the_engine_id(sidecar: Any, conne
     assert client.engine_id == 7 and client.chunk_bytes == CHUNK_BYTES
 
 
-def test_a_restarted_sidecar_is_handshaken_again_and_the_call_resent(sidecar: Any, connect: Connect) -> None:
+@pytest.mark.parametrize(
+    ("code", "again"),
+    [(p.ErrorCode.HELLO_REQUIRED, ["Hello", "Register"]), (p.ErrorCode.NOT_REGISTERED, ["Register"])],
+    ids=["sidecar-restarted", "registration-dropped"],
+)
+def test_a_restarted_sidecar_is_handshaken_again_and_the_call_resent(
+    sidecar: Any, connect: Connect, code: p.ErrorCode, again: list[str]
+) -> None:
+    """A sidecar that no longer knows the connection (it restarted) gets the whole handshake; one
+    that no longer knows the engine id (an idle registration dropped) a register only: the
+    session, its lifeline and its reservations stay."""
+
     def answer(m: Any) -> p.Reply:
-        if m.engine_id == 7 and isinstance(m, p.EndRequest):  # engine 7 is gone: the sidecar restarted
-            return p.ErrorReply(id=m.id, code=p.ErrorCode.NOT_REGISTERED, message="who?")
+        if m.engine_id == 7 and isinstance(m, p.EndRequest):  # engine 7 is gone
+            return p.ErrorReply(id=m.id, code=code, message="who?")
         return p.CountReply(id=m.id, count=m.engine_id)
 
     sc = sidecar(answer)
     client = connect(sc.url, map_arena=False)
     assert client.free_lookup_locks("r") == 7
     assert client.end_request("r") == 8
-    handshake = ["Hello", "Register"]
-    assert sc.ops() == [*handshake, "FreeLookupLocks", "EndRequest", *handshake, "EndRequest"]
+    assert sc.ops() == ["Hello", "Register", "FreeLookupLocks", "EndRequest", *again, "EndRequest"]
     assert client.engine_id == 8
 
 
