@@ -80,6 +80,7 @@ def build_cache(
     return L1Cache(
         ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
         low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
+        quarantine_max_bytes=l1.quarantine_max_bytes,
     )  # fmt: skip
 
 

@@ -53,6 +53,9 @@ class StatusReader:
             ],
             locked_requests=engine.locked_requests(),
             counters=dataclasses.asdict(engine.counters) | dataclasses.asdict(engine.cache.counters),
+            quarantined_bytes=engine.cache.quarantine.bytes,
+            quarantined_objects=engine.cache.quarantine.objects,
+            quarantine_max_bytes=engine.cache.quarantine.max_bytes,
         )
 
     def l2(self) -> L2Status:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import msgspec
-import pytest
 import torch
 import zmq
 
