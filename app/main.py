@@ -38,7 +38,7 @@ from app.supervisor import Supervisor
 from app.wiring import build_admin, build_cache, build_engine, build_l2, build_lifeline
 from engine.admin import Administration
 from engine.facade import CacheEngine
-from engine.l1.arena import SharedArena, cleanup_stale, instance_id
+from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
 from engine.l2.store_queue import StoreQueue
 from engine.status import StatusReader
@@ -92,7 +92,7 @@ class Service:
         self.supervisor = Supervisor()
         self._started_at = time.monotonic()
         self._stop = asyncio.Event()
-        self.arena: SharedArena | None = None
+        self.arena: SealedArena | None = None
         self.engine: CacheEngine | None = None
         self.dataplane: DataPlaneServer | None = None
         self.lifeline: LifelineServer | None = None
@@ -150,11 +150,12 @@ class Service:
 
     def _build(self) -> None:
         s = self.settings = with_admin_token(self.settings)
-        instance = instance_id(s.data_dir)
-        cleanup_stale(instance)
         quota_file = s.data_dir / QUOTA_FILE
         ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
-        self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
+        # A sealed memfd: nothing in /dev/shm to clean after a crash; clients get its descriptor.
+        self.arena = SealedArena.create_sealed(
+            s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate
+        )
         store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
         cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue)
         # Checksums over whole chunks and copies of loaded blobs into the arena run here.
@@ -186,7 +187,10 @@ class Service:
             session_idle_s=s.data_plane.session_idle_s,
             lifeline_path=str(lifeline_path),
         )
-        self.lifeline = build_lifeline(s.data_dir, regions, self.dataplane.sessions)
+        arena = self.arena
+        self.lifeline = build_lifeline(
+            s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)]
+        )
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
         self.control = ControlContext(

@@ -33,7 +33,7 @@ class StatusReader:
         return L1Status(
             allocator_ok=allocator_error is None,
             allocator_error=allocator_error,
-            arena=engine.arena.name,
+            arena=f"memfd:{engine.arena.name} {engine.arena.size}",
             capacity_bytes=alloc.capacity,
             used_bytes=alloc.used,
             objects=len(engine.cache),

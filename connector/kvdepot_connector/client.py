@@ -2,7 +2,8 @@
 (asyncio, in `aio`, importable from here too).
 
 Both connect a ZMQ DEALER to the sidecar, say HELLO (protocol version, chunk size, arena name),
-map the shared-memory arena, REGISTER the engine's identity, and then offer:
+connect the lifeline the reply names (the arena's sealed memfd comes over it) and map the arena
+from that descriptor, REGISTER the engine's identity, and then offer:
 
   lookup(tokens, request_id, cache_salt)      -> LookupReply (hits read-locked for request_id)
   retrieve(request_id, outs, first_chunk)     -> True when `outs` hold the cached bytes

@@ -29,7 +29,8 @@ two instances of one model register different engine ids and share the cached ch
 
 Requests, in the order a client uses them:
 
-  Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session
+  Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session,
+                                            its lifeline path and token
   Register(model, layout, kv_rank, group)-> RegisterReply: engine_id (per instance), chunk_bytes
   Lookup(engine_id, request_id, tokens, cache_salt)
                                          -> LookupReply: hit_tokens from the start; hits read-locked

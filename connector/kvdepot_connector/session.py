@@ -10,9 +10,11 @@ its event loop (asyncio).
 
 The lifeline (kvdepot_connector.lifeline): right after each HELLO the client connects it with the
 token the reply handed out, and keeps it open for the life of the client (a new HELLO connects a
-new one, then closes the old). It is how the sidecar knows the client is alive: when it closes
-(the process died, or `close()`), the sidecar drops the session's reservations and, with the last
-session of the engine instance, the instance's read locks and registrations.
+new one, then closes the old). The arena's sealed memfd comes over it and is mapped from the
+descriptor (kvdepot_connector.shm), never by name. It is how the sidecar knows the client is
+alive: when it closes (the process died, or `close()`), the sidecar drops the session's
+reservations and, with the last session of the engine instance, the instance's read locks and
+registrations.
 
 Primitives:
   Session.handshake()                   the handshake's calls (hello, which connects the
@@ -31,6 +33,7 @@ Primitives:
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -181,10 +184,26 @@ class Session:
                 f"chunk size mismatch: sidecar {reply.chunk_size} tokens, engine {self.layout.chunk_size}"
             )
         self._connect_lifeline(reply)
-        if self.arena is None or self.arena.name != reply.arena_name:
+        self._map_arena(reply)
+
+    def _map_arena(self, reply: p.HelloReply) -> None:
+        """Map the arena from the descriptor the lifeline brought (never by name), unless the
+        same arena is mapped already; the descriptor itself is closed either way."""
+        fd = self.lifeline.received.pop("arena", None) if self.lifeline is not None else None
+        try:
+            if self.arena is not None and (self.arena.name, self.arena.size) == (
+                reply.arena_name, reply.arena_size
+            ):
+                return
             self.close_arena()
-            if self.map_arena:
-                self.arena = ArenaMapping(reply.arena_name, reply.arena_size)
+            if self.map_arena and fd is not None:
+                try:
+                    self.arena = ArenaMapping.from_fd(fd, reply.arena_size)
+                except (OSError, ValueError) as exc:
+                    raise SidecarUnavailable(f"cannot map the arena: {exc}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _connect_lifeline(self, reply: p.HelloReply) -> None:
         """Connect this session's lifeline (the new one first, then the old one goes: the
