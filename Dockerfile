@@ -1,5 +1,6 @@
-# kvdepot sidecar image: run next to the inference engine, sharing /dev/shm (the L1 arena) and the
-# data directory (the data-plane socket). Give it enough shared memory: --shm-size or --ipc=host.
+# kvdepot sidecar image: run next to the inference engine, sharing the data directory (the
+# data-plane and lifeline sockets). The L1 arena is a sealed memfd handed to clients over their
+# lifelines: /dev/shm need not be shared; give the container memory for it.
 FROM python:3.11-slim
 
 RUN apt-get update \

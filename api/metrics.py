@@ -41,6 +41,11 @@ L1_GAUGES: tuple[Row, ...] = (
     ("l1_used_bytes", "L1 bytes allocated to objects.", "used"),
     ("l1_free_extents", "Free extents in the L1 allocator.", "free_extents"),
 )
+QUARANTINE_GAUGES: tuple[Row, ...] = (
+    ("l1_quarantined_bytes", "L1 bytes of expired client reservations kept until their writer is gone.",
+     "bytes"),
+    ("l1_quarantined_objects", "Expired client reservations kept until their writer is gone.", "objects"),
+)
 ENGINE_COUNTERS: tuple[Row, ...] = (
     ("lookups", "LOOKUP operations.", "lookups"),
     ("lookup_hit_chunks", "Chunks found by lookups.", "hit_chunks"),
@@ -61,6 +66,8 @@ CACHE_COUNTERS: tuple[Row, ...] = (
     ("evictions", "L1 objects evicted.", "evicted"),
     ("evicted_bytes", "L1 bytes evicted.", "evicted_bytes"),
     ("expired_write_leases", "Write reservations reclaimed after their lease.", "expired_reservations"),
+    ("l1_quarantine_refusals", "Chunks refused: their instance held its quarantine cap.",
+     "quarantine_refused"),
 )
 
 # TenantCollector: per (tenant, tier), from the ledger's TierUsage.
@@ -197,6 +204,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
         yield from single(GaugeMetricFamily, L1_GAUGES, engine.cache.allocator)
+        yield from single(GaugeMetricFamily, QUARANTINE_GAUGES, engine.cache.quarantine)
         by_state = GaugeMetricFamily("kvdepot_l1_objects", "L1 objects by lifecycle state.", labels=["state"])
         for state, n in engine.cache.state_counts().items():
             by_state.add_metric([state], n)

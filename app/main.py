@@ -38,7 +38,7 @@ from app.supervisor import Supervisor
 from app.wiring import build_admin, build_cache, build_engine, build_l2, build_lifeline
 from engine.admin import Administration
 from engine.facade import CacheEngine
-from engine.l1.arena import SharedArena, cleanup_stale, instance_id
+from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
 from engine.l2.store_queue import StoreQueue
 from engine.status import StatusReader
@@ -93,7 +93,7 @@ class Service:
         self.supervisor = Supervisor()
         self._started_at = time.monotonic()
         self._stop = asyncio.Event()
-        self.arena: SharedArena | None = None
+        self.arena: SealedArena | None = None
         self.engine: CacheEngine | None = None
         self.dataplane: DataPlaneServer | None = None
         self.lifeline: LifelineServer | None = None
@@ -151,11 +151,12 @@ class Service:
 
     def _build(self) -> None:
         s = self.settings = with_admin_token(self.settings)
-        instance = instance_id(s.data_dir)
-        cleanup_stale(instance)
         quota_file = s.data_dir / QUOTA_FILE
         ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
-        self.arena = SharedArena.create(s.l1.size_bytes, instance, populate=s.l1.populate)
+        # A sealed memfd: nothing in /dev/shm to clean after a crash; clients get its descriptor.
+        self.arena = SealedArena.create_sealed(
+            s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate
+        )
         store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
         cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue)
         # Checksums over whole chunks and copies of loaded blobs into the arena run here.
@@ -175,15 +176,22 @@ class Service:
         roots = s.l2.allowed_roots or [s.data_dir]
         admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
+        regions = SealedRegions()
+        lifeline_path = (s.data_dir / "lifeline.sock").resolve()
         self.dataplane = DataPlaneServer(
             self.engine,
             url=s.data_plane_url,
             max_frame_bytes=s.data_plane.max_frame_bytes,
             max_tokens=s.data_plane.max_tokens,
             metrics=DataPlaneMetrics(registry),
-            transfers=self._build_transfers(),
+            transfers=self._build_transfers(regions),
             max_sessions=s.data_plane.max_sessions,
             session_idle_s=s.data_plane.session_idle_s,
+            lifeline_path=str(lifeline_path),
+        )
+        arena = self.arena
+        self.lifeline = build_lifeline(
+            s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)]
         )
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
@@ -203,11 +211,11 @@ class Service:
         )
         self.http_server = _Uvicorn(config)
 
-    def _build_transfers(self) -> KVTransfers:
+    def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
-        the CPU stub otherwise; waits on copy completion run in their own executor."""
+        the CPU stub otherwise (opening the sealed regions clients share over their lifelines);
+        waits on copy completion run in their own executor."""
         assert self.engine is not None
-        self.lifeline = build_lifeline(self.settings.data_dir, regions := SealedRegions())
         device = default_device(regions)
         device.pin(self.engine.arena.tensor_all)
         self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")

@@ -187,6 +187,12 @@ class L1Settings(BaseModel):
         "chunk); the chunks beyond are refused as no_space.",
     )  # fmt: skip
     populate: bool = Field(True, description="Reserve the arena's pages at start (fails early if short).")
+    quarantine_max_bytes: int | None = Field(
+        None, ge=0, le=1 << 50,
+        description="Bytes of expired write reservations one engine instance may hold quarantined "
+        "(until the writer's lifeline closes) before its new reservations are refused as no_space; "
+        "null: 1/8 of L1.",
+    )  # fmt: skip
 
     @field_validator("low_watermark")
     @classmethod
@@ -206,6 +212,11 @@ class L1Settings(BaseModel):
     @property
     def size_bytes(self) -> int:
         return int(self.size_gb * (1 << 30))
+
+    @property
+    def quarantine_cap(self) -> int:
+        """`quarantine_max_bytes`, or 1/8 of L1 when unset."""
+        return self.size_bytes // 8 if self.quarantine_max_bytes is None else self.quarantine_max_bytes
 
 
 def _usable_key(key: SecretStr) -> SecretStr:

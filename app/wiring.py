@@ -4,7 +4,7 @@
 the service. Each builder takes the settings part it needs and the objects built before it.
 
 Builders in call order:
-  build_lifeline(data_dir, regions)                  the lifeline server (sealed regions per holder)
+  build_lifeline(data_dir, regions, sessions)        the lifeline server: one per data-plane session
   build_cache(l1, capacity, ledger, shedder)         L1: allocator, LRU, watermarks, leases
   build_l2(l2, cache=, queue=, arena=, build=, ...)  tiers, write-behind, prefetch (no adapter yet)
   build_engine(l1, arena=, cache=, l2=)              the data-plane facade
@@ -14,14 +14,13 @@ Builders in call order:
 from __future__ import annotations
 
 import functools
-import hmac
 import os
-import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
+from api.dataplane.sessions import Session, SessionTable
 from api.lifeline import Lifeline, LifelineRefused, LifelineServer, SharedRegion
 from app.settings import AdapterConfig, DataPlaneSettings, L1Settings, L2Settings
 from engine.admin import Administration
@@ -43,33 +42,34 @@ from storage.auth import BlobKeys
 from storage.base import L2Adapter
 
 
-def build_lifeline(data_dir: Path, regions: SealedRegions) -> LifelineServer:
-    """The lifeline server at `<data_dir>/lifeline.sock`; shared sealed regions land in `regions`
-    and go when their holder's lifeline closes. Until the data-plane hello hands each client its
-    own token, the token is one per start, written 0600 to `<data_dir>/lifeline.token`: only the
-    service user can read it, and the server admits no other uid (or root) anyway."""
-    token = secrets.token_bytes(32)
-    path = data_dir / "lifeline.token"
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(token)
-
-    def authenticate(offered: bytes) -> object | None:
-        return object() if hmac.compare_digest(offered, token) else None
+def build_lifeline(
+    data_dir: Path, regions: SealedRegions, sessions: SessionTable,
+    offer: Callable[[], Sequence[tuple[str, int]]] | None = None,
+) -> LifelineServer:  # fmt: skip
+    """The lifeline server at `<data_dir>/lifeline.sock`. A client process connects it with the
+    token its data-plane session's HELLO reply handed out (random, used once), and the lifeline
+    then holds that session: when it closes, the session ends (`sessions.end`). The server offers
+    the descriptors `offer()` names (the arena's memfd); sealed regions a client shares land in
+    `regions` under its engine instance, and go when the instance's last session ends."""
 
     def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
+        assert isinstance(line.holder, Session)
         for i, region in enumerate(shared):
             try:
-                regions.add(line.holder, region.name, region.fd, region.size)
+                regions.add(line.holder.instance, region.name, region.fd, region.size)
             except SealError as exc:
                 for rest in shared[i + 1 :]:
                     os.close(rest.fd)
                 raise LifelineRefused(f"{region.name}: {exc}") from None
 
+    def on_closed(line: Lifeline) -> None:
+        if isinstance(line.holder, Session):
+            sessions.end(line.holder)
+
+    sessions.on_instance_gone.append(regions.drop)
     return LifelineServer(
-        data_dir / "lifeline.sock", authenticate=authenticate, on_fds=on_fds,
-        on_closed=lambda line: regions.drop(line.holder),
+        data_dir / "lifeline.sock", authenticate=sessions.hold, on_fds=on_fds, on_closed=on_closed,
+        offer=None if offer is None else (lambda _holder: offer()),
     )  # fmt: skip
 
 
@@ -81,6 +81,7 @@ def build_cache(
     return L1Cache(
         ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
         low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
+        quarantine_max_bytes=l1.quarantine_max_bytes,
     )  # fmt: skip
 
 

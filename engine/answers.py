@@ -146,6 +146,11 @@ class L1Status:
     engines: list[EngineInfo]
     locked_requests: int
     counters: dict[str, int]
+    quarantined_bytes: int = 0
+    """Memory of expired client reservations, kept until their writers are gone (never reused)."""
+    quarantined_objects: int = 0
+    quarantine_max_bytes: int = 0
+    """What one engine instance may hold quarantined before its reservations are refused."""
 
 
 # --- secrets ---------------------------------------------------------------------------------------

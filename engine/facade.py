@@ -16,6 +16,10 @@ Primitives in data-plane call order:
                                                        NotOwner (nothing done) for a reservation of
                                                        another instance (abort likewise)
   free_lookup_locks / end_request / clear
+  end_holder(session)                               a client session is gone (its lifeline closed):
+                                                       its reservations go at once
+  end_instance(instance)                            the instance's last session is gone: its
+                                                       requests (read locks) and registrations go
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
 The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
@@ -217,9 +221,11 @@ class CacheEngine:
     # --- store ---------------------------------------------------------------------------------
 
     def store(
-        self, engine_id: int, request_id: str, tokens: bytes, salt: str, first_chunk: int = 0
-    ) -> list[StoreSlot]:
-        """Reserve slots for full chunks `first_chunk..` of `tokens`. The client copies, then commits."""
+        self, engine_id: int, request_id: str, tokens: bytes, salt: str, first_chunk: int = 0, *,
+        holder: int = 0,
+    ) -> list[StoreSlot]:  # fmt: skip
+        """Reserve slots for full chunks `first_chunk..` of `tokens`. The client copies, then
+        commits. `holder`: the client session that copies (0: the sidecar copies itself)."""
         reg = self.registration(engine_id)
         _check_ids(request_id, salt)
         n = self.hasher.full_chunks(tokens)
@@ -260,7 +266,7 @@ class CacheEngine:
                 if refused is None and share is not None and taken and taken + charge > share:
                     refused = SlotStatus.NO_SPACE  # one request may not take more than its share
                 elif refused is None:
-                    got = cache.try_reserve(key, size, now, owner=reg.instance)
+                    got = cache.try_reserve(key, size, now, owner=reg.instance, holder=holder)
                     if isinstance(got, L1Object):
                         slots.append(StoreSlot(i, SlotStatus.RESERVED, got.oid, got.offset, got.size))
                         c.stored_chunks += 1
@@ -319,6 +325,26 @@ class CacheEngine:
             owner = owner_of(oid)
             if owner is not None and owner != reg.instance:
                 raise NotOwner(f"reservation {oid} belongs to another engine instance")
+
+    # --- clients that are gone ------------------------------------------------------------------
+
+    def end_holder(self, holder: int) -> int:
+        """The client session `holder` is gone (its lifeline closed: the process cannot write any
+        more): its write reservations are dropped at once. Returns how many."""
+        n = self.cache.release_holder(holder)
+        self.counters.gone_reservations += n
+        return n
+
+    def end_instance(self, instance: str) -> int:
+        """The last session of `instance` is gone: its requests' read locks and its registrations
+        (with their KV planes, through `engines.on_drop`) go at once. Returns the requests."""
+        ids = set(self.engines.drop_instance(instance))
+        n = self._requests.release_engines(ids) if ids else 0
+        c = self.counters
+        c.instances_gone += 1
+        c.gone_locks += n
+        log.info("instance_gone", engines=len(ids), requests=n)
+        return n
 
     # --- maintenance ---------------------------------------------------------------------------
 

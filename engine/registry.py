@@ -22,6 +22,7 @@ Primitives in call order:
                                               size, rank or a chunk larger than L1; Overloaded
   get(engine_id[, now])                    -> Registration; NotRegistered for an unknown id
   all()                                    the registrations (for /status)
+  drop_instance(instance)                  -> engine ids of the instance, dropped (it is gone)
 """
 
 from __future__ import annotations
@@ -115,12 +116,24 @@ class EngineRegistry:
     def all(self) -> list[Registration]:
         return list(self._registrations.values())
 
+    def drop_instance(self, instance: str) -> list[int]:
+        """Drop every registration of `instance` (its processes are gone); `on_drop` runs for
+        each. Returns their engine ids."""
+        ids = [engine_id for engine_id, reg in self._registrations.items() if reg.instance == instance]
+        for engine_id in ids:
+            self._drop(engine_id)
+        return ids
+
     def _drop_idle(self, now: float) -> bool:
         """Drop the least recently used registration if it was idle for `idle_s`."""
-        engine_id, reg = next(iter(self._registrations.items()))
+        engine_id = next(iter(self._registrations))
         if now - self._last_used[engine_id] < self.idle_s:
             return False
-        del self._registrations[engine_id]
+        self._drop(engine_id)
+        return True
+
+    def _drop(self, engine_id: int) -> None:
+        reg = self._registrations.pop(engine_id)
         del self._last_used[engine_id]
         del self._by_identity[(reg.instance, reg.namespace)]
         left = self._per_instance[reg.instance] - 1
@@ -130,4 +143,3 @@ class EngineRegistry:
             del self._per_instance[reg.instance]
         for hook in self.on_drop:
             hook(engine_id)
-        return True

@@ -18,6 +18,7 @@ Primitives in call order:
   get(rid) / settle(rid)    the current state; a finished prefetch that brought nothing is dropped
   release(rid)              drop the request's state and locks -> how many were held
   reap(now)                 -> requests whose lease expired (locks dropped)
+  release_engines(ids)      the requests of these engines are dropped (their instance is gone)
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ class RequestTable:
             self.release(rid)
             expired += 1
         return expired
+
+    def release_engines(self, engine_ids: set[int]) -> int:
+        """Drop the states and locks of every request of `engine_ids`. Returns how many."""
+        rids = [rid for rid in self.locks if rid[0] in engine_ids]
+        for rid in rids:
+            self.release(rid)
+        return len(rids)
 
     def _drop(self, rid: RequestId) -> RequestState | None:
         state = self.locks.pop(rid, None)

@@ -67,3 +67,6 @@ class EngineCounters:
     expired_locks: int = 0
     l2_hit_chunks: int = 0
     reaper_errors: int = 0
+    instances_gone: int = 0
+    gone_locks: int = 0
+    gone_reservations: int = 0

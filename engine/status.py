@@ -33,7 +33,7 @@ class StatusReader:
         return L1Status(
             allocator_ok=allocator_error is None,
             allocator_error=allocator_error,
-            arena=engine.arena.name,
+            arena=f"memfd:{engine.arena.name} {engine.arena.size}",
             capacity_bytes=alloc.capacity,
             used_bytes=alloc.used,
             objects=len(engine.cache),
@@ -53,6 +53,9 @@ class StatusReader:
             ],
             locked_requests=engine.locked_requests(),
             counters=dataclasses.asdict(engine.counters) | dataclasses.asdict(engine.cache.counters),
+            quarantined_bytes=engine.cache.quarantine.bytes,
+            quarantined_objects=engine.cache.quarantine.objects,
+            quarantine_max_bytes=engine.cache.quarantine.max_bytes,
         )
 
     def l2(self) -> L2Status:

@@ -6,7 +6,8 @@ against shrinking and growing (so a truncation cannot SIGBUS the sidecar mid-cop
 further seal changes, and at least as large as declared. The sidecar maps it itself.
 
 State: `SealedRegions` holds the mappings by name (names are chosen by the engine, unguessable,
-and never replaced), with their holder, so a holder's regions go when its lifeline closes. It is
+and never replaced), with their holder (the engine instance that shared them), so a holder's
+regions go when it is gone (its last lifeline closed). It is
 touched by the event loop only (the lifeline server's callbacks, the device's `open`).
 
 Primitives in call order: `seal(fd)` (engine side, for tests and the arena), `open_sealed(fd,
@@ -95,7 +96,7 @@ class SealedRegions:
                 raise SealError(f"a region named {name!r} is already shared")
             if len(self._regions) >= self._max:
                 raise SealError(f"{self._max} regions are shared already")
-            if sum(1 for r in self._regions.values() if r.holder is holder) >= self._per_holder:
+            if sum(1 for r in self._regions.values() if r.holder == holder) >= self._per_holder:
                 raise SealError(f"one holder may share at most {self._per_holder} regions")
             self._regions[name] = Region(holder, open_sealed(fd, nbytes))
         finally:
@@ -109,7 +110,7 @@ class SealedRegions:
 
     def drop(self, holder: object) -> int:
         """Forget a holder's regions (views already opened keep their mapping). Returns how many."""
-        names = [n for n, r in self._regions.items() if r.holder is holder]
+        names = [n for n, r in self._regions.items() if r.holder == holder]
         for name in names:
             del self._regions[name]
         return len(names)

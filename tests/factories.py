@@ -1,4 +1,4 @@
-"""Tiny factories for real engine objects (no mocks): an arena in /dev/shm, an L1 cache, an engine,
+"""Tiny factories for real engine objects (no mocks): an arena (a sealed memfd), an L1 cache, an engine,
 an engine with its L2 machinery (tiers, write-behind, prefetch), the control plane's
 administration of an engine. Built by app/main's builders, so they are wired as the service is."""
 
@@ -17,7 +17,7 @@ from engine.admin import Administration
 from engine.answers import StorePolicy
 from engine.facade import CacheEngine
 from engine.keys import KVLayout, Namespace, ObjectKey
-from engine.l1.arena import SharedArena
+from engine.l1.arena import SealedArena, SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
 from engine.l2.store_queue import StoreQueue
@@ -55,7 +55,7 @@ def tokens(n: int, start: int = 0) -> bytes:
 
 @contextmanager
 def arena(size: int) -> Iterator[SharedArena]:
-    a = SharedArena.create(size, f"test{uuid.uuid4().hex[:8]}", populate=False)
+    a = SealedArena.create_sealed(size, f"test{uuid.uuid4().hex[:8]}", populate=False)
     try:
         yield a
     finally:

@@ -18,6 +18,9 @@ Identity: every connection says HELLO first (anything else before it: `hello_req
 session names the engine instance it acts for. A message naming an engine id of another instance
 is refused with `not_owner` before its handler runs; reservations are checked by the facade.
 CLEAR of every tenant is refused here (`unauthorized`): it is an administrator's act.
+The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py): a session whose
+lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
+of an instance takes the instance's read locks and registrations (`engine.end_instance`).
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),
 `handle(frame, peer) -> reply bytes` (also what tests and the fuzzer drive), `stop()`.
@@ -77,6 +80,7 @@ class DataPlaneServer:
         transfers: KVTransfers | None = None,
         max_sessions: int = 4096,
         session_idle_s: float = 600.0,
+        lifeline_path: str = "",
     ) -> None:
         self.engine = engine
         self.transfers = transfers
@@ -85,6 +89,10 @@ class DataPlaneServer:
         self.max_token_bytes = max_tokens * 4
         self.metrics = metrics
         self.sessions = SessionTable(max_sessions=max_sessions, idle_s=session_idle_s)
+        # A session that is gone takes its reservations with it; an instance, its locks and engines.
+        self.sessions.on_session_closed.append(lambda s: engine.end_holder(s.id))
+        self.sessions.on_instance_gone.append(engine.end_instance)
+        self.lifeline_path = lifeline_path
         if transfers is not None:
             engine.engines.on_drop.append(transfers.drop)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -317,6 +325,8 @@ class DataPlaneServer:
             arena_size=arena.size,
             max_frame_bytes=self.max_frame_bytes,
             session=session.id,
+            lifeline_path=self.lifeline_path,
+            lifeline_token=session.token if self.lifeline_path else b"",
         )
 
     def _register(self, m: p.Register, s: Session) -> p.Reply:
@@ -369,9 +379,9 @@ class DataPlaneServer:
     def _release(self, m: p.Release, _: Session) -> p.Reply:
         return p.ReleaseReply(id=m.id, valid=self.engine.release(m.engine_id, m.request_id, m.oids))
 
-    def _store(self, m: p.Store, _: Session) -> p.Reply:
+    def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(
-            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk
+            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id
         )
         return p.StoreReply(
             id=m.id,

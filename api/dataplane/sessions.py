@@ -1,37 +1,52 @@
-"""Sessions: one per data-plane connection (ZMQ routing id), made by its HELLO.
+"""Sessions: one per data-plane connection (ZMQ routing id), made by its HELLO, held by a lifeline.
 
-State: routing id -> Session (id, engine instance, created, last seen, `on_closed` callbacks), in
-least recently seen order; a counter for session ids. Owned by the event loop.
+State: routing id -> Session (id, engine instance, lifeline token, whether its lifeline is open,
+created, last seen, `on_closed` callbacks), in least recently seen order; token -> Session; the
+number of open sessions per engine instance; a counter for session ids. Owned by the event loop.
 
 A session says which engine instance a connection acts for: the `instance` nonce of its HELLO
 (shared by the engine's scheduler and worker processes), or, when HELLO gave none, a private
-instance of this session alone (`private-<id>`: never valid hex, so no client can name it). A
-second HELLO on the same connection replaces its session.
+instance of this session alone (`private-<id>`: never valid hex, so no client can name it). Each
+session gets a random lifeline token (32 bytes) that its HELLO reply hands the client: the client
+process connects its lifeline (api/lifeline.py) with it, and from then on the lifeline's holder is
+the session. When the lifeline closes (the process died, or closed it) the session is closed.
 
 The table is bounded (`max_sessions`). ZMQ reports no disconnects, so when it is full the least
-recently seen session idle for `idle_s` is closed to make room (its connection, if still there,
-is told `hello_required` and says HELLO again; what its instance owns is not touched); if none is
-that idle, the HELLO is refused (Overloaded). `Session.close()` runs the `on_closed` callbacks:
-where later work learns that a client is gone (a lifeline closed), it closes its session.
+recently seen session WITHOUT a lifeline idle for `idle_s` is closed to make room (its
+connection, if still there, is told `hello_required` and says HELLO again); a session with a live
+lifeline is never evicted. If none can go, the HELLO is refused (Overloaded). A second HELLO on
+the same connection replaces its session (the new one is counted before the old one closes, so
+its instance does not end in between).
+
+Closing a session runs its `on_closed` callbacks, then the table's `on_session_closed` hooks
+(what the session itself holds goes: its reservations, its quarantined memory); when it was the
+last open session of its instance, the `on_instance_gone` hooks run (the instance's requests,
+registrations, KV planes and sealed regions go).
 
 Primitives in call order:
   hello(peer, instance, now)  -> Session (new, replacing this peer's previous one); Overloaded
+  hold(token)                 -> the open Session of this token, now held by a lifeline; or None
   get(peer, now)              -> Session, marked seen; HelloRequired when the peer said no HELLO
-  close(peer)                 the session ends (its callbacks run)
+  close(peer) / end(session)  the session ends (callbacks and hooks run)
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from api.dataplane.errors import HelloRequired
 from app.errors import Overloaded
 
 log = logging.getLogger("kvdepot.dataplane")
+
+TOKEN_BYTES = 32
+A = TypeVar("A")
 
 
 @dataclass(eq=False, slots=True)
@@ -42,6 +57,10 @@ class Session:
     """The engine instance this connection acts for (its HELLO's nonce, or a private one)."""
     created: float
     last_seen: float
+    token: bytes = b""
+    """The lifeline token its HELLO reply handed out (random, used once)."""
+    held: bool = False
+    """A lifeline holds it: never evicted as idle; closed when the lifeline closes."""
     on_closed: list[Callable[[Session], None]] = field(default_factory=list)
     closed: bool = False
 
@@ -60,22 +79,51 @@ class SessionTable:
     def __init__(self, *, max_sessions: int, idle_s: float) -> None:
         self.max_sessions = max_sessions
         self.idle_s = idle_s
+        #: run with every session that closed (after its own callbacks)
+        self.on_session_closed: list[Callable[[Session], object]] = []
+        #: run with an instance whose last open session closed
+        self.on_instance_gone: list[Callable[[str], object]] = []
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()
+        self._tokens: dict[bytes, Session] = {}
+        self._instances: dict[str, int] = {}
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def held(self) -> int:
+        """Sessions held by a lifeline now."""
+        return sum(1 for s in self._sessions.values() if s.held)
+
+    def instances(self) -> int:
+        return len(self._instances)
+
     def hello(self, peer: bytes, instance: str, now: float) -> Session:
-        self.close(peer)
-        if len(self._sessions) >= self.max_sessions:
-            oldest = next(iter(self._sessions.values()))
-            if now - oldest.last_seen < self.idle_s:
+        previous = self._sessions.pop(peer, None)
+        if previous is None and len(self._sessions) >= self.max_sessions:
+            idle = next(
+                (s for s in self._sessions.values() if not s.held and now - s.last_seen >= self.idle_s), None
+            )
+            if idle is None:
                 raise Overloaded(f"{self.max_sessions} connections are open (data_plane.max_sessions)")
-            self.close(oldest.peer)
+            self.close(idle.peer)
         sid = next(self._ids)
-        session = Session(sid, peer, instance or f"private-{sid}", now, now)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        session = Session(sid, peer, instance or f"private-{sid}", now, now, token=token)
         self._sessions[peer] = session
+        self._tokens[session.token] = session
+        self._instances[session.instance] = self._instances.get(session.instance, 0) + 1
+        if previous is not None:
+            self.end(previous)
+        return session
+
+    def hold(self, token: bytes) -> Session | None:
+        """The open session this token was handed to, now held by a lifeline (once: a token
+        admits one lifeline). None for an unknown, used or closed one."""
+        session = self._tokens.pop(token, None)
+        if session is None or session.closed:
+            return None
+        session.held = True
         return session
 
     def get(self, peer: bytes, now: float) -> Session:
@@ -89,4 +137,33 @@ class SessionTable:
     def close(self, peer: bytes) -> None:
         session = self._sessions.pop(peer, None)
         if session is not None:
-            session.close()
+            self.end(session)
+
+    def end(self, session: Session) -> None:
+        """Close `session` (once): its callbacks, the table's hooks, and its instance's end if it
+        was the instance's last open session."""
+        if session.closed:
+            return
+        if self._sessions.get(session.peer) is session:
+            del self._sessions[session.peer]
+        self._tokens.pop(session.token, None)
+        session.close()
+        _run(self.on_session_closed, session, "on_session_closed")
+        left = self._instances.get(session.instance, 1) - 1
+        if left > 0:
+            self._instances[session.instance] = left
+            return
+        self._instances.pop(session.instance, None)
+        _run(self.on_instance_gone, session.instance, "on_instance_gone")
+
+    def close_all(self) -> None:
+        for session in list(self._sessions.values()):
+            self.end(session)
+
+
+def _run(hooks: list[Callable[[A], object]], arg: A, what: str) -> None:
+    for hook in hooks:
+        try:
+            hook(arg)
+        except Exception:
+            log.exception("a session %s hook failed", what)

@@ -59,10 +59,10 @@ class AsyncKVDepotClient(ClientBase):
         finally:
             self._pending.pop(msg.id, None)
 
-    async def _handshake(self) -> None:
+    async def _handshake(self, steps: list[Call[None]] | None = None) -> None:
         async with self._handshake_lock:
-            await self._call(self._session.hello())
-            await self._call(self._session.register())
+            for step in self._session.handshake() if steps is None else steps:
+                await self._call(step)
 
     async def _call(self, call: Call[T]) -> T:
         """As `KVDepotClient._call`, without blocking the loop."""
@@ -70,8 +70,9 @@ class AsyncKVDepotClient(ClientBase):
         if call.registered and s.engine_id == 0:
             await self._handshake()
         reply = await self._raw_call(s.message(call))
-        if s.stale(call, reply):
-            await self._handshake()
+        recovery = s.recovery(call, reply)
+        if recovery:
+            await self._handshake(recovery)
             reply = await self._raw_call(s.message(call))
         return call.read(reply)
 
@@ -81,7 +82,7 @@ class AsyncKVDepotClient(ClientBase):
             await asyncio.gather(self._reader, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
-        self._session.close_arena()
+        self._session.close()
         self._ctx.term()
 
     async def ping(self) -> float:

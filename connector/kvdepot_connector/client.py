@@ -2,7 +2,8 @@
 (asyncio, in `aio`, importable from here too).
 
 Both connect a ZMQ DEALER to the sidecar, say HELLO (protocol version, chunk size, arena name),
-map the shared-memory arena, REGISTER the engine's identity, and then offer:
+connect the lifeline the reply names (the arena's sealed memfd comes over it) and map the arena
+from that descriptor, REGISTER the engine's identity, and then offer:
 
   lookup(tokens, request_id, cache_salt)      -> LookupReply (hits read-locked for request_id)
   retrieve(request_id, outs, first_chunk)     -> True when `outs` hold the cached bytes
@@ -83,26 +84,28 @@ class KVDepotClient(ClientBase):
             # A late reply to an earlier request that timed out: skip it.
 
     def _handshake(self) -> None:
-        self._call(self._session.hello())
-        self._call(self._session.register())
+        for step in self._session.handshake():
+            self._call(step)
 
     def _call(self, call: Call[T]) -> T:
         """Send `call`'s message and read the reply; handshake first where the call needs the
-        engine id, and once more if the sidecar no longer knows it."""
+        engine id, and once more (or register again) if the sidecar no longer knows it."""
         s = self._session
         with self._lock:
             if call.registered and s.engine_id == 0:
                 self._handshake()
             reply = self._raw_call(s.message(call))
-            if s.stale(call, reply):
-                self._handshake()
+            recovery = s.recovery(call, reply)
+            if recovery:
+                for step in recovery:
+                    self._call(step)
                 reply = self._raw_call(s.message(call))
             return call.read(reply)
 
     def close(self) -> None:
         with self._lock:
             self._drop_socket()
-            self._session.close_arena()
+            self._session.close()
             self._ctx.term()
 
     def __enter__(self) -> KVDepotClient:

@@ -29,7 +29,8 @@ two instances of one model register different engine ids and share the cached ch
 
 Requests, in the order a client uses them:
 
-  Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session
+  Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session,
+                                            its lifeline path and token
   Register(model, layout, kv_rank, group)-> RegisterReply: engine_id (per instance), chunk_bytes
   Lookup(engine_id, request_id, tokens, cache_salt)
                                          -> LookupReply: hit_tokens from the start; hits read-locked
@@ -298,6 +299,10 @@ class HelloReply(_Msg, tag="hello_reply"):
     arena_size: int
     max_frame_bytes: int
     session: int = 0
+    #: the unix socket every client process connects its lifeline to, with this session's token
+    #: (empty: the sidecar offers no lifeline)
+    lifeline_path: str = ""
+    lifeline_token: bytes = b""
 
 
 class RegisterReply(_Msg, tag="register_reply"):

@@ -5,23 +5,35 @@ No I/O here: the clients (`client.KVDepotClient`, `aio.AsyncKVDepotClient`) only
 State (`Session`): the engine's identity (model, layout, kv rank, group), the engine instance
 nonce it says HELLO with (shared by an engine's processes: they own their requests and
 reservations together), the engine id the sidecar gave it (0 until the handshake), the request id
-counter and the mapped arena. Touched by one
-client, under its lock (blocking) or on its event loop (asyncio).
+counter, the lifeline and the mapped arena. Touched by one client, under its lock (blocking) or on
+its event loop (asyncio).
+
+The lifeline (kvdepot_connector.lifeline): right after each HELLO the client connects it with the
+token the reply handed out, and keeps it open for the life of the client (a new HELLO connects a
+new one, then closes the old). The arena's sealed memfd comes over it and is mapped from the
+descriptor (kvdepot_connector.shm), never by name. It is how the sidecar knows the client is
+alive: when it closes (the process died, or `close()`), the sidecar drops the session's
+reservations and, with the last session of the engine instance, the instance's read locks and
+registrations.
 
 Primitives:
-  Session.hello() / register()          the handshake's two calls
+  Session.handshake()                   the handshake's calls (hello, which connects the
+                                         lifeline, then register)
   Session.lookup(...), retrieve(...), ... one `Call` per operation: the message to send and how
                                          to read its reply
   Session.message(call)                 the call's message, with a fresh id and the engine id
-  Session.stale(call, reply)            the sidecar no longer knows this connection or engine (it
-                                         restarted, or closed an idle session): handshake again
-                                         and resend
+  Session.recovery(call, reply)         the calls to make before resending: the sidecar no longer
+                                         knows this connection (it restarted, or closed an idle
+                                         session: hello and register) or engine (register)
+  Session.share(regions)                sealed KV regions to the sidecar, over the lifeline
+  Session.close()                       the lifeline and the arena mapping go
   Session.copy_in / copy_out / outcome  the copies of a store or a retrieve and their result
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +44,7 @@ import torch
 
 from kvdepot_connector import protocol as p
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
+from kvdepot_connector.lifeline import LifelineClient, LifelineError
 from kvdepot_connector.shm import ArenaMapping
 
 R = TypeVar("R", bound=msgspec.Struct)
@@ -100,7 +113,7 @@ class Session:
 
     def __init__(
         self, model: str, layout: p.Layout, kv_rank: int, group: int, *, name: str, map_arena: bool,
-        instance: str,
+        instance: str, timeout_s: float = 5.0,
     ) -> None:  # fmt: skip
         self.model = model
         self.instance = instance
@@ -112,18 +125,43 @@ class Session:
         self.engine_id = 0
         self.chunk_bytes = layout.chunk_bytes
         self.arena: ArenaMapping | None = None
+        self.lifeline: LifelineClient | None = None
+        self.timeout_s = timeout_s
         self._ids = itertools.count(1)
 
     def message(self, call: Call[T]) -> p.Request:
         return call.build(next(self._ids), self.engine_id)
 
-    @staticmethod
-    def stale(call: Call[T], reply: p.Reply) -> bool:
+    def recovery(self, call: Call[T], reply: p.Reply) -> list[Call[None]]:
+        """What to call before resending `call`, after `reply`: nothing (the reply stands), the
+        whole handshake (the sidecar no longer knows this connection), or a register (it no
+        longer knows the engine id; the session, its lifeline and reservations stay)."""
         if not isinstance(reply, p.ErrorReply):
-            return False
+            return []
         if reply.code == p.ErrorCode.HELLO_REQUIRED:
-            return True
-        return call.registered and reply.code == p.ErrorCode.NOT_REGISTERED
+            return self.handshake()
+        if call.registered and reply.code == p.ErrorCode.NOT_REGISTERED:
+            return [self.register()]
+        return []
+
+    def handshake(self) -> list[Call[None]]:
+        return [self.hello(), self.register()]
+
+    def share(self, regions: Sequence[tuple[str, int, int]]) -> None:
+        """Hand the sidecar sealed regions (name, fd, bytes) over this client's lifeline."""
+        if self.lifeline is None:
+            raise SidecarUnavailable("no lifeline to the sidecar (connect first)")
+        try:
+            self.lifeline.share(regions)
+        except LifelineError as exc:
+            raise SidecarError("refused", str(exc), False) from None
+
+    def close(self) -> None:
+        """Close the lifeline (the sidecar drops this session's state) and unmap the arena."""
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
+        self.close_arena()
 
     def close_arena(self) -> None:
         if self.arena is not None:
@@ -145,10 +183,43 @@ class Session:
             raise ProtocolMismatch(
                 f"chunk size mismatch: sidecar {reply.chunk_size} tokens, engine {self.layout.chunk_size}"
             )
-        if self.arena is None or self.arena.name != reply.arena_name:
+        self._connect_lifeline(reply)
+        self._map_arena(reply)
+
+    def _map_arena(self, reply: p.HelloReply) -> None:
+        """Map the arena from the descriptor the lifeline brought (never by name), unless the
+        same arena is mapped already; the descriptor itself is closed either way."""
+        fd = self.lifeline.received.pop("arena", None) if self.lifeline is not None else None
+        try:
+            if self.arena is not None and (self.arena.name, self.arena.size) == (
+                reply.arena_name, reply.arena_size
+            ):
+                return
             self.close_arena()
-            if self.map_arena:
-                self.arena = ArenaMapping(reply.arena_name, reply.arena_size)
+            if self.map_arena and fd is not None:
+                try:
+                    self.arena = ArenaMapping.from_fd(fd, reply.arena_size)
+                except (OSError, ValueError) as exc:
+                    raise SidecarUnavailable(f"cannot map the arena: {exc}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _connect_lifeline(self, reply: p.HelloReply) -> None:
+        """Connect this session's lifeline (the new one first, then the old one goes: the
+        engine instance keeps a live session throughout)."""
+        old, self.lifeline = self.lifeline, None
+        try:
+            if reply.lifeline_path:
+                try:
+                    self.lifeline = LifelineClient(
+                        reply.lifeline_path, reply.lifeline_token, timeout=self.timeout_s
+                    )
+                except LifelineError as exc:
+                    raise SidecarUnavailable(f"cannot connect the lifeline: {exc}") from None
+        finally:
+            if old is not None:
+                old.close()
 
     def register(self) -> Call[None]:
         def build(i: int, _: int) -> p.Request:
@@ -355,8 +426,9 @@ class ClientBase:
         self.name = name
         self.instance = secrets.token_hex(16) if instance is None else instance
         self._session = Session(
-            model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance
-        )
+            model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance,
+            timeout_s=timeout_s,
+        )  # fmt: skip
         self._open_transport()
 
     def _open_transport(self) -> None:
@@ -366,6 +438,12 @@ class ClientBase:
     @property
     def engine_id(self) -> int:
         return self._session.engine_id
+
+    def share(self, regions: Sequence[tuple[str, int, int]]) -> None:
+        """Hand the sidecar sealed memfd regions (name, fd, bytes; e.g. `SharedTensor.region()`)
+        over this client's lifeline, so it can copy into and out of them (`register_kv_cache`).
+        They stay shared while the engine instance has a live client."""
+        self._session.share(regions)
 
     @property
     def chunk_bytes(self) -> int:

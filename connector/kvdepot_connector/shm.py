@@ -1,11 +1,9 @@
 """Client-side mapping of the sidecar's shared-memory L1 arena.
 
 The sidecar creates the region and owns its lifetime; a client only maps it, read-write, with
-MAP_POPULATE so the first copies do not pay a page fault per 4 KiB. Two ways in:
-- `ArenaMapping.from_fd(fd, size)`: the arena's sealed memfd, received over the lifeline. Its
-  size is sealed, so no client can truncate it (and SIGBUS the sidecar or another client); no
-  name in /dev/shm is opened.
-- `ArenaMapping(name, size)`: by name under /dev/shm (older sidecars).
+MAP_POPULATE so the first copies do not pay a page fault per 4 KiB. `ArenaMapping.from_fd(fd,
+size)` maps the arena's sealed memfd, received over the lifeline: its size is sealed, so no client
+can truncate it (and SIGBUS the sidecar or another client), and nothing is opened by name.
 A client's mapping stays valid until the client unmaps it, even after the sidecar exits.
 """
 
@@ -15,31 +13,19 @@ import contextlib
 import fcntl
 import mmap
 import os
-from pathlib import Path
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 SIZE_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
 class ArenaMapping:
-    def __init__(self, name: str, size: int, shm_dir: Path = SHM_DIR) -> None:
-        if "/" in name or not name:
-            raise ValueError(f"bad arena name {name!r}")
-        fd = os.open(shm_dir / name, os.O_RDWR)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise ValueError(f"arena {name} is {actual} bytes, expected {size}")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, mm: mmap.mmap, name: str, size: int) -> None:
+        self._mm = mm
         self.name = name
         self.size = size
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
 
     @classmethod
     def from_fd(cls, fd: int, size: int) -> ArenaMapping:
@@ -50,13 +36,10 @@ class ArenaMapping:
         actual = os.fstat(fd).st_size
         if actual < size:
             raise ValueError(f"arena is {actual} bytes, expected {size}")
-        self = cls.__new__(cls)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self.name = os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")
-        self.size = size
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
-        return self
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        name = os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")
+        return cls(mm, name, size)
 
     def region(self, offset: int, size: int) -> torch.Tensor:
         if offset < 0 or size < 0 or offset + size > self.size:

@@ -23,7 +23,18 @@ Primitives in call order:
                                  records whether the object is in L2 (`in_l2`)
   fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
   evict(...) / delete(obj) / clear(...)
-  reap(now)                      reclaims expired write reservations (read locks: the facade)
+  release_holder(holder)         a client session is gone: its reservations and quarantine go
+  reap(now)                      reclaims expired write reservations: a client's are quarantined
+                                 (read locks: the facade)
+
+Fencing: a client's write reservation (`holder` set at STORE) whose lease expires is QUARANTINED,
+not freed: its writer may be stalled, not dead, and would go on copying into whatever the extent
+became. Its key is free at once (a new reservation of it gets other memory) and COMMIT of it is
+refused (lease expired); the memory is freed when the holder is known gone (`release_holder`,
+when its lifeline closes). Quarantined bytes are counted per instance and in total
+(engine/l1/quarantine.py); an instance holding `quarantine_max_bytes` or more is refused new
+reservations (no_space, counted), others are not. The sidecar's own reservations (prefetch, its
+own copies) are aborted at expiry as ever.
 
 Room is made on reserve, in two steps:
 1. The tenant's quota (when it has an L1 limit): if its held bytes plus this object would exceed
@@ -54,6 +65,7 @@ from engine.keys import ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
+from engine.l1.quarantine import Quarantine
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
 
@@ -87,6 +99,9 @@ class L1Counters:
     quota_refused: int = 0
     quota_evicted: int = 0
     expired_reservations: int = 0
+    quarantined: int = 0
+    quarantine_freed: int = 0
+    quarantine_refused: int = 0
 
 
 class L1Cache:
@@ -100,6 +115,7 @@ class L1Cache:
         write_lease_s: float,
         ledger: TenantLedger | None = None,
         shedder: Shedder | None = None,
+        quarantine_max_bytes: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.policy = policy
@@ -113,6 +129,9 @@ class L1Cache:
         self._reservations: dict[int, L1Object] = {}
         self._by_oid: dict[int, L1Object] = {}
         self._shedder = shedder
+        self.quarantine = Quarantine(
+            allocator.capacity // 8 if quarantine_max_bytes is None else quarantine_max_bytes
+        )
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -152,15 +171,20 @@ class L1Cache:
     # --- writes --------------------------------------------------------------------------------
 
     def try_reserve(
-        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = ""
-    ) -> L1Object | Refusal:
+        self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = "",
+        holder: int = 0,
+    ) -> L1Object | Refusal:  # fmt: skip
         """Reserve room for `key`, within its tenant's quota (see the module docstring). A
         temporary object, once committed, is deleted when its last reader lets go (`make_ordinary`
-        keeps it)."""
+        keeps it). `owner`: the engine instance it belongs to; `holder`: the client session that
+        writes into it (0: the sidecar itself)."""
         if key in self._objects:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
         charge = self.allocator.aligned(size)
+        if owner and self.quarantine.full(owner):
+            self.counters.quarantine_refused += 1
+            return Refusal.NO_SPACE  # its stalled writers hold too much memory we cannot reuse
         ledger = self.ledger
         limit = ledger.limit(salt, L1)
         if limit is not None and not self._fit(salt, limit, charge):
@@ -175,8 +199,9 @@ class L1Cache:
         while oid == 0 or oid in self._by_oid:
             oid = secrets.randbits(62)
         obj = L1Object(
-            oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner
-        )
+            oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner,
+            holder=holder,
+        )  # fmt: skip
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
         self._objects[key] = obj
@@ -301,13 +326,44 @@ class L1Cache:
         self._evict(victims)
         return freed
 
+    def release_holder(self, holder: int) -> int:
+        """The client session `holder` is gone (its lifeline closed: it writes no more): its
+        reservations are dropped and its quarantined memory freed. Returns the reservations."""
+        mine = [o for o in self._reservations.values() if o.holder == holder]
+        for obj in mine:
+            self.abort(obj)
+        for obj in self.quarantine.take(holder):
+            obj.apply(Event.FREE)
+            self.counters.quarantine_freed += 1
+            self._by_oid.pop(obj.oid, None)
+            self.allocator.free(obj.offset)
+        return len(mine)
+
     def reap(self, now: float) -> int:
-        """Abort write reservations whose lease expired. Returns how many."""
+        """Reclaim write reservations whose lease expired: those a client writes into are
+        quarantined (their writer may still be copying), the sidecar's own are aborted. Returns
+        how many."""
         expired = [o for o in self._reservations.values() if o.lease_deadline <= now and not o.io_busy]
         for obj in expired:
-            self.abort(obj)
+            if obj.holder:
+                self._fence(obj)
+            else:
+                self.abort(obj)
         self.counters.expired_reservations += len(expired)
         return len(expired)
+
+    def _fence(self, obj: L1Object) -> None:
+        """Quarantine a client's expired reservation: its key is free for others at once, it
+        can no longer be committed, and its memory stays allocated (never reused, so late bytes
+        of a stalled writer land nowhere else) until `release_holder(obj.holder)`."""
+        del self._reservations[obj.oid]
+        obj.apply(Event.QUARANTINE)
+        if self._objects.get(obj.key) is obj:
+            del self._objects[obj.key]
+        charge = self.allocator.aligned(obj.size)
+        self.ledger.credit(obj.key.salt, L1, charge)  # the tenant holds no chunk there any more
+        self.quarantine.add(obj, charge)
+        self.counters.quarantined += 1
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -1,10 +1,15 @@
 r"""Object lifecycle: the states of an L1 object and the only moves allowed between them.
 
     ABSENT --reserve--> WRITE_RESERVED --commit--> READY --lock--> READ_LOCKED(n) --lock/unlock-->
-                             |                      |   ^                  |         READ_LOCKED(n+-1)
-                           abort           evict/delete  \--unlock(last)--/
-                             v                      v                      | unlock(last), doomed
-                          DELETED          EVICTED/DELETED  <--------------/
+                          |     |                   |   ^                  |         READ_LOCKED(n+-1)
+               quarantine     abort        evict/delete  \--unlock(last)--/
+                    v           v                   v                      | unlock(last), doomed
+              QUARANTINED --free--> DELETED EVICTED/DELETED <--------------/
+
+QUARANTINED: a client's write reservation whose lease expired while its writer may still be
+alive (stalled) and copying. Its key is free for others at once and it can no longer be
+committed, but its memory is neither freed nor reused until the writer is known gone (its
+lifeline closed): a generation check cannot stop late bytes from landing, only fencing can.
 
 A write reservation is invisible to readers. A "temporary" object (loaded from L2 for the requests
 that asked for it) and a "doomed" one (cleared while held; invisible to new readers) are deleted
@@ -37,6 +42,7 @@ class ObjectState(enum.Enum):
     READ_LOCKED = "read_locked"
     EVICTED = "evicted"
     DELETED = "deleted"
+    QUARANTINED = "quarantined"
 
 
 class Event(enum.Enum):
@@ -51,6 +57,8 @@ class Event(enum.Enum):
     DELETE = "delete"
     PIN = "pin"
     UNPIN = "unpin"
+    QUARANTINE = "quarantine"
+    FREE = "free"
 
 
 S = ObjectState
@@ -61,6 +69,8 @@ TRANSITIONS: dict[tuple[ObjectState, Event], frozenset[ObjectState]] = {
     (S.ABSENT, E.RESERVE): frozenset({S.WRITE_RESERVED}),
     (S.WRITE_RESERVED, E.COMMIT): frozenset({S.READY}),
     (S.WRITE_RESERVED, E.ABORT): frozenset({S.DELETED}),
+    (S.WRITE_RESERVED, E.QUARANTINE): frozenset({S.QUARANTINED}),
+    (S.QUARANTINED, E.FREE): frozenset({S.DELETED}),
     (S.READY, E.LOCK): frozenset({S.READ_LOCKED}),
     (S.READ_LOCKED, E.LOCK): frozenset({S.READ_LOCKED}),
     (S.READ_LOCKED, E.UNLOCK): frozenset({S.READ_LOCKED, S.READY, S.DELETED}),
@@ -96,6 +106,7 @@ class L1Object:
     in_l2: bool = False
     io_busy: bool = False  # a thread is copying into this reservation: never reap it meanwhile
     owner: str = ""  # the engine instance that reserved it ("" : the sidecar itself, e.g. L2 loads)
+    holder: int = 0  # the client session that writes into the reservation (0: the sidecar writes)
     lease_deadline: float = 0.0
     last_access: float = 0.0
 

@@ -4,6 +4,11 @@
 
 MODE reserve-and-hang: STORE (reserve) CHUNKS chunks, print "reserved", then wait to be killed.
 MODE lock-and-hang:    store CHUNKS chunks, LOOKUP them (read locks), print "locked", wait.
+MODE stall-write:      reserve CHUNKS chunks, print "reserved OFFSET...", wait for a line on stdin
+                       (the test stalls the process past its write lease meanwhile), fill every
+                       slot with 0x5A bytes, COMMIT, print "committed OK..." (1/0), wait to be killed.
+MODE lock-reserve-hang: store CHUNKS chunks, LOOKUP them (read locks), reserve CHUNKS more, print
+                       "held LOCKED RESERVED", wait to be killed.
 MODE store-retrieve:   4 requests x CHUNKS chunks: store, lookup right after, retrieve, compare;
                        prints one JSON line with the figures.
 MODE reserve-then-commit: STORE (reserve) CHUNKS chunks, print "reserved OID...", wait for a
@@ -64,6 +69,27 @@ def main() -> None:
         outcome = c.store(toks, [chunk_data(seed, i) for i in range(chunks)], request_id="w")
         hit = c.lookup(toks, request_id="hang")
         print(f"locked {hit.hit_chunks} stored {outcome.stored}", flush=True)
+        threading.Event().wait()
+    elif mode == "stall-write":
+        from kvdepot_connector.protocol import SlotStatus
+
+        reply = c.reserve(toks, request_id="stalled")
+        slots = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
+        print("reserved " + " ".join(str(s.offset) for s in slots), flush=True)
+        sys.stdin.readline()
+        for s in slots:  # late bytes: the lease expired while this process was stopped
+            c.slot_view(s).fill_(0x5A)
+        ok = c.commit([s.oid for s in slots])
+        print("committed " + " ".join(str(int(x)) for x in ok), flush=True)
+        threading.Event().wait()
+    elif mode == "lock-reserve-hang":
+        from kvdepot_connector.protocol import SlotStatus
+
+        c.store(toks, [chunk_data(seed, i) for i in range(chunks)], request_id="w")
+        hit = c.lookup(toks, request_id="hang")
+        reply = c.reserve(request_tokens(seed + 1, chunks), request_id="hang-w")
+        reserved = sum(s.status is SlotStatus.RESERVED for s in reply.slots)
+        print(f"held {hit.hit_chunks} {reserved}", flush=True)
         threading.Event().wait()
     elif mode == "store-retrieve":
         result = {"hits_after_store": [], "identical": True, "stored": 0}

@@ -14,7 +14,6 @@ import torch
 
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.handles import SharedTensor, export_tensor
-from kvdepot_connector.lifeline import LifelineClient
 from kvdepot_connector.protocol import Layout
 from kvdepot_connector.vllm.plan import LoadSpec
 from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
@@ -56,13 +55,6 @@ class KV:
         return [layer[b].clone() for layer in self.layers for b in blocks]
 
 
-def lifeline(data_dir: Path, kv: KV) -> LifelineClient:
-    """This process's lifeline to the sidecar, over which the KV cache's sealed region goes."""
-    line = LifelineClient(data_dir / "lifeline.sock", (data_dir / "lifeline.token").read_bytes())
-    line.share([kv.shared.region()])
-    return line
-
-
 @pytest.fixture
 def kv() -> Iterator[KV]:
     cache = KV()
@@ -77,10 +69,10 @@ def test_plan_save_lookup_load_round_trip(
     sc = sidecar_factory(
         env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "sc"
     )
-    line = lifeline(tmp_path / "sc", kv)
     engine = secrets.token_hex(16)  # the scheduler and the worker of one engine instance
     sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False, instance=engine)
     work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=not by_sidecar, instance=engine)
+    work_client.connect().share([kv.shared.region()])  # over the worker's lifeline
     shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
     worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK, shared=shared)
     sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load_async=False)
@@ -116,7 +108,6 @@ def test_plan_save_lookup_load_round_trip(
     finally:
         sched_client.close()
         work_client.close()
-        line.close()
 
 
 def test_a_load_whose_locks_are_gone_is_reported_failed(sidecar_factory: StartSidecar, kv: KV) -> None:
@@ -138,8 +129,8 @@ def test_sidecar_copies_refuse_handles_outside_their_region(
     sc = sidecar_factory(
         env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "sc"
     )
-    line = lifeline(tmp_path / "sc", kv)
     client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False)
+    client.connect().share([kv.shared.region()])
     try:
         good = export_tensor(kv.planes()[0], kv.shared)
         import msgspec
@@ -160,4 +151,3 @@ def test_sidecar_copies_refuse_handles_outside_their_region(
         assert sc.get_json("/ready") == {"ready": True}
     finally:
         client.close()
-        line.close()

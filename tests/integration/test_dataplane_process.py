@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import msgspec
-import pytest
 import torch
 import zmq
 
@@ -63,39 +62,39 @@ def test_too_small_l1_gives_explicit_no_space_and_never_wrong_bytes(sidecar_fact
         c.close()
 
 
-LEASE_ENV = CHUNK_ENV | {
-    "KVDEPOT_L1__WRITE_LEASE_S": "1.0",
-    "KVDEPOT_L1__READ_LEASE_S": "1.0",
-    "KVDEPOT_L1__REAP_INTERVAL_S": "0.1",
-    "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",  # the victim's one request pins all of L1
+LONG_LEASES = CHUNK_ENV | {
+    "KVDEPOT_L1__WRITE_LEASE_S": "600",  # far beyond the test: no lease frees anything here
+    "KVDEPOT_L1__READ_LEASE_S": "600",
+    "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",
 }
 
 
-@pytest.mark.parametrize(("mode", "counter"), [("reserve-and-hang", "expired_reservations"),
-                                               ("lock-and-hang", "expired_locks")])  # fmt: skip
-def test_memory_of_a_killed_client_is_reused_after_the_lease(
-    sidecar_factory: StartSidecar, mode: str, counter: str
-) -> None:
-    sc = sidecar_factory(env=LEASE_ENV, l1_size_gb=1 / 1024)  # room for 16 chunks, no more
-    victim = run_client(mode, sc.url, "16", "5")
+def test_a_killed_clients_locks_and_reservations_go_at_once(sidecar_factory: StartSidecar) -> None:
+    """A client SIGKILLed while it holds read locks and write reservations: its lifeline closes,
+    and they are released at once, not after their leases (10 minutes here)."""
+    sc = sidecar_factory(env=LONG_LEASES, l1_size_gb=2 / 1024)  # room for 32 chunks
+    victim = run_client("lock-reserve-hang", sc.url, "8", "5")
     assert victim.stdout is not None
-    first = victim.stdout.readline()
-    assert first.split()[:2] in (["reserved", "16"], ["locked", "16"])
-    victim.kill()  # SIGKILL: no goodbye, locks and reservations stay behind
+    assert victim.stdout.readline().split() == ["held", "8", "8"]
+    l1 = sc.get_json("/status")["l1"]
+    assert (l1["locked_requests"], l1["objects_by_state"]["write_reserved"]) == (1, 8)
+    victim.kill()  # SIGKILL: no goodbye
     victim.wait()
     victim.stdout.close()
-    c = client(sc.url)
+
+    def released() -> bool:
+        l1 = sc.get_json("/status")["l1"]
+        return l1["locked_requests"] == 0 and l1["objects_by_state"]["write_reserved"] == 0
+
+    wait_for(released, timeout=10, what="the dead client's locks and reservations released")
+    l1 = sc.get_json("/status")["l1"]
+    assert l1["counters"]["gone_locks"] == 1 and l1["counters"]["gone_reservations"] == 8
+    assert l1["counters"]["expired_reservations"] == l1["counters"]["expired_locks"] == 0
+    assert l1["engines"] == [] and l1["allocator_ok"]
+    c = client(sc.url)  # the whole of L1 is usable again: the 8 stored chunks are evictable now
     try:
-        toks = request_tokens(99, 4)
-        blocked = c.store(toks, [chunk_data(99, i) for i in range(4)], request_id="w")
-        assert blocked.no_space == 4, "memory pinned by the dead client must not be reusable yet"
-        wait_for(lambda: sc.get_json("/status")["l1"]["counters"][counter] >= 1)
-        outcome = c.store(toks, [chunk_data(99, i) for i in range(4)], request_id="w2")
-        assert outcome.stored == 4
-        assert c.lookup(toks, request_id="r").hit_chunks == 4
-        outs = [torch.empty(CHUNK_BYTES // 2, dtype=torch.float16) for _ in range(4)]
-        assert c.retrieve("r", outs)
-        assert all(torch.equal(o, chunk_data(99, i)) for i, o in enumerate(outs))
+        toks = request_tokens(99, 32)
+        assert c.store(toks, [chunk_data(99, i) for i in range(32)], request_id="w").stored == 32
         assert sc.get_json("/status")["l1"]["allocator_ok"]
     finally:
         c.close()

@@ -13,11 +13,6 @@ from tests.soak.soak import parse_args, run
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=False,
-    reason="a writer stalled past its write lease still writes into the reclaimed extent, and a late "
-    "reader can be told valid=True: fixed by the lifeline and quarantine work of issue 10",
-)
 def test_stalled_killed_and_aborting_clients_never_get_wrong_bytes_reported_valid() -> None:
     result = run(parse_args(["--minutes", "1", "--writers", "3", "--readers", "3", "--seed", "7"]))
     print(json.dumps(result))

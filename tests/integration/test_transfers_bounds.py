@@ -21,7 +21,6 @@ from app.bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.errors import SidecarError
 from kvdepot_connector.handles import SharedTensor, export_tensor
-from kvdepot_connector.lifeline import LifelineClient
 from kvdepot_connector.protocol import Layout
 from tests.integration.conftest import StartSidecar
 
@@ -45,14 +44,12 @@ class Engine:
 
     def __init__(self, data_dir: Path, url: str) -> None:
         self.kv = SharedTensor((PLANES, BLOCKS, BLOCK_BYTES), torch.uint8)
-        self.line = LifelineClient(data_dir / "lifeline.sock", (data_dir / "lifeline.token").read_bytes())
-        self.line.share([self.kv.region()])
-        self.client = KVDepotClient(url, model="m", layout=LAYOUT, map_arena=False, timeout_s=120)
+        self.client = KVDepotClient(url, model="m", layout=LAYOUT, map_arena=False, timeout_s=120).connect()
+        self.client.share([self.kv.region()])  # over the client's lifeline
         self.handles = [export_tensor(self.kv.tensor[p], self.kv) for p in range(PLANES)]
 
     def close(self) -> None:
         self.client.close()
-        self.line.close()
         self.kv.close()
 
 

@@ -137,12 +137,12 @@ class SoakClient:
             hit = self.client.lookup(tokens, request_id=rid, cache_salt=salt)
             if hit.hit_chunks == 0 or self.rng.random() < 0.1:
                 return
-            views = self.client.locked_views(rid, first_chunk=0, num_chunks=hit.hit_chunks)
-            outs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8) for _ in views]
+            locked = self.client.locked(rid, first_chunk=0, num_chunks=hit.hit_chunks)
+            outs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8) for _ in locked.views]
             for _ in range(self.rng.randint(5, 50)):  # a slow copy out: stopped here, it goes on after
-                for out, view in zip(outs, views, strict=True):
+                for out, view in zip(outs, locked.views, strict=True):
                     out.copy_(view)
-            valid = self.client.release(rid)
+            valid = self.client.release(rid, locked.oids)  # the generation check of what was copied
         finally:
             self.client.end_request(rid)
         if not valid:

@@ -99,8 +99,8 @@ async def test_status_reports_version_uptime_components_settings_and_l1(running:
     assert settings["data_plane"]["url"] == service.settings.data_plane_url
     assert settings["data_dir"] == str(service.settings.data_dir)
     l1 = body["l1"]
-    assert l1["arena"] == service.arena.name
-    assert (Path("/dev/shm") / l1["arena"]).exists()
+    assert l1["arena"] == f"memfd:{service.arena.name} {service.arena.size}"
+    assert not (Path("/dev/shm") / service.arena.name).exists()  # a memfd: nothing by name
     assert 0 < l1["capacity_bytes"] <= int(0.01 * (1 << 30))
     assert l1["capacity_bytes"] == service.engine.cache.allocator.capacity
     assert l1["used_bytes"] == 0

@@ -5,8 +5,10 @@ re-handshake after a sidecar restart, error replies and the copies of a store.""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import mmap
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +23,8 @@ from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
+from kvdepot_connector.handles import F_ADD_SEALS, SEALS
+from kvdepot_connector.lifeline import HEADER, Hello, Welcome, decode_body, send_frame
 
 LAYOUT = p.Layout(dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kind="test",
                   chunk_size=4)  # fmt: skip
@@ -38,10 +42,17 @@ class FakeSidecar:
         self.seen: list[Any] = []
         self.next_engine = 7
         self.arena_name = f"kvdepot-test-{uuid.uuid4().hex[:12]}"
-        fd = os.open(f"/dev/shm/{self.arena_name}", os.O_CREAT | os.O_RDWR, 0o600)
-        os.ftruncate(fd, ARENA_BYTES)
-        self.arena = mmap.mmap(fd, ARENA_BYTES)
-        os.close(fd)
+        self.arena_fd = os.memfd_create(self.arena_name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.arena_fd, ARENA_BYTES)
+        fcntl.fcntl(self.arena_fd, F_ADD_SEALS, SEALS)
+        self.arena = mmap.mmap(self.arena_fd, ARENA_BYTES)
+        # The lifeline: every client connects one after HELLO; the arena's descriptor comes over it.
+        self.lifeline_path = str(tmp / "lifeline.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.lifeline_path)
+        self._listener.listen(16)
+        self._listener.settimeout(0.02)
+        self._lines: list[socket.socket] = []
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.bind(self.url)
@@ -49,8 +60,22 @@ class FakeSidecar:
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
+    def _accept_lifelines(self) -> None:
+        while True:
+            try:
+                line, _ = self._listener.accept()
+            except TimeoutError:
+                return
+            line.settimeout(5)
+            header = line.recv(HEADER.size, socket.MSG_WAITALL)
+            (n,) = HEADER.unpack(header)
+            assert isinstance(decode_body(line.recv(n, socket.MSG_WAITALL)), Hello)
+            send_frame(line, Welcome(names=["arena"]), [self.arena_fd])
+            self._lines.append(line)
+
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._accept_lifelines()
             if not self._sock.poll(20):
                 continue
             ident, frame = self._sock.recv_multipart()
@@ -60,6 +85,7 @@ class FakeSidecar:
                 reply: p.Reply | None = p.HelloReply(
                     id=msg.id, version=p.PROTOCOL_VERSION, server="fake", chunk_size=self.chunk_size,
                     arena_name=self.arena_name, arena_size=ARENA_BYTES, max_frame_bytes=1 << 20,
+                    lifeline_path=self.lifeline_path, lifeline_token=b"t" * 32,
                 )  # fmt: skip
             elif isinstance(msg, p.Register):
                 reply = p.RegisterReply(id=msg.id, engine_id=self.next_engine, chunk_bytes=CHUNK_BYTES,
@@ -79,7 +105,10 @@ class FakeSidecar:
         self._sock.close(linger=0)
         self._ctx.term()
         self.arena.close()
-        os.unlink(f"/dev/shm/{self.arena_name}")
+        os.close(self.arena_fd)
+        for line in self._lines:
+            line.close()
+        self._listener.close()
 
 
 class Blocking:
@@ -146,18 +175,28 @@ def test_first_call_handshakes_then_sends_with_the_engine_id(sidecar: Any, conne
     assert client.engine_id == 7 and client.chunk_bytes == CHUNK_BYTES
 
 
-def test_a_restarted_sidecar_is_handshaken_again_and_the_call_resent(sidecar: Any, connect: Connect) -> None:
+@pytest.mark.parametrize(
+    ("code", "again"),
+    [(p.ErrorCode.HELLO_REQUIRED, ["Hello", "Register"]), (p.ErrorCode.NOT_REGISTERED, ["Register"])],
+    ids=["sidecar-restarted", "registration-dropped"],
+)
+def test_a_restarted_sidecar_is_handshaken_again_and_the_call_resent(
+    sidecar: Any, connect: Connect, code: p.ErrorCode, again: list[str]
+) -> None:
+    """A sidecar that no longer knows the connection (it restarted) gets the whole handshake; one
+    that no longer knows the engine id (an idle registration dropped) a register only: the
+    session, its lifeline and its reservations stay."""
+
     def answer(m: Any) -> p.Reply:
-        if m.engine_id == 7 and isinstance(m, p.EndRequest):  # engine 7 is gone: the sidecar restarted
-            return p.ErrorReply(id=m.id, code=p.ErrorCode.NOT_REGISTERED, message="who?")
+        if m.engine_id == 7 and isinstance(m, p.EndRequest):  # engine 7 is gone
+            return p.ErrorReply(id=m.id, code=code, message="who?")
         return p.CountReply(id=m.id, count=m.engine_id)
 
     sc = sidecar(answer)
     client = connect(sc.url, map_arena=False)
     assert client.free_lookup_locks("r") == 7
     assert client.end_request("r") == 8
-    handshake = ["Hello", "Register"]
-    assert sc.ops() == [*handshake, "FreeLookupLocks", "EndRequest", *handshake, "EndRequest"]
+    assert sc.ops() == ["Hello", "Register", "FreeLookupLocks", "EndRequest", *again, "EndRequest"]
     assert client.engine_id == 8
 
 

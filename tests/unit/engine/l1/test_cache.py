@@ -3,8 +3,11 @@ from __future__ import annotations
 import pytest
 
 from app.errors import LeaseExpired
+from app.wiring import build_cache
+from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object, ObjectState
-from tests.factories import FakeClock, key, make_cache, reserve
+from engine.tenants.quota import L1
+from tests.factories import FakeClock, key, l1_settings, make_cache, reserve
 
 PAGE = 4096
 
@@ -163,3 +166,48 @@ def test_a_reservation_busy_for_io_is_not_reaped_until_the_io_ends() -> None:
         assert cache.reap(clock()) == 0
     assert cache.reap(clock()) == 1
     assert o.state is ObjectState.DELETED
+
+
+def fenced_cache(capacity_pages: int, cap_pages: int) -> L1Cache:
+    settings = l1_settings().model_copy(update={"quarantine_max_bytes": cap_pages * PAGE})
+    return build_cache(settings, capacity_pages * PAGE)
+
+
+def test_an_expired_client_reservation_is_quarantined_until_its_holder_is_gone() -> None:
+    cache = fenced_cache(3, cap_pages=3)
+    stalled = cache.try_reserve(key(1), PAGE, 0.0, owner="a", holder=7)
+    sidecar_own = cache.try_reserve(key(2), PAGE, 0.0, owner="a")  # holder 0: the sidecar writes
+    assert isinstance(stalled, L1Object) and isinstance(sidecar_own, L1Object)
+    assert cache.reap(100.0) == 2
+    assert stalled.state is ObjectState.QUARANTINED and sidecar_own.state is ObjectState.DELETED
+    assert (cache.quarantine.bytes, cache.quarantine.objects, cache.quarantine.of("a")) == (PAGE, 1, PAGE)
+    with pytest.raises(LeaseExpired):
+        cache.commit(stalled.oid, 100.0)
+    # The key is free at once, and never gets the quarantined extent: nor does anything else.
+    offsets = set()
+    for i in (1, 3):
+        again = cache.try_reserve(key(i), PAGE, 100.0, owner="b", holder=8)
+        assert isinstance(again, L1Object)
+        offsets.add(again.offset)
+    assert stalled.offset not in offsets
+    assert cache.try_reserve(key(4), PAGE, 100.0, owner="b", holder=8) is Refusal.NO_SPACE
+    assert cache.ledger.held("", L1) == 2 * PAGE  # the tenant holds only its live reservations
+    cache.release_holder(8)  # another holder: the quarantine stays
+    assert stalled.state is ObjectState.QUARANTINED and cache.allocator.used == PAGE
+    cache.release_holder(7)
+    assert stalled.state is ObjectState.DELETED and cache.allocator.used == 0
+    assert (cache.quarantine.bytes, cache.quarantine.objects, cache.quarantine.of("a")) == (0, 0, 0)
+    cache.allocator.check()
+
+
+def test_an_instance_over_its_quarantine_cap_is_refused_and_others_are_not() -> None:
+    cache = fenced_cache(8, cap_pages=2)
+    for i in range(2):
+        assert isinstance(cache.try_reserve(key(i), PAGE, 0.0, owner="a", holder=1), L1Object)
+    cache.reap(100.0)
+    assert cache.quarantine.of("a") == 2 * PAGE
+    assert cache.try_reserve(key(10), PAGE, 100.0, owner="a", holder=2) is Refusal.NO_SPACE
+    assert cache.counters.quarantine_refused == 1
+    assert isinstance(cache.try_reserve(key(11), PAGE, 100.0, owner="b", holder=3), L1Object)
+    cache.release_holder(1)
+    assert isinstance(cache.try_reserve(key(10), PAGE, 100.0, owner="a", holder=2), L1Object)

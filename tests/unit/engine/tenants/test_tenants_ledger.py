@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from app.errors import InvalidInput
 from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
-from engine.l1.arena import SharedArena
+from engine.l1.arena import SealedArena
 from engine.l1.cache import L1Cache
 from engine.l1.eviction import LRUPolicy
 from engine.results import SlotStatus
@@ -35,7 +35,7 @@ class EngineLedgerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.arena = SharedArena.create(12 * PAGE, f"test{uuid.uuid4().hex[:8]}", populate=False)
+        self.arena = SealedArena.create_sealed(12 * PAGE, f"test{uuid.uuid4().hex[:8]}", populate=False)
         cache = L1Cache(
             ExtentAllocator(self.arena.size, PAGE), LRUPolicy(), high_watermark=0.9, low_watermark=0.6,
             write_lease_s=5.0,
