@@ -199,7 +199,6 @@ def test_sessions_are_bounded(sidecar_factory: StartSidecar) -> None:
         third.close()
         first.close()
         second.close()
-        third.close()
 
 
 def test_one_store_cannot_take_the_whole_arena(sidecar_factory: StartSidecar) -> None:
