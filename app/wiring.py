@@ -27,8 +27,9 @@ from engine.admin import Administration
 from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
-from engine.l1.cache import L1Cache, Shedder
+from engine.l1.cache import L1Cache
 from engine.l1.eviction import LRUPolicy
+from engine.l1.room import Shedder
 from engine.l2.layouts import codec_options
 from engine.l2.parts import L2Parts
 from engine.l2.prefetch import PrefetchController

@@ -1,7 +1,9 @@
-"""DataPlaneServer: the ZMQ ROUTER the engine-side clients talk to, on the sidecar's event loop.
+"""DataPlaneServer: what the engine-side clients ask over the data plane and how it is answered,
+on the sidecar's event loop.
 
-State: the socket, a closing flag and the sessions (api/dataplane/sessions.py: routing id ->
-session, made by HELLO). Cache state lives in the engine facade; handlers are short
+State: the transport (api/dataplane/transport.py: the ZMQ ROUTER socket, its reader and the tasks
+sending deferred replies) and the sessions (api/dataplane/sessions.py: routing id -> session,
+made by HELLO). Cache state lives in the engine facade; handlers are short
 synchronous calls into it, run inline in arrival order, so a COMMIT's reply is sent only after the
 objects are visible and the next LOOKUP from anyone sees them.
 
@@ -10,9 +12,8 @@ that fails (garbage, unknown op, wrong types, absurd sizes) gets an ErrorReply a
 Every error reply is made in one place, `_error`: the error's class gives its wire code
 (api/dataplane/errors.py) and the error counter counts it. An unexpected exception in a handler is
 logged and answered with code `internal`; the loop goes on. A handler that has to wait returns an
-awaitable, answered later; its latency is observed and its log context bound until it is done.
-A deferred reply is sent from a task; sending touches the socket, which can consume the edge of
-its edge-triggered descriptor, so the reader drains the socket again right after.
+awaitable, answered later (by the transport, from a task); its latency is observed and its log
+context bound until it is done.
 
 Identity: every connection says HELLO first (anything else before it: `hello_required`); its
 session names the engine instance it acts for. A message naming an engine id of another instance
@@ -22,30 +23,26 @@ The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py)
 lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
 of an instance takes the instance's read locks and registrations (`engine.end_instance`).
 
-Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),
-`handle(frame, peer) -> reply bytes` (also what tests and the fuzzer drive), `stop()`.
+Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task), both the
+transport's, `handle(frame, peer) -> reply bytes` (what the transport calls for each frame; also
+what tests and the fuzzer drive), `stop()`, `close()`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
-import zmq
 
 from api.dataplane.errors import wire_code
 from api.dataplane.sessions import Session, SessionTable
+from api.dataplane.transport import RouterTransport
 from api.metrics import DataPlaneMetrics
 from app import __version__
 from app.errors import (
-    ConfigError,
     InvalidInput,
     KVDepotError,
     ProtocolError,
@@ -59,11 +56,6 @@ from engine.transfers import KVTransfers
 from kvdepot_connector import protocol as p
 
 log = structlog.get_logger("kvdepot.dataplane")
-
-#: messages handled per reader callback before other work on the loop gets a turn
-READ_BUDGET = 64
-#: how often the serve task checks that its socket is still open
-WATCHDOG_S = 0.5
 
 _TAGS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in p.Request.__args__}
 
@@ -95,12 +87,10 @@ class DataPlaneServer:
         self.lifeline_path = lifeline_path
         if transfers is not None:
             engine.engines.on_drop.append(transfers.drop)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._sock: zmq.Socket[bytes] | None = None
-        self._closing = False
-        self._done: asyncio.Future[None] | None = None
-        self._deferred: set[asyncio.Task[None]] = set()
-        self.running = False
+        self.transport = RouterTransport(
+            url=url, max_frame_bytes=max_frame_bytes, handle=self.handle,
+            malformed=lambda: self._error(-1, "malformed", ProtocolError("expected exactly one frame")),
+        )  # fmt: skip
         self._handlers: dict[type, Callable[[Any, Session], p.Reply | Awaitable[p.Reply]]] = {
             p.Register: self._register,
             p.Lookup: self._lookup,
@@ -122,117 +112,23 @@ class DataPlaneServer:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def bind(self) -> None:
-        self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        if self.url.startswith("ipc://"):
-            path = Path(self.url[len("ipc://") :])
-            if len(str(path)) > 100:
-                sock.close()
-                raise ConfigError(f"data_plane.url: ipc path too long ({len(str(path))} > 100 characters)")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # left by a dead predecessor; a live one is refused by the arena check
-        try:
-            sock.bind(self.url)
-        except zmq.ZMQError as exc:
-            sock.close()
-            raise ConfigError(f"data_plane.url: cannot bind {self.url}: {exc}") from None
-        if self.url.startswith("ipc://"):
-            os.chmod(self.url[len("ipc://") :], 0o660)
-        self._sock = sock
-        log.info("dataplane_bound", url=self.url)
+        self.transport.bind()
 
     async def serve(self) -> None:
-        """Serve until `stop()`. Messages are read in a reader callback on the socket's file
-        descriptor and answered inline (no task switch per message); a socket that fails under
-        it ends this task with the error, so the supervisor marks the data plane dead."""
-        sock = self._sock
-        if sock is None:
-            raise RuntimeError("bind() first")
-        loop = asyncio.get_running_loop()
-        self._done = loop.create_future()
-        fd = int(sock.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._on_readable)
-        self.running = True
-        loop.call_soon(self._on_readable)  # messages that arrived before the reader was added
-        try:
-            while True:
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._done), WATCHDOG_S)
-                    return
-                except TimeoutError:
-                    # A socket closed under the reader gives no callback at all: look, now and then.
-                    if self._sock is None or self._sock.closed:
-                        raise RuntimeError("the data-plane socket was closed") from None
-        finally:
-            self.running = False
-            with contextlib.suppress(Exception):
-                loop.remove_reader(fd)
+        """Serve until `stop()` (see api/dataplane/transport.py); a socket that fails under it ends
+        this task with the error, so the supervisor marks the data plane dead."""
+        await self.transport.serve()
 
-    def _on_readable(self) -> None:
-        """Drain the socket (its FD is edge-triggered: read until it says nothing is left), up to a
-        budget per call so other work on the loop is not starved; then come back."""
-        sock = self._sock
-        if sock is None or self._done is None or self._done.done():
-            return
-        try:
-            for _ in range(READ_BUDGET):
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    return
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-                if len(frames) != 2:
-                    if frames:
-                        error = self._error(-1, "malformed", ProtocolError("expected exactly one frame"))
-                        self._send(sock, [frames[0], error])
-                    continue
-                reply = self.handle(frames[1], frames[0])
-                if isinstance(reply, bytes):
-                    self._send(sock, [frames[0], reply])
-                else:  # answered later (a LOOKUP waiting for L2): the loop goes on meanwhile
-                    self._spawn_reply(frames[0], reply)
-            asyncio.get_running_loop().call_soon(self._on_readable)
-        except zmq.ZMQError as exc:
-            if not self._closing:
-                self._done.set_exception(RuntimeError(f"the data-plane socket failed: {exc}"))
-
-    @staticmethod
-    def _send(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dataplane_reply_dropped", reason="the client's queue is full")
-
-    def _spawn_reply(self, ident: bytes, reply: Awaitable[bytes]) -> None:
-        async def send_later() -> None:
-            frames = [ident, await reply]
-            if self._sock is not None:
-                self._send(self._sock, frames)
-                # Sending may have consumed the edge of the socket's descriptor: messages that
-                # arrived meanwhile would wait for the next one. Drain now.
-                self._on_readable()
-
-        task = asyncio.get_running_loop().create_task(send_later(), name="dataplane-deferred-reply")
-        self._deferred.add(task)
-        task.add_done_callback(self._deferred.discard)
+    @property
+    def running(self) -> bool:
+        return self.transport.running
 
     def stop(self) -> None:
         """Stop accepting: `serve` returns."""
-        self._closing = True
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
+        self.transport.stop()
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        if self.url.startswith("ipc://"):
-            with contextlib.suppress(FileNotFoundError):
-                Path(self.url[len("ipc://") :]).unlink()
+        self.transport.close()
 
     # --- dispatch ------------------------------------------------------------------------------
 

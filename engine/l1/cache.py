@@ -4,9 +4,9 @@ State (owned by the event loop, no locks): key -> object for everything not term
 object for every live object and for write reservations (oids are random, 62 bits, never reused
 while their object lives; each reservation records the engine instance that owns it), the
 allocator, the eviction policy, counters, the tenant ledger it reports every object's memory into
-(charged from reservation until freed; engine/tenants), and the `Shedder` given at construction
-(the write-behind queue, engine/l2/store_queue.py). Only this package changes an L1Object; the L2
-controllers go through the primitives below.
+(charged from reservation until freed; engine/tenants), and the room maker (engine/l1/room.py,
+holding the `Shedder` given at construction: the write-behind queue, engine/l2/store_queue.py).
+Only this package changes an L1Object; the L2 controllers go through the primitives below.
 
 Primitives in call order:
   find(key)                      visible object or None (touches LRU)
@@ -36,19 +36,10 @@ when its lifeline closes). Quarantined bytes are counted per instance and in tot
 reservations (no_space, counted), others are not. The sidecar's own reservations (prefetch, its
 own copies) are aborted at expiry as ever.
 
-Room is made on reserve, in two steps:
-1. The tenant's quota (when it has an L1 limit): if its held bytes plus this object would exceed
-   the limit, its own least recently used ready objects are evicted (never another tenant's) until
-   it fits; when they are not enough, the shedder lets go of the tenant's oldest chunks queued for
-   write-behind first. If that is still not enough (the rest is locked or reserved), nothing is
-   evicted and the answer is QUOTA; an object larger than the limit (limit 0 included) is QUOTA
-   at once. A lowered limit is therefore met at the tenant's next reservation (the facade also
-   calls `fit_quota` at the start of every store of a tenant with a limit).
-2. The arena, as before quotas: when usage would cross the high watermark, ready objects of any
-   tenant are evicted in policy order down to the low watermark; locked, pinned and reserved
-   objects are never evicted. When nothing is left to evict, the shedder lets go of the oldest
-   queued chunks of any tenant (their L2 write is dropped, counted). If that is not enough
-   (everything held, or fragmentation), NO_SPACE.
+Room is made on reserve by the `RoomMaker` (engine/l1/room.py), which shares the allocator,
+policy, ledger and counters: first within the tenant's L1 quota (its own LRU ready objects, then
+its chunks queued for write-behind; else QUOTA), then within the arena's watermarks (ready objects
+of any tenant in policy order, then queued chunks of any tenant; else NO_SPACE).
 """
 
 from __future__ import annotations
@@ -58,7 +49,6 @@ import enum
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 from app.errors import LeaseExpired, NotFound
 from engine.keys import ObjectKey
@@ -66,18 +56,9 @@ from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
 from engine.l1.quarantine import Quarantine
+from engine.l1.room import RoomMaker, Shedder
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
-
-
-class Shedder(Protocol):
-    """Who holds pins that may be let go when L1 has no other room (the write-behind queue)."""
-
-    def shed(self, nbytes: int, salt: str | None, unpin: Callable[[L1Object], bool]) -> int:
-        """Let go of pins, oldest first (on objects of `salt` only, when given), handing each
-        object to `unpin` (True: nothing holds it any more), until `nbytes` of objects were let go
-        entirely. Returns those bytes."""
-        ...
 
 
 class Refusal(enum.Enum):
@@ -121,14 +102,16 @@ class L1Cache:
         self.policy = policy
         #: usage per tenant; without one given, a ledger without quotas (everyone shares freely)
         self.ledger = ledger if ledger is not None else TenantLedger()
-        self.high = int(allocator.capacity * high_watermark)
-        self.low = int(allocator.capacity * low_watermark)
         self.write_lease_s = write_lease_s
         self.counters = L1Counters()
         self._objects: dict[ObjectKey, L1Object] = {}
         self._reservations: dict[int, L1Object] = {}
         self._by_oid: dict[int, L1Object] = {}
-        self._shedder = shedder
+        self._room = RoomMaker(
+            allocator, policy, self.ledger, self.counters, high=int(allocator.capacity * high_watermark),
+            low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._release,
+            let_go=self._let_go,
+        )  # fmt: skip
         self.quarantine = Quarantine(
             allocator.capacity // 8 if quarantine_max_bytes is None else quarantine_max_bytes
         )
@@ -187,11 +170,11 @@ class L1Cache:
             return Refusal.NO_SPACE  # its stalled writers hold too much memory we cannot reuse
         ledger = self.ledger
         limit = ledger.limit(salt, L1)
-        if limit is not None and not self._fit(salt, limit, charge):
+        if limit is not None and not self._room.fit(salt, limit, charge):
             self.counters.quota_refused += 1
             ledger.note_refusal(salt, L1)
             return Refusal.QUOTA
-        offset = self._allocate(size)
+        offset = self._room.allocate(size)
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE
@@ -308,23 +291,12 @@ class L1Cache:
     def evict(self, need: int, salt: str | None = None) -> int:
         """Evict ready objects (of `salt` only, when given) in policy order until `need` arena bytes
         were freed, or none is left. Returns the bytes freed."""
-        victims, freed = self._victims(need, salt)
-        self._evict(victims)
-        return freed
+        return self._room.evict(need, salt)
 
     def fit_quota(self, salt: str) -> int:
         """Evict `salt`'s least recently used ready objects until it holds no more than its L1
         limit (as far as its unpinned objects allow). Returns the bytes freed."""
-        limit = self.ledger.limit(salt, L1)
-        if limit is None:
-            return 0
-        over = self.ledger.held(salt, L1) - limit
-        if over <= 0:
-            return 0
-        victims, freed = self._victims(over, salt)
-        self.counters.quota_evicted += len(victims)
-        self._evict(victims)
-        return freed
+        return self._room.fit_quota(salt)
 
     def release_holder(self, holder: int) -> int:
         """The client session `holder` is gone (its lifeline closed: it writes no more): its
@@ -366,66 +338,6 @@ class L1Cache:
         self.counters.quarantined += 1
 
     # --- internals -----------------------------------------------------------------------------
-
-    def _fit(self, salt: str, limit: int, charge: int) -> bool:
-        """Make `charge` more bytes fit `salt`'s limit by evicting its own LRU ready objects. False
-        (and nothing evicted) when they cannot fit."""
-        if charge > limit:
-            return False
-        over = self.ledger.held(salt, L1) + charge - limit
-        if over <= 0:
-            return True
-        victims, freed = self._victims(over, salt)
-        if freed < over and self._shed(over - freed, salt):
-            # Its chunks waiting for write-behind were let go (those L2 writes are dropped, counted).
-            victims, freed = self._victims(over, salt)
-        if freed < over:
-            return False
-        self.counters.quota_evicted += len(victims)
-        self._evict(victims)
-        return True
-
-    def _shed(self, nbytes: int, salt: str | None) -> int:
-        return 0 if self._shedder is None else self._shedder.shed(nbytes, salt, self._let_go)
-
-    def _victims(self, need: int, salt: str | None) -> tuple[list[L1Object], int]:
-        """Ready objects in policy order whose arena bytes add up to `need` (fewer if there are
-        not enough), and their bytes. Chosen first, evicted after: the policy is not changed
-        while it is being iterated."""
-        victims: list[L1Object] = []
-        freed = 0
-        aligned = self.allocator.aligned
-        for obj in self.policy.candidates(salt):
-            if freed >= need:
-                break
-            if obj.evictable:
-                victims.append(obj)
-                freed += aligned(obj.size)
-        return victims, freed
-
-    def _evict(self, victims: list[L1Object]) -> None:
-        counters = self.counters
-        for obj in victims:
-            obj.apply(Event.EVICT)
-            counters.evicted += 1
-            counters.evicted_bytes += obj.size
-            self.ledger.note_eviction(obj.key.salt, L1, obj.size)
-            self._release(obj)
-
-    def _allocate(self, size: int) -> int | None:
-        alloc = self.allocator
-        need = alloc.aligned(size)
-        if alloc.used + need > self.high:
-            self.evict(alloc.used + need - self.low)
-        offset = alloc.allocate(size)
-        while offset is None:
-            # Fragmented or above the low watermark already: free more, one object's worth at a time.
-            # When everything left is pinned, chunks pinned only by queued write-behind are let go
-            # (their L2 write is dropped and counted) rather than refusing the engine.
-            if self.evict(need) == 0 and (self._shed(need, None) == 0 or self.evict(need) == 0):
-                return None
-            offset = alloc.allocate(size)
-        return offset
 
     def _release(self, obj: L1Object) -> None:
         if self._objects.get(obj.key) is obj:

@@ -89,7 +89,7 @@ class StoreQueue:
             self._idle.set()
 
     def shed(self, nbytes: int, salt: str | None, unpin: Callable[[L1Object], bool]) -> int:
-        """Shedder (engine/l1/cache.py): drop the oldest queued writes, of `salt`'s chunks only
+        """Shedder (engine/l1/room.py): drop the oldest queued writes, of `salt`'s chunks only
         when given, until `nbytes` of their chunks are unpinned. Returns the bytes unpinned."""
         freed = 0
         keep: deque[Pending] = deque()

@@ -309,9 +309,9 @@ async def test_a_ping_arriving_as_a_deferred_reply_is_sent_is_answered(tmp_path:
     def ping_arrives() -> None:
         # B's PING reaches the sidecar's socket (its descriptor signals) just before the deferred
         # reply is sent on that socket: the send consumes the signal.
-        assert server._sock is not None
+        assert server.transport.sock is not None
         ask(b, p.Ping(id=7))
-        select.select([server._sock.getsockopt(zmq.FD)], [], [], 10)
+        select.select([server.transport.sock.getsockopt(zmq.FD)], [], [], 10)
         # libzmq processes pending commands on send only if ~1 ms passed since it last did (its
         # command throttle): let that pass, as it does under any real copy. Not a synchronisation.
         time.sleep(0.005)

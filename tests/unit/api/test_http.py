@@ -133,9 +133,9 @@ async def test_metrics_are_prometheus_text_with_l1_and_process_figures(running: 
 
 async def test_ready_turns_503_naming_a_component_whose_task_died(running: RunningService) -> None:
     service = running.service
-    assert service.dataplane is not None and service.dataplane._sock is not None
+    assert service.dataplane is not None and service.dataplane.transport.sock is not None
     dataplane_task = next(t for t in asyncio.all_tasks() if t.get_name() == "dataplane")
-    service.dataplane._sock.close()  # the data plane's serve loop ends under it
+    service.dataplane.transport.sock.close()  # the data plane's serve loop ends under it
     with anyio.fail_after(5):
         await asyncio.wait([dataplane_task])
     r = await running.client.get("/ready")
