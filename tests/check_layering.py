@@ -22,7 +22,10 @@ SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every lay
 LOWER_LAYERS = ("storage", "gpu", "engine")
 LOWER_APP = ("app.errors", "app.__version__")
 # What the sidecar's packages may use of the connector: pure modules (stdlib and msgspec only).
-CONNECTOR_PURE = ("kvdepot_connector.protocol", "kvdepot_connector.layout", "kvdepot_connector.lifeline")
+CONNECTOR_PURE = (
+    "kvdepot_connector.protocol", "kvdepot_connector.wire", "kvdepot_connector.kv_sharing",
+    "kvdepot_connector.layout", "kvdepot_connector.lifeline",
+)  # fmt: skip
 SIDECAR = ("app", "api", "engine", "storage", "gpu")
 
 # package -> packages it must never import (prefix match on dotted names)

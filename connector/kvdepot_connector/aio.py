@@ -11,9 +11,11 @@ import torch
 import zmq
 import zmq.asyncio
 
+from kvdepot_connector import calls
 from kvdepot_connector import protocol as p
+from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import Call, ClientBase, StoreOutcome, T, Tokens
+from kvdepot_connector.session import ClientBase, StoreOutcome
 
 
 class AsyncKVDepotClient(ClientBase):
@@ -86,20 +88,20 @@ class AsyncKVDepotClient(ClientBase):
         self._ctx.term()
 
     async def ping(self) -> float:
-        return await self._call(self._session.ping())
+        return await self._call(calls.ping())
 
     async def lookup(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
     ) -> p.LookupReply:
         """As `KVDepotClient.lookup`."""
-        return await self._call(self._session.lookup(tokens, request_id, cache_salt, wait))
+        return await self._call(calls.lookup(tokens, request_id, cache_salt, wait))
 
     async def query_prefetch(self, request_id: str) -> p.LookupReply:
-        return await self._call(self._session.query_prefetch(request_id))
+        return await self._call(calls.query_prefetch(request_id))
 
     async def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """As `KVDepotClient.retrieve`; the copies run in a thread."""
-        reply = await self._call(self._session.retrieve(request_id, first_chunk, len(outs)))
+        reply = await self._call(calls.retrieve(request_id, first_chunk, len(outs)))
         try:
             await asyncio.to_thread(self._session.copy_out, reply, outs)
         finally:
@@ -108,7 +110,7 @@ class AsyncKVDepotClient(ClientBase):
 
     async def release(self, request_id: str, oids: Sequence[int] = ()) -> bool:
         """As `KVDepotClient.release`."""
-        return await self._call(self._session.release(request_id, oids))
+        return await self._call(calls.release(request_id, oids))
 
     async def store(
         self,
@@ -121,20 +123,20 @@ class AsyncKVDepotClient(ClientBase):
     ) -> StoreOutcome:
         """As `KVDepotClient.store`; the copies run in a thread."""
         s = self._session
-        reply = await self._call(s.reserve(tokens, request_id, cache_salt, first_chunk))
+        reply = await self._call(calls.reserve(tokens, request_id, cache_salt, first_chunk))
         try:
             oids = await asyncio.to_thread(s.copy_in, reply, chunks, first_chunk)
         except BaseException:
-            await self._call(s.abort(s.reserved(reply)))
+            await self._call(calls.abort(s.reserved(reply)))
             raise
-        committed = await self._call(s.commit(oids)) if oids else []
+        committed = await self._call(calls.commit(oids)) if oids else []
         return s.outcome(reply, committed)
 
     async def free_lookup_locks(self, request_id: str) -> int:
-        return await self._call(self._session.free_lookup_locks(request_id))
+        return await self._call(calls.free_lookup_locks(request_id))
 
     async def end_request(self, request_id: str) -> int:
-        return await self._call(self._session.end_request(request_id))
+        return await self._call(calls.end_request(request_id))
 
     async def clear(self, cache_salt: str | None = None) -> int:
-        return await self._call(self._session.clear(cache_salt))
+        return await self._call(calls.clear(cache_salt))

@@ -29,11 +29,13 @@ from collections.abc import Sequence
 import torch
 import zmq
 
+from kvdepot_connector import calls
 from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
+from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
 from kvdepot_connector.protocol import encode_tokens
-from kvdepot_connector.session import Call, ClientBase, Locked, StoreOutcome, T, Tokens
+from kvdepot_connector.session import ClientBase, Locked, StoreOutcome
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
 
@@ -117,7 +119,7 @@ class KVDepotClient(ClientBase):
     # --- operations ----------------------------------------------------------------------------
 
     def ping(self) -> float:
-        return self._call(self._session.ping())
+        return self._call(calls.ping())
 
     def lookup(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
@@ -128,10 +130,10 @@ class KVDepotClient(ClientBase):
         are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
         many are still coming and `query_prefetch` polls.
         """
-        return self._call(self._session.lookup(tokens, request_id, cache_salt, wait))
+        return self._call(calls.lookup(tokens, request_id, cache_salt, wait))
 
     def query_prefetch(self, request_id: str) -> p.LookupReply:
-        return self._call(self._session.query_prefetch(request_id))
+        return self._call(calls.query_prefetch(request_id))
 
     def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """Copy the request's locked chunks `first_chunk..` into `outs`, then release the locks.
@@ -140,7 +142,7 @@ class KVDepotClient(ClientBase):
         reclaimed): discard `outs`.
         """
         with self._lock:
-            reply = self._call(self._session.retrieve(request_id, first_chunk, len(outs)))
+            reply = self._call(calls.retrieve(request_id, first_chunk, len(outs)))
             try:
                 self._session.copy_out(reply, outs)
             finally:
@@ -150,18 +152,18 @@ class KVDepotClient(ClientBase):
     def release(self, request_id: str, oids: Sequence[int] = ()) -> bool:
         """Drop the request's locks. True only when copies from the objects `oids` (or, without
         oids, from the request's locks) are valid."""
-        return self._call(self._session.release(request_id, oids))
+        return self._call(calls.release(request_id, oids))
 
     def locked(self, request_id: str, *, first_chunk: int, num_chunks: int) -> Locked:
         """Arena views (uint8) of the request's locked chunks `first_chunk..` and their object
         ids, for callers that copy themselves (e.g. scattering into paged KV blocks). Call
         `release(request_id, locked.oids)` afterwards: its answer says whether the copies are valid."""
-        reply = self._call(self._session.retrieve(request_id, first_chunk, num_chunks))
+        reply = self._call(calls.retrieve(request_id, first_chunk, num_chunks))
         return self._session.locked(reply)
 
     def register_kv_cache(self, layers: Sequence[p.TensorHandle]) -> int:
         """Share the engine's KV planes with the sidecar (it then copies itself)."""
-        return self._call(self._session.register_kv_cache(layers))
+        return self._call(calls.register_kv_cache(layers))
 
     def load_blocks(
         self,
@@ -174,9 +176,7 @@ class KVDepotClient(ClientBase):
     ) -> bool:
         """The sidecar copies the request's locked chunks into `block_ids` and releases the locks.
         True when the blocks hold the cached bytes."""
-        return self._call(
-            self._session.load_blocks(request_id, first_chunk, num_chunks, block_ids, skip_blocks)
-        )
+        return self._call(calls.load_blocks(request_id, first_chunk, num_chunks, block_ids, skip_blocks))
 
     def save_blocks(
         self,
@@ -188,7 +188,7 @@ class KVDepotClient(ClientBase):
         first_chunk: int = 0,
     ) -> p.SaveReply:
         """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`."""
-        return self._call(self._session.save_blocks(tokens, request_id, block_ids, cache_salt, first_chunk))
+        return self._call(calls.save_blocks(tokens, request_id, block_ids, cache_salt, first_chunk))
 
     def slot_view(self, slot: p.Slot) -> torch.Tensor:
         """The arena view (uint8) of a reserved slot, for callers that fill it themselves."""
@@ -198,15 +198,15 @@ class KVDepotClient(ClientBase):
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0
     ) -> p.StoreReply:
         """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`."""
-        return self._call(self._session.reserve(tokens, request_id, cache_salt, first_chunk))
+        return self._call(calls.reserve(tokens, request_id, cache_salt, first_chunk))
 
     def commit(self, oids: Sequence[int]) -> list[bool]:
         """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""
-        return self._call(self._session.commit(oids)) if oids else []
+        return self._call(calls.commit(oids)) if oids else []
 
     def abort(self, oids: Sequence[int]) -> int:
         """Give reserved slots back unfilled."""
-        return self._call(self._session.abort(oids))
+        return self._call(calls.abort(oids))
 
     def store(
         self,
@@ -231,10 +231,10 @@ class KVDepotClient(ClientBase):
             return s.outcome(reply, self.commit(oids))
 
     def free_lookup_locks(self, request_id: str) -> int:
-        return self._call(self._session.free_lookup_locks(request_id))
+        return self._call(calls.free_lookup_locks(request_id))
 
     def end_request(self, request_id: str) -> int:
-        return self._call(self._session.end_request(request_id))
+        return self._call(calls.end_request(request_id))
 
     def clear(self, cache_salt: str | None = None) -> int:
-        return self._call(self._session.clear(cache_salt))
+        return self._call(calls.clear(cache_salt))

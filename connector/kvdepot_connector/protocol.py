@@ -1,4 +1,8 @@
-"""The data-plane wire protocol, defined once: message types, error codes, version.
+"""The data-plane wire protocol, defined once: message types, error codes, version. Every name of
+the wire is imported from here; two pure modules hold parts of it, re-exported here: `wire` (the
+version and limits, field types, error codes, slot statuses, the message base, `Layout`) and
+`kv_sharing` (the messages by which the sidecar copies the engine's shared KV blocks itself).
+This module: the requests and replies, their unions, the codecs and the token encoding.
 
 Transport: ZMQ, the sidecar binds a ROUTER, clients connect DEALERs. One frame per message,
 encoded with msgpack (msgspec). Every request carries `id`, a client-chosen integer echoed in the
@@ -50,7 +54,7 @@ Requests, in the order a client uses them:
   Ping                                   -> Pong
 
 Where the engine's KV cache can be shared with the sidecar (CUDA IPC; a shared-memory region on
-CPU), the sidecar copies itself instead of the client:
+CPU), the sidecar copies itself instead of the client (the messages: `kv_sharing`):
 
   RegisterKVCache(engine_id, layers)     -> CountReply
   LoadBlocks(engine_id, request_id, chunks, block_ids)   -> ReleaseReply (valid = blocks filled)
@@ -63,84 +67,54 @@ decoded gets ErrorReply(code="malformed_frame") with id -1 when no id could be r
 from __future__ import annotations
 
 import array
-import enum
 import sys
 from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
 
-from kvdepot_connector import layout
+from kvdepot_connector.kv_sharing import (
+    BlockIds,
+    LoadBlocks,
+    RegisterKVCache,
+    SaveBlocks,
+    SaveReply,
+    TensorHandle,
+)
+from kvdepot_connector.wire import (
+    INSTANCE_PATTERN,
+    MAX_ID_LEN,
+    MAX_LIST,
+    PROTOCOL_VERSION,
+    TOKEN_BYTES,
+    Count,
+    Dim,
+    EngineId,
+    ErrorCode,
+    Id,
+    Layout,
+    Msg,
+    Name,
+    Oid,
+    SlotStatus,
+)
 
-PROTOCOL_VERSION = 2
-TOKEN_BYTES = 4
-MAX_ID_LEN = 256
-MAX_LIST = 1 << 16
-
-#: an engine instance nonce: lowercase hex (empty: a private instance of the connection)
-INSTANCE_PATTERN = "^([0-9a-f]{16,128})?$"
-
-Id = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]
-EngineId = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
-Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
-Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-Oid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
-Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
-
-
-class ErrorCode(enum.StrEnum):
-    MALFORMED_FRAME = "malformed_frame"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    INVALID_INPUT = "invalid_input"
-    NOT_REGISTERED = "not_registered"
-    NOT_FOUND = "not_found"
-    LEASE_EXPIRED = "lease_expired"
-    NO_SPACE = "no_space"
-    QUOTA_EXCEEDED = "quota_exceeded"
-    OVERLOADED = "overloaded"
-    SHUTTING_DOWN = "shutting_down"
-    HELLO_REQUIRED = "hello_required"
-    NOT_OWNER = "not_owner"
-    UNAUTHORIZED = "unauthorized"
-    INTERNAL = "internal"
-
-
-class SlotStatus(enum.StrEnum):
-    RESERVED = "reserved"
-    EXISTS = "exists"
-    NO_SPACE = "no_space"
-    QUOTA = "quota"
-
-
-class _Msg(msgspec.Struct, tag_field="op"):
-    """Unknown fields are ignored (the version policy above); unknown tags are refused."""
-
-    id: Id
-
-
-class Layout(msgspec.Struct, frozen=True):
-    """One engine rank's KV layout. `kind` names the memory arrangement of a chunk's bytes."""
-
-    dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    num_layers: Dim
-    num_kv_heads: Dim
-    head_dim: Dim
-    block_size: Dim
-    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    chunk_size: Dim
-
-    @property
-    def chunk_bytes(self) -> int:
-        return layout.chunk_bytes(
-            self.dtype, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, chunk_size=self.chunk_size,
-        )  # fmt: skip
+# the whole wire, including what kv_sharing and wire define: import it from here
+__all__ = [
+    "INSTANCE_PATTERN", "MAX_ID_LEN", "MAX_LIST", "PROTOCOL_VERSION", "TOKEN_BYTES", "Abort", "BlockIds",
+    "Clear", "Commit", "CommitReply", "Count", "CountReply", "Dim", "EndRequest", "EngineId", "ErrorCode",
+    "ErrorReply", "Extent", "FreeLookupLocks", "Hello", "HelloReply", "Id", "Layout", "LoadBlocks",
+    "Lookup", "LookupReply", "Name", "Oid", "Ping", "Pong", "QueryPrefetch", "Register", "RegisterKVCache",
+    "RegisterReply", "Release", "ReleaseReply", "Reply", "Request", "Retrieve", "RetrieveReply",
+    "SaveBlocks", "SaveReply", "Slot", "SlotStatus", "Store", "StoreReply", "TensorHandle", "encode",
+    "encode_tokens", "reply_decoder", "request_decoder", "salvage_id"
+]  # fmt: skip
 
 
 # --- requests ---------------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(Msg, tag="hello"):
     """`instance`: the engine instance nonce its processes share (INSTANCE_PATTERN); empty: a
     private instance for this connection alone."""
 
@@ -149,14 +123,14 @@ class Hello(_Msg, tag="hello"):
     instance: Annotated[str, msgspec.Meta(pattern=INSTANCE_PATTERN)] = ""
 
 
-class Register(_Msg, tag="register"):
+class Register(Msg, tag="register"):
     model: Name
     layout: Layout
     kv_rank: Count = 0
     group: Count = 0
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(Msg, tag="lookup"):
     """`wait`: reply only once chunks missing in L1 were loaded from L2 (or the prefetch deadline
     passed); without it the reply is immediate and `pending_chunks` says what is still coming."""
 
@@ -167,19 +141,19 @@ class Lookup(_Msg, tag="lookup"):
     wait: bool = False
 
 
-class QueryPrefetch(_Msg, tag="query_prefetch"):
+class QueryPrefetch(Msg, tag="query_prefetch"):
     engine_id: EngineId
     request_id: Name
 
 
-class Retrieve(_Msg, tag="retrieve"):
+class Retrieve(Msg, tag="retrieve"):
     engine_id: EngineId
     request_id: Name
     first_chunk: Count = 0
     num_chunks: Count = 0
 
 
-class Release(_Msg, tag="release"):
+class Release(Msg, tag="release"):
     """`oids`: the objects the client copied from (RETRIEVE's extents); see the module docstring."""
 
     engine_id: EngineId
@@ -187,7 +161,7 @@ class Release(_Msg, tag="release"):
     oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)] = msgspec.field(default_factory=list)
 
 
-class Store(_Msg, tag="store"):
+class Store(Msg, tag="store"):
     engine_id: EngineId
     request_id: Name
     tokens: bytes
@@ -195,91 +169,32 @@ class Store(_Msg, tag="store"):
     first_chunk: Count = 0
 
 
-class Commit(_Msg, tag="commit"):
+class Commit(Msg, tag="commit"):
     engine_id: EngineId
     oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)]
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(Msg, tag="abort"):
     engine_id: EngineId
     oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)]
 
 
-class FreeLookupLocks(_Msg, tag="free_lookup_locks"):
+class FreeLookupLocks(Msg, tag="free_lookup_locks"):
     engine_id: EngineId
     request_id: Name
 
 
-class EndRequest(_Msg, tag="end_request"):
+class EndRequest(Msg, tag="end_request"):
     engine_id: EngineId
     request_id: Name
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(Msg, tag="ping"):
     pass
 
 
-class Clear(_Msg, tag="clear"):
+class Clear(Msg, tag="clear"):
     cache_salt: Name | None = None
-
-
-class TensorHandle(msgspec.Struct, frozen=True):
-    """A tensor of the engine's shared with the sidecar, so the sidecar copies it itself.
-
-    kind "cuda-ipc": torch's CUDA IPC fields (storage._share_cuda_); kind "cpu-shm": a tensor
-    inside the named POSIX shared-memory region `name`. `offset` is in elements.
-    """
-
-    kind: Annotated[str, msgspec.Meta(max_length=16)]
-    dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    shape: Annotated[list[Dim], msgspec.Meta(min_length=1, max_length=8)]
-    stride: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)]], msgspec.Meta(max_length=8)]
-    offset: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
-    name: Name = ""
-    device: Count = 0
-    ipc_handle: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
-    storage_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
-    storage_offset_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
-    ref_counter_handle: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
-    ref_counter_offset: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
-    event_handle: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
-    event_sync_required: bool = False
-
-
-BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=1 << 20)]
-
-
-class RegisterKVCache(_Msg, tag="register_kv_cache"):
-    """The engine's paged KV cache, one handle per layer (per K/V plane where they are separate),
-    each indexed by block on its first dimension. Then LOAD_BLOCKS / SAVE_BLOCKS have the sidecar
-    copy between these blocks and L1 on its own (CUDA streams, or the CPU stub)."""
-
-    engine_id: EngineId
-    layers: Annotated[list[TensorHandle], msgspec.Meta(min_length=1, max_length=4096)]
-
-
-class LoadBlocks(_Msg, tag="load_blocks"):
-    """Copy the request's read-locked chunks into `block_ids` (block j holds the request's tokens
-    [j*block_size, (j+1)*block_size)), skipping blocks before `skip_blocks`; then release."""
-
-    engine_id: EngineId
-    request_id: Name
-    first_chunk: Count
-    num_chunks: Count
-    block_ids: BlockIds
-    skip_blocks: Count = 0
-
-
-class SaveBlocks(_Msg, tag="save_blocks"):
-    """Store the full chunks `first_chunk..` of `tokens` from `block_ids` (the blocks of those
-    chunks, in order): reserve, copy, commit, in one operation."""
-
-    engine_id: EngineId
-    request_id: Name
-    tokens: bytes
-    cache_salt: Name = ""
-    first_chunk: Count = 0
-    block_ids: BlockIds = msgspec.field(default_factory=list)
 
 
 Request = (
@@ -291,7 +206,7 @@ Request = (
 # --- replies ----------------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_reply"):
+class HelloReply(Msg, tag="hello_reply"):
     version: int
     server: str
     chunk_size: int
@@ -305,13 +220,13 @@ class HelloReply(_Msg, tag="hello_reply"):
     lifeline_token: bytes = b""
 
 
-class RegisterReply(_Msg, tag="register_reply"):
+class RegisterReply(Msg, tag="register_reply"):
     engine_id: int
     chunk_bytes: int
     layout_fingerprint: bytes
 
 
-class LookupReply(_Msg, tag="lookup_reply"):
+class LookupReply(Msg, tag="lookup_reply"):
     hit_tokens: int
     hit_chunks: int
     total_chunks: int
@@ -326,11 +241,11 @@ class Slot(msgspec.Struct, array_like=True, frozen=True):
     size: int = 0
 
 
-class StoreReply(_Msg, tag="store_reply"):
+class StoreReply(Msg, tag="store_reply"):
     slots: list[Slot]
 
 
-class CommitReply(_Msg, tag="commit_reply"):
+class CommitReply(Msg, tag="commit_reply"):
     ok: list[bool]
 
 
@@ -340,29 +255,23 @@ class Extent(msgspec.Struct, array_like=True, frozen=True):
     oid: int = 0
 
 
-class RetrieveReply(_Msg, tag="retrieve_reply"):
+class RetrieveReply(Msg, tag="retrieve_reply"):
     extents: list[Extent]
 
 
-class ReleaseReply(_Msg, tag="release_reply"):
+class ReleaseReply(Msg, tag="release_reply"):
     valid: bool
 
 
-class CountReply(_Msg, tag="count_reply"):
+class CountReply(Msg, tag="count_reply"):
     count: int
 
 
-class SaveReply(_Msg, tag="save_reply"):
-    stored: int
-    existing: int
-    refused: int
-
-
-class Pong(_Msg, tag="pong"):
+class Pong(Msg, tag="pong"):
     server_time: float
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(Msg, tag="error"):
     code: str
     message: str
     retryable: bool = False

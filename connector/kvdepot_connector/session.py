@@ -1,6 +1,7 @@
-"""What both data-plane clients share: every operation's request and the reading of its reply, the
-handshake state, the arena mapping and the copy steps between the caller's tensors and the arena.
-No I/O here: the clients (`client.KVDepotClient`, `aio.AsyncKVDepotClient`) only send and receive.
+"""What both data-plane clients share: the handshake state, the arena mapping and the copy steps
+between the caller's tensors and the arena (each operation's request and the reading of its reply
+are `kvdepot_connector.calls`). No I/O here: the clients (`client.KVDepotClient`,
+`aio.AsyncKVDepotClient`) only send and receive.
 
 State (`Session`): the engine's identity (model, layout, kv rank, group), the engine instance
 nonce it says HELLO with (shared by an engine's processes: they own their requests and
@@ -19,9 +20,8 @@ registrations.
 Primitives:
   Session.handshake()                   the handshake's calls (hello, which connects the
                                          lifeline, then register)
-  Session.lookup(...), retrieve(...), ... one `Call` per operation: the message to send and how
-                                         to read its reply
-  Session.message(call)                 the call's message, with a fresh id and the engine id
+  Session.message(call)                 a call's message (`calls.lookup(...)`, ...), with a fresh
+                                         id and the engine id
   Session.recovery(call, reply)         the calls to make before resending: the sidecar no longer
                                          knows this connection (it restarted, or closed an idle
                                          session: hello and register) or engine (register)
@@ -35,21 +35,16 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
-import msgspec
 import torch
 
 from kvdepot_connector import protocol as p
+from kvdepot_connector.calls import Call, T, check_reply
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
 from kvdepot_connector.lifeline import LifelineClient, LifelineError
 from kvdepot_connector.shm import ArenaMapping
-
-R = TypeVar("R", bound=msgspec.Struct)
-T = TypeVar("T")
-Tokens = Sequence[int] | bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,33 +70,6 @@ class Locked:
     oids: list[int]
 
 
-@dataclass(frozen=True, slots=True)
-class Call(Generic[T]):
-    """One request: `build(id, engine_id)` makes its message, `read(reply)` checks the reply and
-    turns it into the operation's result. `registered`: it needs the engine id (so a handshake
-    first, and again when the sidecar no longer knows the id)."""
-
-    build: Callable[[int, int], p.Request]
-    read: Callable[[p.Reply], T]
-    registered: bool = True
-
-
-def check_reply(reply: p.Reply, expected: type[R]) -> R:
-    if isinstance(reply, p.ErrorReply):
-        raise SidecarError(reply.code, reply.message, reply.retryable)
-    if not isinstance(reply, expected):
-        raise SidecarError("internal", f"expected {expected.__name__}, got {type(reply).__name__}", False)
-    return reply
-
-
-def _call(build: Callable[[int, int], p.Request], expected: type[R], pick: Callable[[R], T]) -> Call[T]:
-    return Call(build, lambda reply: pick(check_reply(reply, expected)))
-
-
-def _same(reply: R) -> R:
-    return reply
-
-
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("chunk tensors must be contiguous")
@@ -109,7 +77,7 @@ def _as_u8(t: torch.Tensor) -> torch.Tensor:
 
 
 class Session:
-    """What both clients share: the operations, the handshake state, the arena, the copy steps."""
+    """What both clients share: the handshake state, the arena, the copy steps."""
 
     def __init__(
         self, model: str, layout: p.Layout, kv_rank: int, group: int, *, name: str, map_arena: bool,
@@ -233,111 +201,6 @@ class Session:
         self.engine_id = reply.engine_id
         self.chunk_bytes = reply.chunk_bytes
 
-    # --- operations ----------------------------------------------------------------------------
-
-    @staticmethod
-    def ping() -> Call[float]:
-        return Call(lambda i, _: p.Ping(id=i), lambda r: check_reply(r, p.Pong).server_time, registered=False)
-
-    @staticmethod
-    def lookup(tokens: Tokens, request_id: str, cache_salt: str, wait: bool) -> Call[p.LookupReply]:
-        data = p.encode_tokens(tokens)
-        return _call(
-            lambda i, e: p.Lookup(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
-            ),
-            p.LookupReply, _same,
-        )  # fmt: skip
-
-    @staticmethod
-    def query_prefetch(request_id: str) -> Call[p.LookupReply]:
-        return _call(
-            lambda i, e: p.QueryPrefetch(id=i, engine_id=e, request_id=request_id), p.LookupReply, _same
-        )
-
-    @staticmethod
-    def retrieve(request_id: str, first_chunk: int, num_chunks: int) -> Call[p.RetrieveReply]:
-        return _call(
-            lambda i, e: p.Retrieve(
-                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks
-            ),
-            p.RetrieveReply, _same,
-        )  # fmt: skip
-
-    @staticmethod
-    def release(request_id: str, oids: Sequence[int] = ()) -> Call[bool]:
-        ids = list(oids)
-        return _call(
-            lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id, oids=ids), p.ReleaseReply, _valid
-        )
-
-    @staticmethod
-    def register_kv_cache(layers: Sequence[p.TensorHandle]) -> Call[int]:
-        handles = list(layers)
-        return _call(lambda i, e: p.RegisterKVCache(id=i, engine_id=e, layers=handles), p.CountReply, _count)
-
-    @staticmethod
-    def load_blocks(
-        request_id: str, first_chunk: int, num_chunks: int, block_ids: Sequence[int], skip_blocks: int
-    ) -> Call[bool]:
-        ids = list(block_ids)
-        return _call(
-            lambda i, e: p.LoadBlocks(
-                id=i, engine_id=e, request_id=request_id, first_chunk=first_chunk, num_chunks=num_chunks,
-                block_ids=ids, skip_blocks=skip_blocks,
-            ),
-            p.ReleaseReply, _valid,
-        )  # fmt: skip
-
-    @staticmethod
-    def save_blocks(
-        tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int
-    ) -> Call[p.SaveReply]:
-        data = p.encode_tokens(tokens)
-        ids = list(block_ids)
-        return _call(
-            lambda i, e: p.SaveBlocks(
-                id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
-                first_chunk=first_chunk, block_ids=ids,
-            ),
-            p.SaveReply, _same,
-        )  # fmt: skip
-
-    @staticmethod
-    def reserve(tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int) -> Call[p.StoreReply]:
-        data = p.encode_tokens(tokens)
-        return _call(
-            lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
-                                 cache_salt=cache_salt, first_chunk=first_chunk),
-            p.StoreReply, _same,
-        )  # fmt: skip
-
-    @staticmethod
-    def commit(oids: Sequence[int]) -> Call[list[bool]]:
-        ids = list(oids)
-        return _call(lambda i, e: p.Commit(id=i, engine_id=e, oids=ids), p.CommitReply, lambda r: r.ok)
-
-    @staticmethod
-    def abort(oids: Sequence[int]) -> Call[int]:
-        ids = list(oids)
-        return _call(lambda i, e: p.Abort(id=i, engine_id=e, oids=ids), p.CountReply, _count)
-
-    @staticmethod
-    def free_lookup_locks(request_id: str) -> Call[int]:
-        return _call(
-            lambda i, e: p.FreeLookupLocks(id=i, engine_id=e, request_id=request_id), p.CountReply, _count
-        )
-
-    @staticmethod
-    def end_request(request_id: str) -> Call[int]:
-        return _call(
-            lambda i, e: p.EndRequest(id=i, engine_id=e, request_id=request_id), p.CountReply, _count
-        )
-
-    @staticmethod
-    def clear(cache_salt: str | None) -> Call[int]:
-        return _call(lambda i, _: p.Clear(id=i, cache_salt=cache_salt), p.CountReply, _count)
-
     # --- copies --------------------------------------------------------------------------------
 
     def region(self, offset: int, size: int) -> torch.Tensor:
@@ -392,14 +255,6 @@ class Session:
             quota=counts[p.SlotStatus.QUOTA],
             expired=expired,
         )
-
-
-def _valid(reply: p.ReleaseReply) -> bool:
-    return reply.valid
-
-
-def _count(reply: p.CountReply) -> int:
-    return reply.count
 
 
 class ClientBase:

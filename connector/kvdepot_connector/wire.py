@@ -1,0 +1,82 @@
+"""The wire's base vocabulary, shared by every message of `kvdepot_connector.protocol` (which
+re-exports all of it: import it from there): the version and limits, the bounded field types,
+error codes and slot statuses, the tagged message base `Msg` and the engine's `Layout`.
+
+State: none (constants and immutable types). Pure: the stdlib and msgspec only, so the sidecar
+may use it; any thread or loop.
+
+Primitives: `Msg` (base of every request and reply: its `id`, the `op` tag), `Layout.chunk_bytes`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+
+from kvdepot_connector import layout
+
+PROTOCOL_VERSION = 2
+TOKEN_BYTES = 4
+MAX_ID_LEN = 256
+MAX_LIST = 1 << 16
+
+#: an engine instance nonce: lowercase hex (empty: a private instance of the connection)
+INSTANCE_PATTERN = "^([0-9a-f]{16,128})?$"
+
+Id = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]
+EngineId = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Oid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
+Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED_FRAME = "malformed_frame"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    INVALID_INPUT = "invalid_input"
+    NOT_REGISTERED = "not_registered"
+    NOT_FOUND = "not_found"
+    LEASE_EXPIRED = "lease_expired"
+    NO_SPACE = "no_space"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    OVERLOADED = "overloaded"
+    SHUTTING_DOWN = "shutting_down"
+    HELLO_REQUIRED = "hello_required"
+    NOT_OWNER = "not_owner"
+    UNAUTHORIZED = "unauthorized"
+    INTERNAL = "internal"
+
+
+class SlotStatus(enum.StrEnum):
+    RESERVED = "reserved"
+    EXISTS = "exists"
+    NO_SPACE = "no_space"
+    QUOTA = "quota"
+
+
+class Msg(msgspec.Struct, tag_field="op"):
+    """Unknown fields are ignored (the version policy: `protocol`); unknown tags are refused."""
+
+    id: Id
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """One engine rank's KV layout. `kind` names the memory arrangement of a chunk's bytes."""
+
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    num_layers: Dim
+    num_kv_heads: Dim
+    head_dim: Dim
+    block_size: Dim
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    chunk_size: Dim
+
+    @property
+    def chunk_bytes(self) -> int:
+        return layout.chunk_bytes(
+            self.dtype, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, chunk_size=self.chunk_size,
+        )  # fmt: skip
