@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_serve(args: argparse.Namespace) -> int:
     from app.logs import configure_logging
     from app.main import Service
-    from app.settings import load_settings
+    from app.settings_load import load_settings
 
     settings = load_settings(
         {

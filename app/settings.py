@@ -7,14 +7,15 @@ are errors. Components receive only the part they need (`settings.l1`, `settings
 
 A layer's config types live with that layer and are composed here: the L2 adapters' configs are
 storage/config.py (re-exported below for the wiring and the control plane).
+
+State: the models only; immutable once built, safe from any thread. Building them from flags, the
+environment and the file, and the one-line description of what is invalid, is app/settings_load.py
+(load_settings), run once by the CLI at start-up.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
-import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,19 +25,12 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.errors import ConfigError
 from engine.transfer_limits import TransferLimits
 from storage.auth import parse_secret
 from storage.config import (
@@ -60,9 +54,6 @@ __all__ = [
     "RedisAdapterConfig",
     "Settings",
     "TenantSettings",
-    "describe_validation_error",
-    "env_overrides_present",
-    "load_settings",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -319,93 +310,3 @@ class Settings(BaseSettings):
         out["http"]["admin_token"] = "***" if self.http.admin_token else None
         out["data_plane"]["url"] = self.data_plane_url
         return out
-
-
-def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        target = target.setdefault(part, {})
-    target[parts[-1]] = value
-
-
-def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path | None = None) -> Settings:
-    """Build the settings. `overrides` are dotted names from flags (`{"l1.size_gb": 2}`).
-
-    Raises ConfigError with one line naming the offending setting.
-    """
-    init: dict[str, Any] = {}
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            _deep_set(init, key, value)
-    if config_file is not None and not config_file.is_file():
-        raise ConfigError(f"config: file {config_file} does not exist")
-    _check_env_names(os.environ)
-
-    class _Sourced(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-            if config_file is not None:
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
-            return tuple(sources)
-
-    try:
-        built = _Sourced(**init)
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc)) from None
-    except ValueError as exc:  # a TOML syntax error surfaces as ValueError (tomllib.TOMLDecodeError)
-        raise ConfigError(f"config: {config_file}: {exc}") from None
-    # Hand out the plain class so nothing depends on the per-call subclass.
-    return Settings.model_construct(**dict(built))
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line: the setting's dotted name, what is wrong, and the value given (secrets masked)."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "settings"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            parts.append(f"{loc}: unknown setting")
-        elif isinstance(err.get("input"), (dict, list)):
-            parts.append(f"{loc}: {msg}")
-        else:
-            parts.append(f"{loc}: {msg} (got {_shown(err['loc'], err.get('input'))})")
-    return "invalid setting " + "; ".join(parts)
-
-
-_SECRET_NAME = re.compile(r"token|secret|password|(^|_)keys?$")
-_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
-
-
-def _shown(loc: tuple[int | str, ...], value: Any) -> str:
-    """`value` as an error line may show it: never a secret (a token, a key, a URL's password)."""
-    if any(isinstance(p, str) and _SECRET_NAME.search(p) for p in loc):
-        return "***"
-    return repr(_URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value)
-
-
-def _check_env_names(environ: Mapping[str, str]) -> None:
-    """An unknown KVDEPOT_ variable is an error, like an unknown key in the file (a typo such as
-    KVDEPOT_L1_SIZE_GB for KVDEPOT_L1__SIZE_GB must not be silently ignored)."""
-    fields = set(Settings.model_fields)
-    for name in environ:
-        if not name.upper().startswith("KVDEPOT_"):
-            continue
-        top = name[len("KVDEPOT_") :].split("__", 1)[0].lower()
-        if top not in fields:
-            raise ConfigError(
-                f"unknown setting {name} (environment); settings are {', '.join(sorted(fields))}"
-            )
-
-
-def env_overrides_present() -> list[str]:
-    """Names of KVDEPOT_ environment variables in effect (for the start-up log line)."""
-    return sorted(k for k in os.environ if k.upper().startswith("KVDEPOT_"))

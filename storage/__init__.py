@@ -3,6 +3,7 @@
 config         each adapter's config model and AdapterConfig, their union (app/settings composes them)
 codec          blob = checked header + payload (optional FP8 values, lz4); decode_into checks all,
                verify_in_place checks a payload read straight into L1
+blob_header    the blob header's layout: pack, parse, header_size, fits_in_place
 fp8            the codec's FP8 (e4m3) quantization of V runs
 base           the L2Adapter protocol and its result values (OpResult, LoadResult, Usage, Health)
 common         AdapterCore: batching contract, close-while-in-flight, health, stats, latency, usage

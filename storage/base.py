@@ -16,14 +16,14 @@ Primitives in call order:
                            check failed) and deletes the key (it is a miss)
   load_into(keys, outs)    the zero-copy load: each out is the writable region (exactly the chunk's
                            original payload size) the blob decodes into. A raw blob whose payload is
-                           exactly len(out) (codec.fits_in_place) is read with its payload straight
+                           exactly len(out) (blob_header.fits_in_place) is read with its payload straight
                            into out: OK with `in_place` set and `data` = the header bytes alone, to
                            be checked with codec.verify_in_place. Any other blob (FP8, lz4, or one
                            that does not fit) comes back whole, as from load, for codec.decode_into.
                            MISS and ERROR as for load; a failed or short read is never OK. An out
                            whose result is not OK may hold garbage: the caller discards it. When
                            load_into returns (or is cancelled), nothing writes into the outs any more.
-                           Bounded: no blob of a key is longer than codec.header_size(key) + len(out)
+                           Bounded: no blob of a key is longer than blob_header.header_size(key) + len(out)
                            (storage/codec.py), so nothing past that is ever read: a longer value is
                            refused unread (`LoadResult.too_long` from the subclass), counted in
                            `stats.integrity_failures`, deleted, and answered MISS

@@ -3,13 +3,9 @@
 Stateless: pure functions, safe from any thread. They are CPU-bound on large payloads (checksum,
 lz4, FP8 math), so callers run them in an executor for big chunks, never on the event loop.
 
-A blob is a header followed by the encoded payload. The header (little-endian) is::
-
-    fixed part   magic b"KVD2" | version u16 | flags u16 | layout fingerprint 8s | dtype u8 | pad |
-                 key length u16 | run_elems u32 | original length u64 | encoded length u64 |
-                 xxh3_128 of the encoded payload 16s | key id 8s | MAC 32s              (96 bytes)
-    key          the serialized key, utf-8                                    (key length bytes)
-    checksum     xxh3_64 of the fixed part and the key                                    (8 bytes)
+A blob is a header followed by the encoded payload. The header (its layout, packing and parsing,
+header_length / read_header / header_size / fits_in_place) is storage/blob_header.py; this module
+encodes payloads, signs blobs, and checks the whole blob on the way back.
 
 Authentication (storage/auth.py): a signed blob has the `mac` flag, the id of the key that signed it
 and a keyed BLAKE3 MAC over the fixed part up to the MAC (every field above, key id included), the
@@ -35,16 +31,12 @@ Primitives in call order:
   encode(key, layout_fp, payload, options, signer)
                                                 -> EncodedBlob (segments = [header, payload]);
                                                 signed when `signer` (a BlobKeys) is given
-  header_length(prefix)                         bytes of header, from its first HEADER_FIXED_SIZE bytes
-  read_header(buf)                              -> BlobHeader; validates magic, version, header checksum
   decode_into(blob, expect_key, expect_fp, out, keys)
                                                 checks everything (the MAC when `keys`), writes the
                                                 original bytes into out
 
-Zero-copy loads (an adapter reads a raw blob's payload straight into the L1 region):
-  header_size(key)                              header length of any blob of `key`
-  fits_in_place(header, out_len)                whether a blob with this header is raw with a payload
-                                                of exactly out_len bytes (False when unreadable)
+Zero-copy loads (an adapter reads a raw blob's payload straight into the L1 region, when
+blob_header.fits_in_place says it may):
   verify_in_place(header, expect_key, expect_fp, out, keys)
                                                 the checks of decode_into, over a header and a payload
                                                 that already lies in out
@@ -53,15 +45,13 @@ Every check failure raises app.errors.IntegrityError (AuthenticationError when t
 of an unknown key or wrong); such a blob must be treated as a miss.
 
 Bounded size: an encoding is kept only when it does not make the payload longer, so no blob of a
-key is longer than header_size(key) + its original length: readers never need to read more.
+key is longer than blob_header.header_size(key) + its original length: readers never need to read more.
 """
 
 from __future__ import annotations
 
 import hmac
-import struct
 from dataclasses import dataclass
-from typing import Literal
 
 import blake3
 import lz4.block
@@ -70,34 +60,27 @@ import xxhash
 from app.errors import AuthenticationError, IntegrityError
 from kvdepot_connector.layout import dtype_size
 from storage import fp8
-from storage.auth import KEY_ID_BYTES, BlobKeys
+from storage.auth import BlobKeys
+from storage.blob_header import (
+    DTYPE_CODES,
+    FLAG_FP8_VALUES,
+    FLAG_LZ4,
+    FLAG_MAC,
+    LAYOUT_FP_SIZE,
+    MAX_KEY_BYTES,
+    BlobHeader,
+    Buffer,
+    ValueDtype,
+    as_bytes_view,
+    finish_header,
+    key_field,
+    mac_fields,
+    pack_fixed,
+    read_header,
+    set_mac,
+)
 
-MAGIC = b"KVD2"
-VERSION = 2
-FLAG_FP8_VALUES = 0x1
-FLAG_LZ4 = 0x2
-FLAG_MAC = 0x4
-_KNOWN_FLAGS = FLAG_FP8_VALUES | FLAG_LZ4 | FLAG_MAC
-_ENCODINGS = FLAG_FP8_VALUES | FLAG_LZ4
-LAYOUT_FP_SIZE = 8
-MAX_KEY_BYTES = 0xFFFF
-MAC_SIZE = 32
 MAC_THREADS_MIN = 4 << 20  # payloads this large are MACed with several threads
-
-_FIXED = struct.Struct(f"<4sHH8sBxHIQQ16s{KEY_ID_BYTES}s{MAC_SIZE}s")
-_CHECKSUM = struct.Struct("<Q")
-_KEY_LEN_AT = struct.calcsize("<4sHH8sBx")
-_MAC_AT = _FIXED.size - MAC_SIZE
-_NO_MAC = bytes(MAC_SIZE)
-_NO_KEY_ID = bytes(KEY_ID_BYTES)
-HEADER_FIXED_SIZE = _FIXED.size
-MAX_HEADER_SIZE = _FIXED.size + MAX_KEY_BYTES + _CHECKSUM.size
-
-ValueDtype = Literal["float16", "bfloat16", "float32"]
-_DTYPE_CODES: dict[str, int] = {"float16": 1, "bfloat16": 2, "float32": 3}
-_DTYPE_NAMES: dict[int, ValueDtype] = {1: "float16", 2: "bfloat16", 3: "float32"}
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +93,8 @@ class CodecOptions:
     run_elems: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPE_CODES:
-            raise ValueError(f"unsupported value dtype {self.dtype!r}; one of {sorted(_DTYPE_CODES)}")
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"unsupported value dtype {self.dtype!r}; one of {sorted(DTYPE_CODES)}")
         if self.fp8_values and not 0 < self.run_elems <= 0xFFFFFFFF:
             raise ValueError("fp8_values needs run_elems > 0 (elements per K or V run)")
 
@@ -119,45 +102,6 @@ class CodecOptions:
     def pair_bytes(self) -> int:
         """Bytes of one K run plus one V run in the original payload."""
         return 2 * self.run_elems * dtype_size(self.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class BlobHeader:
-    """A validated header. `header_len + enc_len` is the length of the whole blob."""
-
-    version: int
-    flags: int
-    layout_fp: bytes
-    key: str
-    dtype: ValueDtype | None
-    run_elems: int
-    orig_len: int
-    enc_len: int
-    payload_checksum: bytes
-    key_id: bytes
-    mac: bytes
-    header_len: int
-
-    @property
-    def fp8_values(self) -> bool:
-        return bool(self.flags & FLAG_FP8_VALUES)
-
-    @property
-    def lz4(self) -> bool:
-        return bool(self.flags & FLAG_LZ4)
-
-    @property
-    def signed(self) -> bool:
-        return bool(self.flags & FLAG_MAC)
-
-    @property
-    def encoded(self) -> bool:
-        """FP8 or lz4: the payload is not the original bytes."""
-        return bool(self.flags & _ENCODINGS)
-
-    @property
-    def total_len(self) -> int:
-        return self.header_len + self.enc_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,13 +123,6 @@ class EncodedBlob:
     def to_bytes(self) -> bytes:
         """The blob as one buffer (one copy of the payload)."""
         return b"".join(self.segments)
-
-
-def _as_bytes_view(buf: Buffer) -> memoryview:
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _mac(mac_key: bytes, signed_head: Buffer, key_bytes: Buffer, body: Buffer) -> bytes:
@@ -210,7 +147,7 @@ def encode(
         raise ValueError(f"serialized key is {len(key_bytes)} bytes; at most {MAX_KEY_BYTES}")
     if len(layout_fp) != LAYOUT_FP_SIZE:
         raise ValueError(f"layout fingerprint must be {LAYOUT_FP_SIZE} bytes, got {len(layout_fp)}")
-    raw = _as_bytes_view(payload)
+    raw = as_bytes_view(payload)
     flags = 0
     dtype_code = 0
     run_elems = 0
@@ -225,7 +162,7 @@ def encode(
         if quantized.nbytes <= raw.nbytes:  # tiny runs would grow: such a layout is stored raw
             body = quantized
             flags |= FLAG_FP8_VALUES
-            dtype_code = _DTYPE_CODES[options.dtype]
+            dtype_code = DTYPE_CODES[options.dtype]
             run_elems = options.run_elems
     if options.lz4 and body.nbytes:
         packed = lz4.block.compress(body, store_size=False)
@@ -234,101 +171,20 @@ def encode(
             flags |= FLAG_LZ4
     if signer is not None:
         flags |= FLAG_MAC
-    fixed = bytearray(
-        _FIXED.pack(
-            MAGIC,
-            VERSION,
-            flags,
-            bytes(layout_fp),
-            dtype_code,
-            len(key_bytes),
-            run_elems,
-            raw.nbytes,
-            body.nbytes,
-            xxhash.xxh3_128_digest(body),
-            _NO_KEY_ID if signer is None else signer.signer.key_id,
-            _NO_MAC,
-        )
-    )
-    if signer is not None:
-        fixed[_MAC_AT:] = _mac(signer.signer.key, memoryview(fixed)[:_MAC_AT], key_bytes, body)
-    head = bytes(fixed) + key_bytes
-    return EncodedBlob(key=key, header=head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head)), payload=body)
-
-
-def header_length(prefix: Buffer) -> int:
-    """Total header length, from at least the first HEADER_FIXED_SIZE bytes of a blob."""
-    view = _as_bytes_view(prefix)
-    if view.nbytes < _FIXED.size:
-        raise IntegrityError(f"blob truncated: {view.nbytes} bytes, header needs {_FIXED.size}")
-    if bytes(view[:4]) != MAGIC:
-        raise IntegrityError("bad magic: not a kvdepot blob")
-    version = int.from_bytes(view[4:6], "little")
-    if version != VERSION:  # the layout of the rest depends on it: said before anything else
-        raise IntegrityError(f"unsupported blob version {version}; this build reads {VERSION}")
-    key_len = int.from_bytes(view[_KEY_LEN_AT : _KEY_LEN_AT + 2], "little")
-    return _FIXED.size + key_len + _CHECKSUM.size
-
-
-def read_header(buf: Buffer) -> BlobHeader:
-    """Parse and validate the header at the start of `buf` (which may hold more than the header)."""
-    view = _as_bytes_view(buf)
-    header_len = header_length(view)
-    if view.nbytes < header_len:
-        raise IntegrityError(f"blob truncated: {view.nbytes} bytes, header needs {header_len}")
-    (_magic, version, flags, layout_fp, dtype_code, key_len, run_elems, orig_len, enc_len, digest, key_id,
-     mac) = _FIXED.unpack_from(view)  # fmt: skip
-    body_end = _FIXED.size + key_len
-    (stored_checksum,) = _CHECKSUM.unpack_from(view, body_end)
-    if xxhash.xxh3_64_intdigest(view[:body_end]) != stored_checksum:
-        raise IntegrityError("header checksum mismatch")
-    if version != VERSION:
-        raise IntegrityError(f"unsupported blob version {version}; this build reads {VERSION}")
-    if flags & ~_KNOWN_FLAGS:
-        raise IntegrityError(f"unknown blob flags {flags:#x}")
-    try:
-        key = bytes(view[_FIXED.size : body_end]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise IntegrityError("blob key is not utf-8") from None
-    dtype: ValueDtype | None = None
-    if flags & FLAG_FP8_VALUES:
-        dtype = _DTYPE_NAMES.get(dtype_code)
-        if dtype is None or run_elems == 0:
-            raise IntegrityError("fp8 blob without a valid value dtype and run length")
-        if orig_len % (2 * run_elems * dtype_size(dtype)):
-            raise IntegrityError("fp8 blob length is not a whole number of K/V run pairs")
-    return BlobHeader(
-        version=version,
+    fixed = pack_fixed(
         flags=flags,
         layout_fp=bytes(layout_fp),
-        key=key,
-        dtype=dtype,
+        dtype_code=dtype_code,
+        key_len=len(key_bytes),
         run_elems=run_elems,
-        orig_len=orig_len,
-        enc_len=enc_len,
-        payload_checksum=bytes(digest),
-        key_id=bytes(key_id),
-        mac=bytes(mac),
-        header_len=header_len,
+        orig_len=raw.nbytes,
+        enc_len=body.nbytes,
+        payload_checksum=xxhash.xxh3_128_digest(body),
+        key_id=None if signer is None else signer.signer.key_id,
     )
-
-
-def header_size(key: str) -> int:
-    """Length of the header of every blob stored under `key` (the key is part of the header)."""
-    return _FIXED.size + len(key.encode("utf-8")) + _CHECKSUM.size
-
-
-def fits_in_place(header: Buffer, out_len: int) -> bool:
-    """True when `header` starts a raw blob (no FP8, no lz4; signed or not) whose payload is exactly `out_len`
-    bytes: its payload may then be read straight into the output. False for anything else,
-    unreadable headers included (such a blob is read whole and decode_into says what is wrong).
-    Checks nothing else: verify_in_place does once the payload is there."""
-    view = _as_bytes_view(header)
-    if view.nbytes < _FIXED.size or bytes(view[:4]) != MAGIC:
-        return False
-    fields = _FIXED.unpack_from(view)
-    version, flags, orig_len, enc_len = fields[1], fields[2], fields[7], fields[8]
-    return bool(version == VERSION and not flags & ~FLAG_MAC and orig_len == enc_len == out_len)
+    if signer is not None:
+        set_mac(fixed, _mac(signer.signer.key, mac_fields(memoryview(fixed)), key_bytes, body))
+    return EncodedBlob(key=key, header=finish_header(fixed, key_bytes), payload=body)
 
 
 def verify_in_place(
@@ -339,13 +195,13 @@ def verify_in_place(
     layout fingerprint, lengths, and the MAC (with `keys`) or else the payload checksum, computed
     over `out`; plus that the blob is raw (an FP8 or lz4 blob can never have been read in place).
     Raises IntegrityError (AuthenticationError for a failed MAC check)."""
-    head = _as_bytes_view(header)
+    head = as_bytes_view(header)
     parsed = _check_header(head, expect_key, expect_fp)
     if head.nbytes != parsed.header_len:
         raise IntegrityError(f"header is {head.nbytes} bytes, it says {parsed.header_len}")
     if parsed.encoded:
         raise IntegrityError(f"blob with flags {parsed.flags:#x} cannot be read in place")
-    dest = _as_bytes_view(out)
+    dest = as_bytes_view(out)
     if parsed.enc_len != parsed.orig_len:
         raise IntegrityError(f"raw blob says {parsed.enc_len} payload bytes for {parsed.orig_len}")
     if dest.nbytes != parsed.orig_len:
@@ -365,8 +221,7 @@ def _check_payload(header: BlobHeader, head: memoryview, body: memoryview, keys:
     mac_key = keys.mac_key(header.key_id)
     if mac_key is None:
         raise AuthenticationError(f"blob signed by an unknown key (id {header.key_id.hex()})")
-    key_at = _FIXED.size
-    mac = _mac(mac_key, head[:_MAC_AT], head[key_at : header.header_len - _CHECKSUM.size], body)
+    mac = _mac(mac_key, mac_fields(head), key_field(head, header.header_len), body)
     if not hmac.compare_digest(mac, header.mac):
         raise AuthenticationError("blob MAC mismatch")
 
@@ -391,11 +246,11 @@ def decode_into(
     fingerprint, lengths, the MAC (with `keys`: AuthenticationError) or else the payload checksum,
     size of `out`. Nothing is decoded before every check passed. ValueError if `out` is read-only.
     """
-    view = _as_bytes_view(blob)
+    view = as_bytes_view(blob)
     header = _check_header(view, expect_key, expect_fp)
     if view.nbytes != header.total_len:
         raise IntegrityError(f"blob is {view.nbytes} bytes, header says {header.total_len}")
-    dest = _as_bytes_view(out)
+    dest = as_bytes_view(out)
     if dest.readonly:
         raise ValueError("decode_into needs a writable output buffer")
     if dest.nbytes != header.orig_len:

@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 import blake3
 import structlog
 
-from storage import codec, diskdirs
+from storage import blob_header, diskdirs
 from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -257,7 +257,7 @@ class DiskAdapter(AdapterCore[str]):
             if out is None:
                 data: Placed | bytes | memoryview | None = await self._io(self._files.read, path, entry.size)
             else:
-                job = self._submit(self._files.read_into, path, entry.size, codec.header_size(key), out)
+                job = self._submit(self._files.read_into, path, entry.size, blob_header.header_size(key), out)
                 data = await settled(job)
         except BadFile as exc:
             self._stats.integrity_failures += 1

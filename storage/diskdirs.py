@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass, field
 
 from app.errors import ConfigError, IntegrityError
-from storage import codec
+from storage import blob_header
 
 BLOB_SUFFIX = ".kvd"
 TMP_SUFFIX = ".tmp"
@@ -124,10 +124,10 @@ def _probe(path: str) -> ScannedBlob | None:
     try:
         st = os.fstat(fd)
         head = os.pread(fd, _HEADER_PROBE, 0)
-        need = codec.header_length(head)
+        need = blob_header.header_length(head)
         if need > len(head):
             head = os.pread(fd, need, 0)
-        header = codec.read_header(head)
+        header = blob_header.read_header(head)
     except (IntegrityError, OSError):
         return None
     finally:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from storage import codec
+from storage import blob_header
 from storage.diskdirs import DIR_MODE, FILE_MODE, TMP_SUFFIX, unlink
 
 ALIGN = 4096
@@ -75,7 +75,7 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _write_all(fd: int, segments: Sequence[codec.Buffer]) -> None:
+def _write_all(fd: int, segments: Sequence[blob_header.Buffer]) -> None:
     views = [memoryview(s).cast("B") for s in segments]
     views = [v for v in views if v.nbytes]
     while views:
@@ -149,7 +149,7 @@ class BlobFiles:
 
     # --- blobs ---------------------------------------------------------------------------------
 
-    def write_atomic(self, path: str, segments: Sequence[codec.Buffer]) -> None:
+    def write_atomic(self, path: str, segments: Sequence[blob_header.Buffer]) -> None:
         tmp = f"{path}.{os.getpid()}-{next(self._names)}{TMP_SUFFIX}"
         if self.direct:
             try:
@@ -171,7 +171,7 @@ class BlobFiles:
             finally:
                 os.close(dir_fd)
 
-    def _write_file(self, tmp: str, segments: Sequence[codec.Buffer], *, direct: bool) -> None:
+    def _write_file(self, tmp: str, segments: Sequence[blob_header.Buffer], *, direct: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
             try:
@@ -196,7 +196,7 @@ class BlobFiles:
             raise
         os.close(fd)
 
-    def _write_direct(self, fd: int, segments: Sequence[codec.Buffer]) -> None:
+    def _write_direct(self, fd: int, segments: Sequence[blob_header.Buffer]) -> None:
         bounce = self._bounce()
         filled = 0
         total = 0
@@ -256,7 +256,7 @@ class BlobFiles:
 
         def buffered(fd: int) -> Placed | bytes:
             head = _pread_all(fd, path, head_len, 0)
-            if not codec.fits_in_place(head, out.nbytes):
+            if not blob_header.fits_in_place(head, out.nbytes):
                 return head + _pread_all(fd, path, size - head_len, head_len)
             _read_full(fd, path, out, head_len)
             return Placed(head)
@@ -316,7 +316,7 @@ class BlobFiles:
                 raise BadFile(f"{path}: shorter than the index says")
             if offset == 0:  # the header lies in the first block
                 head = bytes(bounce[:head_len])
-                if not codec.fits_in_place(head, out.nbytes):
+                if not blob_header.fits_in_place(head, out.nbytes):
                     return None
                 out[: got - head_len] = bounce[head_len:got]
             else:

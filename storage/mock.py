@@ -17,7 +17,7 @@ recency; contains does not. evict_salt forgets the tenant's least recently used 
 no simulated time). close() drops every blob.
 
 load_into behaves as a real tier's: after the same simulation and faults as load, a blob whose
-header says raw with a payload of len(out) (codec.fits_in_place) has its payload copied into out
+header says raw with a payload of len(out) (blob_header.fits_in_place) has its payload copied into out
 (on the loop: this is a test double) and answers with its header; a value longer than any blob for
 the out is too_long (counted, deleted, MISS: storage/common.py); any other blob comes back whole.
 `authenticate` (config) is read by the controllers: they then sign what they store here and check
@@ -33,7 +33,7 @@ import random
 from collections.abc import Callable
 from typing import TypeVar
 
-from storage import codec
+from storage import blob_header
 from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -113,12 +113,14 @@ class MockAdapter(AdapterCore[bytes]):
             if not result.ok or result.data is None:
                 continue
             blob = memoryview(result.data)
-            head_len = codec.header_size(key)
+            head_len = blob_header.header_size(key)
             if blob.nbytes > head_len + out.nbytes:
                 results[i] = LoadResult.too_long(
                     f"a value of {blob.nbytes} bytes for a {out.nbytes}-byte chunk"
                 )
-            elif blob.nbytes == head_len + out.nbytes and codec.fits_in_place(blob[:head_len], out.nbytes):
+            elif blob.nbytes == head_len + out.nbytes and blob_header.fits_in_place(
+                blob[:head_len], out.nbytes
+            ):
                 out[:] = blob[head_len:]
                 results[i] = LoadResult.placed(bytes(blob[:head_len]))
         return results

@@ -69,7 +69,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from app.errors import BackendError
-from storage import codec, redis_read
+from storage import blob_header, redis_read
 from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -267,7 +267,7 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
-        head_lens = [codec.header_size(key) for key in keys]
+        head_lens = [blob_header.header_size(key) for key in keys]
         on_lane = [i for i, out in enumerate(outs) if self._on_lane(head_lens[i] + out.nbytes)]
 
         async def lane_call(i: int) -> LoadResult:

@@ -19,7 +19,7 @@ Commands (each a single-key command, so Redis Cluster routes it):
   get_into     one GET for a value up to whole_get_max, else GETRANGE pieces of PIECE_BYTES in a
                sliding window (storage/redis_read.py, which says why, and how a value replaced
                during the read is told apart). A value of exactly header + len(out) whose header
-               says raw (codec.fits_in_place) has its payload received into out -> placed(header);
+               says raw (blob_header.fits_in_place) has its payload received into out -> placed(header);
                any other value is received whole into fresh memory -> hit(blob); absent -> MISS.
   The Redis user needs SET, STRLEN, GET and GETRANGE (plus AUTH, SELECT).
 
@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from app.errors import BackendError
-from storage import codec, redis_read, resp
+from storage import blob_header, redis_read, resp
 from storage.base import OK, LoadResult, OpResult, Status
 
 R = TypeVar("R")
@@ -150,7 +150,9 @@ class RespLane:
 
     # --- commands (executor threads) -----------------------------------------------------------
 
-    def set(self, job: LaneJob, key: bytes, segments: Sequence[codec.Buffer], ttl_s: int | None) -> OpResult:
+    def set(
+        self, job: LaneJob, key: bytes, segments: Sequence[blob_header.Buffer], ttl_s: int | None
+    ) -> OpResult:
         size = sum(memoryview(s).nbytes for s in segments)
         head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if ttl_s else 3, len(key), key, size)
         tail = resp.CRLF + (b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s) if ttl_s else b"")

@@ -2,7 +2,7 @@
 
 Role: the two ways RespLane.get_into reads a value: one GETRANGE of the whole blob for values up
 to the lane's whole_get_max, GETRANGE pieces in a sliding window past it. A value of exactly
-header + len(out) whose header says raw (codec.fits_in_place) has its payload received into out ->
+header + len(out) whose header says raw (blob_header.fits_in_place) has its payload received into out ->
 placed(header); any shorter value is received whole into fresh memory -> hit(blob); an absent key
 -> MISS. No blob for `out` is longer than header + len(out) (storage/codec.py), so a longer value
 is never read: too_long (the adapter counts and deletes it). At most header + len(out) + 1 bytes
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storage import codec, resp
+from storage import blob_header, resp
 from storage.base import LOAD_MISS, LoadResult
 
 PIECE_WINDOW = 4  # GETRANGE pieces asked ahead of the one being received
@@ -71,7 +71,7 @@ def get_whole(conn: resp.Connection, key: bytes, head_len: int, out: memoryview)
     if length == total:
         header = bytearray(head_len)
         conn.read_into(memoryview(header))
-        if codec.fits_in_place(header, out.nbytes):
+        if blob_header.fits_in_place(header, out.nbytes):
             conn.read_into(out)
             conn.crlf()
             return LoadResult.placed(bytes(header))
@@ -154,7 +154,7 @@ class _Destination:
         if length == total:
             header = bytearray(head_len)
             conn.read_into(memoryview(header))
-            if codec.fits_in_place(header, out.nbytes):
+            if blob_header.fits_in_place(header, out.nbytes):
                 dest = cls(header, out, True)
             else:  # as long as a raw blob, but not one: returned whole
                 blob = bytearray(total)

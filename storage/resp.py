@@ -30,7 +30,7 @@ from typing import Any
 
 from redis.connection import parse_url
 
-from storage import codec
+from storage import blob_header
 
 _SCRATCH_BYTES = 64 * 1024
 _LINE_READ = 8 * 1024  # a line read takes at most this much (payload bytes past it are copied)
@@ -107,7 +107,7 @@ class Connection:
             raise TimeoutError("command ran past its deadline")
         self.sock.settimeout(remaining)
 
-    def send(self, parts: Sequence[codec.Buffer]) -> None:
+    def send(self, parts: Sequence[blob_header.Buffer]) -> None:
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
         while views:
             self._arm()

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from app.main import Service
-from app.settings import Settings, load_settings
+from app.settings import Settings
+from app.settings_load import load_settings
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import SlotStatus, StoreSlot

@@ -12,9 +12,9 @@ from typing import get_args
 
 from engine.results import Registration
 from kvdepot_connector.layout import kv_run_elems
-from storage import codec
+from storage import blob_header, codec
 
-_CODEC_DTYPES: frozenset[str] = frozenset(get_args(codec.ValueDtype))
+_CODEC_DTYPES: frozenset[str] = frozenset(get_args(blob_header.ValueDtype))
 
 
 def codec_options(reg: Registration, *, fp8_values: bool, lz4: bool) -> codec.CodecOptions:

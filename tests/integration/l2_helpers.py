@@ -12,7 +12,7 @@ import redis
 
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from kvdepot_connector.protocol import encode_tokens
-from storage import codec
+from storage import blob_header
 from storage.diskdirs import BLOB_SUFFIX
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, request_tokens
 
@@ -37,7 +37,7 @@ def blob_files(l2_dir: Path) -> dict[str, Path]:
     for path in l2_dir.rglob(f"*{BLOB_SUFFIX}"):
         data = path.read_bytes()
         try:
-            header = codec.read_header(data)
+            header = blob_header.read_header(data)
         except Exception:
             continue
         if len(data) == header.total_len:

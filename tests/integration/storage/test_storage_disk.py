@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app.errors import ConfigError, IntegrityError
-from storage import codec, diskdirs, diskio
+from storage import blob_header, codec, diskdirs, diskio
 from storage.base import MISS, Status
 from storage.codec import CodecOptions, EncodedBlob
 from storage.config import DiskAdapterConfig
@@ -358,7 +358,7 @@ async def test_load_into_returns_other_blobs_whole(make_disk: MakeDisk, o_direct
     # tells that it cannot be read in place
     raw_kv = bytes(torch.randn(8192, 2, 4).to(torch.float16).view(torch.uint8).numpy())
     same_len = codec.encode("fp8", FP, raw_kv, CodecOptions(fp8_values=True, dtype="float16", run_elems=4))
-    assert same_len.nbytes == codec.header_size("fp8") + len(raw_kv)
+    assert same_len.nbytes == blob_header.header_size("fp8") + len(raw_kv)
     plain = blob("plain", 5000)
     await disk.store([("lz4", packed), ("fp8", same_len), ("plain", plain)])
     outs = [bytearray(MiB), bytearray(len(raw_kv)), bytearray(5001)]
@@ -407,7 +407,7 @@ async def test_load_into_corruption_is_caught(make_disk: MakeDisk, o_direct: boo
     disk = make_disk(o_direct=o_direct)
     size = 3 * MiB
     await disk.store([("payload", blob("payload", size)), ("header", blob("header", size))])
-    flip_byte(str(disk.path_of("payload")), codec.header_size("payload") + 2 * MiB)
+    flip_byte(str(disk.path_of("payload")), blob_header.header_size("payload") + 2 * MiB)
     flip_byte(str(disk.path_of("header")), 20)
     outs = [bytearray(size), bytearray(size)]
     results = await disk.load_into(["payload", "header"], [memoryview(o) for o in outs])

@@ -16,7 +16,7 @@ import torch
 from redis.asyncio import Redis
 
 from app.errors import IntegrityError
-from storage import codec
+from storage import blob_header, codec
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
 from storage.redis_adapter import RedisAdapter
@@ -130,7 +130,7 @@ async def test_blobs_that_are_not_raw_come_back_whole(make_redis: MakeRedis, mod
         "lz4": (codec.encode("lz4", FP, zeros, CodecOptions(lz4=True)), len(zeros)),  # far shorter
         "fp8-same": (fp8("fp8-same", kv4, 4), len(kv4)),  # exactly as long as the raw blob
     }
-    assert cases["fp8-same"][0].nbytes == codec.header_size("fp8-same") + len(kv4)
+    assert cases["fp8-same"][0].nbytes == blob_header.header_size("fp8-same") + len(kv4)
     assert all(r.ok for r in await adapter.store([(key, b) for key, (b, _) in cases.items()]))
     outs = outs_for(*(size for _, size in cases.values()))
     results = await adapter.load_into(list(cases), views(outs))
@@ -151,7 +151,7 @@ async def test_corrupted_or_truncated_values_never_pass_the_checks(
     size = 2 * MiB
     keys = ["payload", "header", "short", "long"]
     await adapter.store([(key, blob(key, size)) for key in keys])
-    flip_at = {"payload": codec.header_size("payload") + MiB + 5, "header": 30}
+    flip_at = {"payload": blob_header.header_size("payload") + MiB + 5, "header": 30}
     for key, at in flip_at.items():
         value = bytearray(await raw_redis.get(adapter.redis_key(key)))
         value[at] ^= 0x10

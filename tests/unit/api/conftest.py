@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.main import Service
-from app.settings import load_settings
+from app.settings_load import load_settings
 
 # A small, unpopulated arena and no L2: the control plane is what these tests look at.
 SMALL = {"http.port": 0, "l1.size_gb": 0.01, "l1.populate": False, "l2.adapters": []}

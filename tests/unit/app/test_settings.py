@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.errors import ConfigError
-from app.settings import load_settings
+from app.settings_load import load_settings
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:

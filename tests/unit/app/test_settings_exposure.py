@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.errors import ConfigError
-from app.settings import load_settings
+from app.settings_load import load_settings
 from tests.unit.app.test_settings import config_error
 
 SECRET = "s3cret-token-value"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.errors import IntegrityError
-from storage import codec, fp8
+from storage import blob_header, codec, fp8
 from storage.codec import CodecOptions
 
 KEY = "kvd1/m=model/l=0011223344556677/r=0/g=0/s=/h=" + "ab" * 32
@@ -18,7 +18,7 @@ FP = bytes.fromhex("0011223344556677")
 ORIG_LEN_AT = struct.calcsize("<4sHH8sBxHI")  # offset of the original length in the header
 
 
-def _decode(blob: codec.Buffer, size: int, key: str = KEY, fp: bytes = FP) -> bytes:
+def _decode(blob: blob_header.Buffer, size: int, key: str = KEY, fp: bytes = FP) -> bytes:
     out = bytearray(size)
     codec.decode_into(blob, key, fp, out)
     return bytes(out)
@@ -48,7 +48,7 @@ def test_raw_round_trip_is_byte_exact_and_does_not_copy_the_payload() -> None:
     assert body.obj is payload  # written as it is, no copy
     assert blob.nbytes == len(header) + len(payload)
     assert _decode(blob.to_bytes(), len(payload)) == payload
-    parsed = codec.read_header(header)
+    parsed = blob_header.read_header(header)
     assert (parsed.key, parsed.layout_fp, parsed.orig_len, parsed.enc_len) == (KEY, FP, 10_000, 10_000)
     assert not parsed.lz4
     assert not parsed.fp8_values
@@ -62,7 +62,7 @@ def test_empty_payload_round_trips() -> None:
 def test_lz4_shrinks_compressible_payloads_and_round_trips() -> None:
     payload = bytes(range(256)) * 400
     blob = codec.encode(KEY, FP, payload, CodecOptions(lz4=True))
-    assert codec.read_header(blob.header).lz4
+    assert blob_header.read_header(blob.header).lz4
     assert blob.nbytes < len(payload) // 4
     assert _decode(blob.to_bytes(), len(payload)) == payload
 
@@ -70,7 +70,7 @@ def test_lz4_shrinks_compressible_payloads_and_round_trips() -> None:
 def test_lz4_is_dropped_when_it_does_not_help() -> None:
     payload = os.urandom(50_000)
     blob = codec.encode(KEY, FP, payload, CodecOptions(lz4=True))
-    assert not codec.read_header(blob.header).lz4
+    assert not blob_header.read_header(blob.header).lz4
     assert blob.payload.nbytes == len(payload)
     assert _decode(blob.to_bytes(), len(payload)) == payload
 
@@ -161,7 +161,7 @@ def blob_bytes(request: pytest.FixtureRequest) -> bytes:
 
 
 def _orig_len(blob: bytes) -> int:
-    return codec.read_header(blob).orig_len
+    return blob_header.read_header(blob).orig_len
 
 
 def test_every_single_byte_flip_is_caught(blob_bytes: bytes) -> None:
@@ -175,7 +175,13 @@ def test_every_single_byte_flip_is_caught(blob_bytes: bytes) -> None:
 
 def test_truncations_and_trailing_bytes_are_caught(blob_bytes: bytes) -> None:
     size = _orig_len(blob_bytes)
-    for cut in (0, 3, codec.HEADER_FIXED_SIZE - 1, codec.HEADER_FIXED_SIZE + 5, len(blob_bytes) - 1):
+    for cut in (
+        0,
+        3,
+        blob_header.HEADER_FIXED_SIZE - 1,
+        blob_header.HEADER_FIXED_SIZE + 5,
+        len(blob_bytes) - 1,
+    ):
         with pytest.raises(IntegrityError):
             _decode(blob_bytes[:cut], size)
     with pytest.raises(IntegrityError):
@@ -198,7 +204,7 @@ def _resealed(blob: bytes, offset: int, fmt: str, value: int) -> bytes:
     """The blob with one header field changed and the header checksum recomputed."""
     damaged = bytearray(blob)
     struct.pack_into(fmt, damaged, offset, value)
-    end = codec.header_length(damaged) - 8
+    end = blob_header.header_length(damaged) - 8
     struct.pack_into("<Q", damaged, end, xxhash.xxh3_64_intdigest(bytes(damaged[:end])))
     return bytes(damaged)
 
@@ -208,24 +214,24 @@ def test_wrong_magic_version_or_flags_are_caught_even_with_a_valid_checksum(blob
     with pytest.raises(IntegrityError, match="magic"):
         _decode(b"KVD1" + blob_bytes[4:], size)
     with pytest.raises(IntegrityError, match="version"):
-        _decode(_resealed(blob_bytes, 4, "<H", codec.VERSION + 1), size)
+        _decode(_resealed(blob_bytes, 4, "<H", blob_header.VERSION + 1), size)
     with pytest.raises(IntegrityError, match="flags"):
         _decode(_resealed(blob_bytes, 6, "<H", 0x80), size)
     # lengths that lie, consistently sealed
     with pytest.raises(IntegrityError):
         _decode(_resealed(blob_bytes, ORIG_LEN_AT, "<Q", size + 1), size + 1)
-    enc_len = codec.read_header(blob_bytes).enc_len
+    enc_len = blob_header.read_header(blob_bytes).enc_len
     with pytest.raises(IntegrityError, match="header says"):
         _decode(_resealed(blob_bytes, ORIG_LEN_AT + 8, "<Q", enc_len - 1), size)
 
 
 def test_read_header_checks_the_header_alone(blob_bytes: bytes) -> None:
-    header_len = codec.header_length(blob_bytes[: codec.HEADER_FIXED_SIZE])
-    header = codec.read_header(blob_bytes[:header_len])
+    header_len = blob_header.header_length(blob_bytes[: blob_header.HEADER_FIXED_SIZE])
+    header = blob_header.read_header(blob_bytes[:header_len])
     assert header.total_len == len(blob_bytes)
     damaged = bytearray(blob_bytes[:header_len])
     damaged[-1] ^= 0xFF
     with pytest.raises(IntegrityError, match="checksum"):
-        codec.read_header(damaged)
+        blob_header.read_header(damaged)
     with pytest.raises(IntegrityError, match="truncated"):
-        codec.read_header(blob_bytes[: header_len - 1])
+        blob_header.read_header(blob_bytes[: header_len - 1])

@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 from app.errors import AuthenticationError, ConfigError, IntegrityError
-from storage import codec
+from storage import blob_header, codec
 from storage.auth import BlobKeys, load_or_create_key, parse_secret
 from storage.codec import CodecOptions
 
@@ -41,11 +41,11 @@ def decoded(data: bytes, keys: BlobKeys | None, size: int = len(PAYLOAD)) -> byt
 def test_a_signed_blob_passes_with_the_keys_and_without_them(options: CodecOptions) -> None:
     payload = bytes(4096) if options.lz4 else PAYLOAD
     blob = codec.encode(KEY, FP, payload, options, OURS)
-    assert codec.read_header(blob.header).signed
+    assert blob_header.read_header(blob.header).signed
     assert decoded(blob.to_bytes(), OURS, len(payload)) == payload
     assert decoded(blob.to_bytes(), None, len(payload)) == payload  # the checksum still holds
     if not options.lz4:
-        assert codec.fits_in_place(blob.header, len(payload))
+        assert blob_header.fits_in_place(blob.header, len(payload))
         assert in_place(blob, OURS) == payload
 
 
@@ -69,7 +69,7 @@ def test_a_signed_header_over_other_bytes_with_a_fixed_up_checksum_is_refused() 
     genuine = codec.encode(KEY, FP, PAYLOAD, CodecOptions(), OURS)
     other = os.urandom(len(PAYLOAD))
     head = bytearray(genuine.header)
-    digest_at = codec.HEADER_FIXED_SIZE - codec.MAC_SIZE - 8 - 16
+    digest_at = blob_header.HEADER_FIXED_SIZE - blob_header.MAC_SIZE - 8 - 16
     head[digest_at : digest_at + 16] = xxhash.xxh3_128_digest(other)
     body_end = len(head) - 8
     head[body_end:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head[:body_end])))
@@ -111,14 +111,14 @@ def test_a_blob_of_the_previous_format_is_refused_as_an_old_version() -> None:
     for keys in (None, OURS):
         with pytest.raises(IntegrityError, match="unsupported blob version 1"):
             decoded(v1, keys)
-    assert not codec.fits_in_place(v1, len(PAYLOAD))
+    assert not blob_header.fits_in_place(v1, len(PAYLOAD))
 
 
 def test_an_encoding_that_would_grow_the_payload_is_not_kept() -> None:
     raw = bytes(2 * 2 * 1024)  # float16 K/V runs of one element: FP8 with scales would be longer
     blob = codec.encode(KEY, FP, raw, CodecOptions(fp8_values=True, dtype="float16", run_elems=1))
-    assert not codec.read_header(blob.header).fp8_values
-    assert blob.nbytes == codec.header_size(KEY) + len(raw)
+    assert not blob_header.read_header(blob.header).fp8_values
+    assert blob.nbytes == blob_header.header_size(KEY) + len(raw)
 
 
 def test_secrets_are_hex_or_base64_of_16_bytes_or_more() -> None:

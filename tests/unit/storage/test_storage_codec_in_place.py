@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.errors import IntegrityError
-from storage import codec
+from storage import blob_header, codec
 from storage.codec import CodecOptions
 
 KEY = "kvd1/m=model/l=0011223344556677/r=0/g=0/s=/h=" + "ab" * 32
@@ -24,7 +24,7 @@ ORIG_LEN_AT = struct.calcsize("<4sHH8sBxHI")
 def split(blob: codec.EncodedBlob) -> tuple[bytes, bytearray]:
     """What an adapter reading in place ends up with: the header apart, the payload in `out`."""
     raw = blob.to_bytes()
-    head_len = codec.header_size(blob.key)
+    head_len = blob_header.header_size(blob.key)
     return raw[:head_len], bytearray(raw[head_len:])
 
 
@@ -40,9 +40,9 @@ def resealed(header: bytes, offset: int, fmt: str, value: int) -> bytes:
 @given(payload=st.binary(max_size=4096), key=st.text(min_size=1, max_size=80))
 def test_a_raw_blob_split_at_header_size_verifies_in_place(payload: bytes, key: str) -> None:
     blob = codec.encode(key, FP, payload, CodecOptions())
-    assert codec.header_size(key) == len(blob.header)
+    assert blob_header.header_size(key) == len(blob.header)
     header, out = split(blob)
-    assert codec.fits_in_place(header, len(payload))
+    assert blob_header.fits_in_place(header, len(payload))
     codec.verify_in_place(header, key, FP, out)
     assert out == payload
 
@@ -92,26 +92,26 @@ def test_lengths_that_lie_consistently_sealed_are_caught() -> None:
 def test_blobs_that_are_not_raw_never_fit_nor_verify_in_place() -> None:
     payload = bytes(64 * 1024)  # compresses
     lz4 = codec.encode(KEY, FP, payload, CodecOptions(lz4=True))
-    assert codec.read_header(lz4.header).lz4
-    assert not codec.fits_in_place(lz4.header, len(payload))
+    assert blob_header.read_header(lz4.header).lz4
+    assert not blob_header.fits_in_place(lz4.header, len(payload))
     # FP8 with float16 runs of 4 elements encodes to exactly the original length: only the flags
     # tell it apart from a raw blob
     kv = torch.randn(1024, 2, 4).to(torch.float16)
     raw = bytes(kv.view(torch.uint8).numpy())
     fp8 = codec.encode(KEY, FP, raw, CodecOptions(fp8_values=True, dtype="float16", run_elems=4))
     assert fp8.payload.nbytes == len(raw)
-    assert not codec.fits_in_place(fp8.header, len(raw))
+    assert not blob_header.fits_in_place(fp8.header, len(raw))
     with pytest.raises(IntegrityError, match="in place"):
         codec.verify_in_place(fp8.header, KEY, FP, bytearray(fp8.payload))
     # a raw header whose flags were changed and resealed
     header, out = split(codec.encode(KEY, FP, os.urandom(256), CodecOptions()))
     with pytest.raises(IntegrityError, match="in place"):
-        codec.verify_in_place(resealed(header, FLAGS_AT, "<H", codec.FLAG_LZ4), KEY, FP, out)
+        codec.verify_in_place(resealed(header, FLAGS_AT, "<H", blob_header.FLAG_LZ4), KEY, FP, out)
 
 
 def test_fits_in_place_needs_the_exact_payload_size_and_a_readable_header() -> None:
     blob = codec.encode(KEY, FP, os.urandom(300), CodecOptions())
-    assert codec.fits_in_place(blob.header, 300)
-    assert not codec.fits_in_place(blob.header, 299)
-    assert not codec.fits_in_place(blob.header[:10], 300)
-    assert not codec.fits_in_place(b"XXXX" + blob.header[4:], 300)
+    assert blob_header.fits_in_place(blob.header, 300)
+    assert not blob_header.fits_in_place(blob.header, 299)
+    assert not blob_header.fits_in_place(blob.header[:10], 300)
+    assert not blob_header.fits_in_place(b"XXXX" + blob.header[4:], 300)

@@ -19,7 +19,7 @@ from engine.keys import ObjectKey
 from engine.results import SlotStatus, StoreSlot
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1, Quota
-from storage import codec
+from storage import blob_header
 from storage.base import L2Adapter
 from storage.mock import MockAdapter
 from tests.factories import admin, l2_engine, small_layout, tokens
@@ -77,7 +77,7 @@ def names(eng: CacheEngine, eid: int, toks: bytes, salt: str) -> list[str]:
 
 def blob_bytes(eng: CacheEngine, eid: int, salt: str) -> int:
     """The size of one chunk's blob for `salt` (header with the key, then the raw payload)."""
-    return codec.header_size(names(eng, eid, seq(1, 0), salt)[0]) + PAGE
+    return blob_header.header_size(names(eng, eid, seq(1, 0), salt)[0]) + PAGE
 
 
 def mock(eng: CacheEngine, name: str) -> MockAdapter:
