@@ -14,6 +14,7 @@ block, i.e. exactly the tokens vLLM's cache would reuse): that proves the KV byt
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import threading
 import uuid
@@ -197,7 +198,13 @@ def test_two_sidecars_share_one_redis(
     adapters = json.dumps(
         [{"type": "redis", "name": "shared", "url": "redis://127.0.0.1:6379/0", "key_prefix": redis_prefix}]
     )
-    env = {"KVDEPOT_L2__ADAPTERS": adapters, "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000"}
+    # Sidecars sharing a Redis share its deployment key (the blobs are authenticated with it).
+    key = json.dumps([secrets.token_hex(32)])
+    env = {
+        "KVDEPOT_L2__ADAPTERS": adapters,
+        "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
+        "KVDEPOT_L2__AUTH_KEYS": key,
+    }
     first_sc = start_sidecar(tmp_path / "one", env=env, l1_size_gb=0.25)
     second_sc = start_sidecar(tmp_path / "two", env=env, l1_size_gb=0.25)
     # Default connector settings here: 256-token chunks, asynchronous loads.
