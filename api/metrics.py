@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from engine.facade import CacheEngine
 from engine.tenants.ledger import OTHER
 from engine.tenants.quota import DEFAULT_TENANT
+from kvdepot_connector.protocol import Uncacheable
 
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -211,6 +212,14 @@ class EngineCollector(Collector):
         yield by_state
         yield from single(CounterMetricFamily, ENGINE_COUNTERS, engine.counters)
         yield from single(CounterMetricFamily, CACHE_COUNTERS, engine.cache.counters)
+        uncacheable = CounterMetricFamily(
+            "kvdepot_uncacheable_requests",
+            "Requests a client neither loaded nor stored because it could not key them, by reason.",
+            labels=["reason"],
+        )
+        for reason in Uncacheable:  # every reason, zeros included: a bounded label set
+            uncacheable.add_metric([reason.value], engine.uncacheable.get(reason.value, 0))
+        yield uncacheable
 
 
 class TenantCollector(Collector):

@@ -90,6 +90,8 @@ class CacheEngine:
         self.hasher = TokenHasher(chunk_size)
         self.read_lease_s = read_lease_s
         self.counters = EngineCounters()
+        #: requests clients would not cache, by reason (protocol.Uncacheable)
+        self.uncacheable: dict[str, int] = {}
         self._clock = clock
         self.max_request_share = max_request_share
         self.engines = EngineRegistry(
@@ -118,12 +120,15 @@ class CacheEngine:
 
     # --- lookup and read -----------------------------------------------------------------------
 
-    def lookup(self, engine_id: int, request_id: str, tokens: bytes, salt: str) -> LookupResult:
+    def lookup(
+        self, engine_id: int, request_id: str, tokens: bytes, salt: str, extras: Sequence[bytes] = ()
+    ) -> LookupResult:
+        """`extras`: per chunk extra keys (`engine.keys`), from the client's request."""
         reg = self.registration(engine_id)
         _check_ids(request_id, salt)
         now = self._clock()
         rid = (engine_id, request_id)
-        keys = [ObjectKey(reg.namespace, salt, h) for h in self.hasher.chunk_hashes(tokens)]
+        keys = [ObjectKey(reg.namespace, salt, h) for h in self._hashes(tokens, extras)]
         found: list[L1Object] = []
         for key in keys:
             obj = self.cache.find(key, now)
@@ -218,11 +223,21 @@ class CacheEngine:
         rid = (engine_id, request_id)
         return self._requests.release(rid)
 
+    def note_uncacheable(self, reason: str) -> None:
+        """A client will neither load nor store a request (it cannot key it): counted, a miss."""
+        self.uncacheable[reason] = self.uncacheable.get(reason, 0) + 1
+
+    def _hashes(self, tokens: bytes, extras: Sequence[bytes]) -> list[bytes]:
+        try:
+            return self.hasher.chunk_hashes(tokens, extras=extras)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+
     # --- store ---------------------------------------------------------------------------------
 
     def store(
         self, engine_id: int, request_id: str, tokens: bytes, salt: str, first_chunk: int = 0, *,
-        holder: int = 0,
+        holder: int = 0, extras: Sequence[bytes] = (),
     ) -> list[StoreSlot]:  # fmt: skip
         """Reserve slots for full chunks `first_chunk..` of `tokens`. The client copies, then
         commits. `holder`: the client session that copies (0: the sidecar copies itself)."""
@@ -231,7 +246,7 @@ class CacheEngine:
         n = self.hasher.full_chunks(tokens)
         if not 0 <= first_chunk <= n:
             raise InvalidInput(f"first_chunk {first_chunk} outside 0..{n}")
-        hashes = self.hasher.chunk_hashes(tokens)
+        hashes = self._hashes(tokens, extras)
         now = self._clock()
         cache = self.cache
         size = reg.chunk_bytes
@@ -377,5 +392,6 @@ class CacheEngine:
 
 
 def _check_ids(request_id: str, salt: str) -> None:
+    """Bounded ids (the wire bounds them too; in-process callers are checked here)."""
     if len(request_id) > MAX_ID_LEN or len(salt) > MAX_ID_LEN:
         raise InvalidInput(f"request id and cache_salt must be at most {MAX_ID_LEN} characters")

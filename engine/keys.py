@@ -4,7 +4,10 @@
   and chains them: h(0) = H(SEED || tokens 0), h(i) = H(h(i-1) || tokens i). H is blake3 (32
   bytes); tokens are hashed as unsigned 32-bit little-endian integers
   (`kvdepot_connector.protocol.encode_tokens`, the wire format). No Python `hash()`, no random
-  seed: the same tokens give the same hashes everywhere.
+  seed: the same tokens give the same hashes everywhere. A chunk whose KV depends on more than its
+  tokens (a LoRA adapter, an image, prompt embeddings) has an extra key, a 32-byte digest the client
+  computes: h(i) = H(h(i-1) || tokens i || extra i). Tokens are a fixed number of bytes, so a chunk
+  with an extra key never hashes like one without; and through the chain every later chunk differs too.
 - `KVLayout` describes one engine's KV memory (dtype, layers, kv heads, head dim, block size, layout
   kind, chunk size); its `fingerprint` is a stable 8-byte digest of the canonical form.
 - `Namespace` = model id + layout fingerprint + kv rank + object group: everything about a key but
@@ -22,13 +25,14 @@ which see keys as opaque strings, are given to tell tenants apart).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
 import blake3
 
 from kvdepot_connector import layout
-from kvdepot_connector.protocol import TOKEN_BYTES
+from kvdepot_connector.protocol import EXTRA_KEY_BYTES, TOKEN_BYTES
 
 HASH_BYTES = 32
 SEED = blake3.blake3(b"kvdepot/token-chain/v1").digest()
@@ -47,8 +51,11 @@ class TokenHasher:
     def full_chunks(self, token_bytes: bytes | memoryview) -> int:
         return len(token_bytes) // self._chunk_bytes
 
-    def chunk_hashes(self, token_bytes: bytes | memoryview, limit: int | None = None) -> list[bytes]:
-        """Hashes of the full chunks of `token_bytes` (uint32 LE tokens), at most `limit` of them."""
+    def chunk_hashes(
+        self, token_bytes: bytes | memoryview, limit: int | None = None, extras: Sequence[bytes] = ()
+    ) -> list[bytes]:
+        """Hashes of the full chunks of `token_bytes` (uint32 LE tokens), at most `limit` of them.
+        `extras[i]`: chunk i's extra key (empty or EXTRA_KEY_BYTES; entries past the end: empty)."""
         n = self.full_chunks(token_bytes)
         if limit is not None:
             n = min(n, limit)
@@ -59,6 +66,13 @@ class TokenHasher:
         for i in range(n):
             hasher = blake3.blake3(prev)
             hasher.update(view[i * step : (i + 1) * step])
+            if i < len(extras) and extras[i]:
+                extra = extras[i]
+                if len(extra) != EXTRA_KEY_BYTES:
+                    raise ValueError(
+                        f"extra key of chunk {i} has {len(extra)} bytes, not 0 or {EXTRA_KEY_BYTES}"
+                    )
+                hasher.update(extra)
             prev = hasher.digest()
             out.append(prev)
         return out

@@ -159,6 +159,7 @@ class KVTransfers:
         salt: str,
         first_chunk: int,
         block_ids: Sequence[int],
+        extras: Sequence[bytes] = (),
     ) -> SaveOutcome:
         planes, fmt = self._registered(engine_id)
         bpc = fmt.blocks_per_chunk
@@ -167,7 +168,7 @@ class KVTransfers:
             len(planes), bpc, len(tokens) // TOKEN_BYTES // chunk_tokens - first_chunk, block_ids
         )
         self._check_blocks(block_ids, planes)
-        slots = self.engine.store(engine_id, request_id, tokens, salt, first_chunk)
+        slots = self.engine.store(engine_id, request_id, tokens, salt, first_chunk, extras=extras)
         reserved = [s for s in slots if s.status is SlotStatus.RESERVED]
         if len(block_ids) < len(slots) * bpc:
             self.engine.abort(engine_id, [s.oid for s in reserved])

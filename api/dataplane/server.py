@@ -257,7 +257,14 @@ class DataPlaneServer:
         )
 
     def _lookup(self, m: p.Lookup, _: Session) -> p.Reply | Awaitable[p.Reply]:
-        r = self.engine.lookup(m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt)
+        if m.uncacheable is not None:
+            self.engine.registration(m.engine_id)  # only a registered engine is counted
+            self.engine.note_uncacheable(m.uncacheable.value)
+            total = len(self._tokens(m.tokens)) // (p.TOKEN_BYTES * self.engine.chunk_size)
+            return p.LookupReply(id=m.id, hit_tokens=0, hit_chunks=0, total_chunks=total)
+        r = self.engine.lookup(
+            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.extra_keys
+        )
         if m.wait and r.pending_chunks:
             return self._lookup_when_loaded(m)
         return _lookup_reply(m.id, r)
@@ -277,7 +284,8 @@ class DataPlaneServer:
 
     def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(
-            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id
+            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id,
+            extras=m.extra_keys,
         )
         return p.StoreReply(
             id=m.id,
@@ -328,7 +336,7 @@ class DataPlaneServer:
     async def _save_blocks(self, m: p.SaveBlocks, _: Session) -> p.Reply:
         out = await self._transfers().save(
             m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
-            first_chunk=m.first_chunk, block_ids=m.block_ids,
+            first_chunk=m.first_chunk, block_ids=m.block_ids, extras=m.extra_keys,
         )  # fmt: skip
         return p.SaveReply(id=m.id, stored=out.stored, existing=out.existing, refused=out.refused)
 

@@ -91,10 +91,13 @@ class AsyncKVDepotClient(ClientBase):
         return await self._call(calls.ping())
 
     async def lookup(
-        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
-    ) -> p.LookupReply:
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False,
+        extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None,
+    ) -> p.LookupReply:  # fmt: skip
         """As `KVDepotClient.lookup`."""
-        return await self._call(calls.lookup(tokens, request_id, cache_salt, wait))
+        return await self._call(calls.lookup(
+            tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable
+        ))
 
     async def query_prefetch(self, request_id: str) -> p.LookupReply:
         return await self._call(calls.query_prefetch(request_id))
@@ -120,10 +123,13 @@ class AsyncKVDepotClient(ClientBase):
         request_id: str,
         cache_salt: str = "",
         first_chunk: int = 0,
+        extra_keys: Sequence[bytes] = (),
     ) -> StoreOutcome:
         """As `KVDepotClient.store`; the copies run in a thread."""
         s = self._session
-        reply = await self._call(calls.reserve(tokens, request_id, cache_salt, first_chunk))
+        reply = await self._call(
+            calls.reserve(tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys)
+        )
         try:
             oids = await asyncio.to_thread(s.copy_in, reply, chunks, first_chunk)
         except BaseException:

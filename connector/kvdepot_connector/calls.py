@@ -72,11 +72,16 @@ def ping() -> Call[float]:
     return Call(lambda i, _: p.Ping(id=i), lambda r: check_reply(r, p.Pong).server_time, registered=False)
 
 
-def lookup(tokens: Tokens, request_id: str, cache_salt: str, wait: bool) -> Call[p.LookupReply]:
+def lookup(
+    tokens: Tokens, request_id: str, cache_salt: str, wait: bool, *, extra_keys: Sequence[bytes] = (),
+    uncacheable: p.Uncacheable | None = None,
+) -> Call[p.LookupReply]:  # fmt: skip
     data = p.encode_tokens(tokens)
+    extras = list(extra_keys)
     return _call(
         lambda i, e: p.Lookup(
-            id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait
+            id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait,
+            extra_keys=extras, uncacheable=uncacheable,
         ),
         p.LookupReply, _same,
     )  # fmt: skip
@@ -121,24 +126,29 @@ def load_blocks(
 
 
 def save_blocks(
-    tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int
-) -> Call[p.SaveReply]:
+    tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int, *,
+    extra_keys: Sequence[bytes] = (),
+) -> Call[p.SaveReply]:  # fmt: skip
     data = p.encode_tokens(tokens)
     ids = list(block_ids)
+    extras = list(extra_keys)
     return _call(
         lambda i, e: p.SaveBlocks(
             id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
-            first_chunk=first_chunk, block_ids=ids,
+            first_chunk=first_chunk, block_ids=ids, extra_keys=extras,
         ),
         p.SaveReply, _same,
     )  # fmt: skip
 
 
-def reserve(tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int) -> Call[p.StoreReply]:
+def reserve(
+    tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int, *, extra_keys: Sequence[bytes] = ()
+) -> Call[p.StoreReply]:
     data = p.encode_tokens(tokens)
+    extras = list(extra_keys)
     return _call(
         lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
-                             cache_salt=cache_salt, first_chunk=first_chunk),
+                             cache_salt=cache_salt, first_chunk=first_chunk, extra_keys=extras),
         p.StoreReply, _same,
     )  # fmt: skip
 

@@ -122,15 +122,19 @@ class KVDepotClient(ClientBase):
         return self._call(calls.ping())
 
     def lookup(
-        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False
-    ) -> p.LookupReply:
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False,
+        extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None,
+    ) -> p.LookupReply:  # fmt: skip
         """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
 
         Chunks missing in L1 are fetched from L2 meanwhile: with `wait` the reply comes once they
         are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
-        many are still coming and `query_prefetch` polls.
+        many are still coming and `query_prefetch` polls. `extra_keys`: per chunk (protocol); with
+        `uncacheable` the sidecar counts the reason and answers a miss.
         """
-        return self._call(calls.lookup(tokens, request_id, cache_salt, wait))
+        return self._call(calls.lookup(
+            tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable
+        ))
 
     def query_prefetch(self, request_id: str) -> p.LookupReply:
         return self._call(calls.query_prefetch(request_id))
@@ -186,19 +190,23 @@ class KVDepotClient(ClientBase):
         block_ids: Sequence[int],
         cache_salt: str = "",
         first_chunk: int = 0,
+        extra_keys: Sequence[bytes] = (),
     ) -> p.SaveReply:
         """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`."""
-        return self._call(calls.save_blocks(tokens, request_id, block_ids, cache_salt, first_chunk))
+        return self._call(
+            calls.save_blocks(tokens, request_id, block_ids, cache_salt, first_chunk, extra_keys=extra_keys)
+        )
 
     def slot_view(self, slot: p.Slot) -> torch.Tensor:
         """The arena view (uint8) of a reserved slot, for callers that fill it themselves."""
         return self._session.region(slot.offset, slot.size)
 
     def reserve(
-        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0
-    ) -> p.StoreReply:
+        self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0,
+        extra_keys: Sequence[bytes] = (),
+    ) -> p.StoreReply:  # fmt: skip
         """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`."""
-        return self._call(calls.reserve(tokens, request_id, cache_salt, first_chunk))
+        return self._call(calls.reserve(tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys))
 
     def commit(self, oids: Sequence[int]) -> list[bool]:
         """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""
@@ -216,13 +224,15 @@ class KVDepotClient(ClientBase):
         request_id: str,
         cache_salt: str = "",
         first_chunk: int = 0,
+        extra_keys: Sequence[bytes] = (),
     ) -> StoreOutcome:
         """Store `chunks` as the full chunks `first_chunk..` of `tokens`: reserve, copy, commit."""
         s = self._session
         with self._lock:
             reply = self.reserve(
-                tokens, request_id=request_id, cache_salt=cache_salt, first_chunk=first_chunk
-            )
+                tokens, request_id=request_id, cache_salt=cache_salt, first_chunk=first_chunk,
+                extra_keys=extra_keys,
+            )  # fmt: skip
             try:
                 oids = s.copy_in(reply, chunks, first_chunk)
             except BaseException:

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvdepot_connector.wire import Count, Dim, EngineId, Msg, Name
+from kvdepot_connector.wire import Count, Dim, EngineId, ExtraKeys, Msg, Name
 
 
 class TensorHandle(msgspec.Struct, frozen=True):
@@ -78,6 +78,7 @@ class SaveBlocks(Msg, tag="save_blocks"):
     cache_salt: Name = ""
     first_chunk: Count = 0
     block_ids: BlockIds = msgspec.field(default_factory=list)
+    extra_keys: ExtraKeys = msgspec.field(default_factory=list)  # as in protocol.Store
 
 
 class SaveReply(Msg, tag="save_reply"):

@@ -21,6 +21,16 @@ given a new meaning, a default changed) bumps the major version.
   2: HELLO first on every connection, with the engine instance nonce; ids owned by the instance
      (`not_owner`); RETRIEVE returns each extent's object id and RELEASE carries them back (the
      generation check); data-plane CLEAR needs a cache_salt.
+  3: chunk keys cover what changes KV besides the tokens: LOOKUP, STORE and SAVE_BLOCKS carry
+     `extra_keys` (per chunk, a digest of the LoRA adapter, the multimodal items and the prompt
+     embeddings it depends on), and LOOKUP may say `uncacheable` (a miss the sidecar counts). A v2
+     client never sent them, so its keys would alias an adapter's KV with the base model's: v2 is
+     refused, not served.
+
+Extra keys. `extra_keys[i]` is chunk i's extra key: empty (the chunk's KV depends on its tokens
+alone) or EXTRA_KEY_BYTES bytes; entries past the list's end are empty. The sidecar chains it into
+the chunk's hash (`engine.keys`), so a chunk's key also covers every earlier chunk's extra key. The
+digests are the client's: the sidecar never interprets them, it only keeps keys that differ apart.
 
 Sessions and ownership. Every connection says HELLO first; other messages before it are refused
 (`hello_required`, also after the sidecar restarted: say HELLO again and register again). HELLO
@@ -36,7 +46,7 @@ Requests, in the order a client uses them:
   Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session,
                                             its lifeline path and token
   Register(model, layout, kv_rank, group)-> RegisterReply: engine_id (per instance), chunk_bytes
-  Lookup(engine_id, request_id, tokens, cache_salt)
+  Lookup(engine_id, request_id, tokens, cache_salt, extra_keys, uncacheable)
                                          -> LookupReply: hit_tokens from the start; hits read-locked
   Retrieve(engine_id, request_id, first_chunk, num_chunks)
                                          -> RetrieveReply: (offset, size, oid) per locked chunk
@@ -44,7 +54,7 @@ Requests, in the order a client uses them:
                                             client copied from (`oids`, from RETRIEVE) is still the
                                             same live object (its bytes unchanged); without oids,
                                             only when the request still held its locks
-  Store(engine_id, request_id, tokens, cache_salt, first_chunk)
+  Store(engine_id, request_id, tokens, cache_salt, first_chunk, extra_keys)
                                          -> StoreReply: per chunk reserved(oid, offset)/exists/
                                             no_space/quota
   Commit(engine_id, oids)                -> CommitReply: per oid True, False = lease expired
@@ -58,7 +68,7 @@ CPU), the sidecar copies itself instead of the client (the messages: `kv_sharing
 
   RegisterKVCache(engine_id, layers)     -> CountReply
   LoadBlocks(engine_id, request_id, chunks, block_ids)   -> ReleaseReply (valid = blocks filled)
-  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids) -> SaveReply
+  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids, extra_keys) -> SaveReply
 
 Any request may instead get an ErrorReply(code, message, retryable). A frame that cannot be
 decoded gets ErrorReply(code="malformed_frame") with id -1 when no id could be read.
@@ -82,6 +92,7 @@ from kvdepot_connector.kv_sharing import (
     TensorHandle,
 )
 from kvdepot_connector.wire import (
+    EXTRA_KEY_BYTES,
     INSTANCE_PATTERN,
     MAX_ID_LEN,
     MAX_LIST,
@@ -91,23 +102,27 @@ from kvdepot_connector.wire import (
     Dim,
     EngineId,
     ErrorCode,
+    ExtraKey,
+    ExtraKeys,
     Id,
     Layout,
     Msg,
     Name,
     Oid,
     SlotStatus,
+    Uncacheable,
 )
 
 # the whole wire, including what kv_sharing and wire define: import it from here
 __all__ = [
-    "INSTANCE_PATTERN", "MAX_ID_LEN", "MAX_LIST", "PROTOCOL_VERSION", "TOKEN_BYTES", "Abort", "BlockIds",
-    "Clear", "Commit", "CommitReply", "Count", "CountReply", "Dim", "EndRequest", "EngineId", "ErrorCode",
-    "ErrorReply", "Extent", "FreeLookupLocks", "Hello", "HelloReply", "Id", "Layout", "LoadBlocks",
-    "Lookup", "LookupReply", "Name", "Oid", "Ping", "Pong", "QueryPrefetch", "Register", "RegisterKVCache",
-    "RegisterReply", "Release", "ReleaseReply", "Reply", "Request", "Retrieve", "RetrieveReply",
-    "SaveBlocks", "SaveReply", "Slot", "SlotStatus", "Store", "StoreReply", "TensorHandle", "encode",
-    "encode_tokens", "reply_decoder", "request_decoder", "salvage_id"
+    "EXTRA_KEY_BYTES", "INSTANCE_PATTERN", "MAX_ID_LEN", "MAX_LIST", "PROTOCOL_VERSION", "TOKEN_BYTES",
+    "Abort", "BlockIds", "Clear", "Commit", "CommitReply", "Count", "CountReply", "Dim", "EndRequest",
+    "EngineId", "ErrorCode", "ErrorReply", "Extent", "ExtraKey", "ExtraKeys", "FreeLookupLocks", "Hello",
+    "HelloReply", "Id", "Layout", "LoadBlocks", "Lookup", "LookupReply", "Name", "Oid", "Ping", "Pong",
+    "QueryPrefetch", "Register", "RegisterKVCache", "RegisterReply", "Release", "ReleaseReply", "Reply",
+    "Request", "Retrieve", "RetrieveReply", "SaveBlocks", "SaveReply", "Slot", "SlotStatus", "Store",
+    "StoreReply", "TensorHandle", "Uncacheable", "encode", "encode_tokens", "reply_decoder",
+    "request_decoder", "salvage_id"
 ]  # fmt: skip
 
 
@@ -139,6 +154,10 @@ class Lookup(Msg, tag="lookup"):
     tokens: bytes
     cache_salt: Name = ""
     wait: bool = False
+    extra_keys: ExtraKeys = msgspec.field(default_factory=list)
+    #: set: the client will neither load nor store this request; the sidecar counts the reason
+    #: and answers a miss without locking anything
+    uncacheable: Uncacheable | None = None
 
 
 class QueryPrefetch(Msg, tag="query_prefetch"):
@@ -167,6 +186,7 @@ class Store(Msg, tag="store"):
     tokens: bytes
     cache_salt: Name = ""
     first_chunk: Count = 0
+    extra_keys: ExtraKeys = msgspec.field(default_factory=list)
 
 
 class Commit(Msg, tag="commit"):

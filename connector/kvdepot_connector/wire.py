@@ -17,7 +17,7 @@ import msgspec
 
 from kvdepot_connector import layout
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 TOKEN_BYTES = 4
 MAX_ID_LEN = 256
 MAX_LIST = 1 << 16
@@ -31,6 +31,21 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Oid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+
+#: bytes of one chunk's extra key: a digest of what changes the chunk's KV besides its tokens
+EXTRA_KEY_BYTES = 32
+#: per chunk (index = chunk number): empty, or an EXTRA_KEY_BYTES digest
+ExtraKey = Annotated[bytes, msgspec.Meta(max_length=EXTRA_KEY_BYTES)]
+ExtraKeys = Annotated[list[ExtraKey], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class Uncacheable(enum.StrEnum):
+    """Why a client will neither load nor store a request (a miss, counted by the sidecar)."""
+
+    LORA_UNFINGERPRINTED = "lora_unfingerprinted"  # an adapter whose weights cannot be fingerprinted
+    MM_UNIDENTIFIED = "mm_unidentified"  # a multimodal item without an identifier or position
+    EMBEDS_UNHASHABLE = "embeds_unhashable"  # prompt embeddings the client cannot hash
+    UNSUPPORTED_INPUT = "unsupported_input"  # any other input the client cannot key
 
 
 class ErrorCode(enum.StrEnum):

@@ -19,6 +19,10 @@ Settings (`kv_connector_extra_config`):
                        the mapped arena), "sidecar" (CUDA IPC handles; the sidecar copies on its
                        own streams), or "auto" (default: sidecar for CUDA caches, else connector)
 
+Keys: a chunk's key covers, besides the model, layout, kv rank, cache_salt and token ids, the
+request's LoRA adapter (name and a fingerprint of its files), its multimodal items and its prompt
+embeddings (`extra_keys`); a request whose inputs cannot be keyed is not cached.
+
 Ownership: the scheduler and the workers of one engine say HELLO with the same instance nonce,
 derived from vLLM's `kv_transfer_config.engine_id` (`identity.instance_nonce`), so the workers may
 read and release what the scheduler locked and nobody else may. Engines given the same explicit
@@ -52,6 +56,7 @@ from kvdepot_connector.layout import (
     canonical_dtype,
 )
 from kvdepot_connector.protocol import Layout
+from kvdepot_connector.vllm.extra_keys import AdapterFingerprints, request_keys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.identity import instance_nonce
 from kvdepot_connector.vllm.plan import StepPlan
@@ -140,6 +145,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._blocks: dict[str, list[int]] = {}
+        self._adapters = AdapterFingerprints()
         if role == KVConnectorRole.SCHEDULER:
             guard = SidecarGuard()
             clients = [
@@ -166,9 +172,12 @@ class KVDepotConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        # Token ids as vLLM hashes them: positions given as embeddings hold 0 (their embeddings go
+        # into the extra keys).
+        prompt = request.all_token_ids[: request.num_prompt_tokens]
         return self._scheduler.matched_tokens(
-            request.request_id, request.prompt_token_ids or [], request.cache_salt, request.num_tokens,
-            num_computed_tokens,
+            request.request_id, prompt, request.cache_salt, request.num_tokens, num_computed_tokens,
+            keys=lambda: request_keys(request, self._chunk_size, self._adapters),
         )  # fmt: skip
 
     def update_state_after_alloc(

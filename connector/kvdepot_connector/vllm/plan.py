@@ -36,6 +36,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     first_chunk: int
     num_chunks: int
+    extra_keys: tuple[bytes, ...] = ()  # per chunk from chunk 0 (protocol.Lookup.extra_keys)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,15 @@
 """SchedulerSide: the connector's logic in vLLM's scheduler process, without vLLM imports.
 
-State per request: its prompt tokens (encoded once), its cache_salt, the hit found (chunks, read
-locked in the sidecar for this request on every kv rank), what is still to be loaded and what has
-been saved. One client per kv rank (tensor parallel rank): a hit counts only where every rank has
-it. Everything here runs on vLLM's scheduler thread.
+State per request: its prompt tokens (encoded once), its cache_salt, its extra keys (LoRA adapter,
+multimodal items, prompt embeddings: `extra_keys`; a request that cannot be keyed is neither
+loaded nor stored), the hit found (chunks, read locked in the sidecar for this request on every kv
+rank), what is still to be loaded and what has been saved. One client per kv rank (tensor parallel
+rank): a hit counts only where every rank has it. Everything here runs on vLLM's scheduler thread.
 
 Hooks, in the order vLLM calls them:
-  matched_tokens(req, computed)   LOOKUP (then QUERY_PREFETCH while chunks arrive from L2: None =
+  matched_tokens(req, computed)   LOOKUP with the request's extra keys (an uncacheable request: one
+                                  LOOKUP saying why, counted by the sidecar, then 0)
+                                  (then QUERY_PREFETCH while chunks arrive from L2: None =
                                   "ask me next step"); the answer is cached for repeated asks
   after_alloc(req, blocks, n)     the blocks the hit goes into: a LoadSpec for the next step
   plan_step(...)                  loads due + full prompt chunks completed this step -> SaveSpecs
@@ -17,11 +20,13 @@ Hooks, in the order vLLM calls them:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.errors import KVDepotClientError
+from kvdepot_connector.protocol import Uncacheable
+from kvdepot_connector.vllm.extra_keys import RequestKeys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec, StepPlan
 
@@ -36,6 +41,7 @@ class _Request:
     tokens: bytes
     num_prompt_tokens: int
     salt: str
+    keys: RequestKeys | None  # None: uncacheable, never loaded nor stored
     hit_chunks: int = 0
     answered: tuple[int, bool] | None = None
     pending: bool = False
@@ -81,13 +87,21 @@ class SchedulerSide:
     # --- lookups -------------------------------------------------------------------------------
 
     def matched_tokens(
-        self, request_id: str, prompt: Sequence[int], salt: str | None, num_tokens: int, num_computed: int
+        self, request_id: str, prompt: Sequence[int], salt: str | None, num_tokens: int, num_computed: int,
+        *, keys: Callable[[], RequestKeys | Uncacheable] | None = None,
     ) -> tuple[int | None, bool]:
+        """`keys`: called once, on the request's first ask, for its extra keys (None: plain tokens)."""
         req = self._requests.get(request_id)
         if req is None:
-            req = _Request(request_id, encode_tokens(list(prompt)), len(prompt), salt or "")
+            found = keys() if keys is not None else RequestKeys(self.chunk_size, len(prompt))
+            req = _Request(
+                request_id, encode_tokens(list(prompt)), len(prompt), salt or "",
+                found if isinstance(found, RequestKeys) else None,
+            )  # fmt: skip
             self._requests[request_id] = req
-        if req.failed:
+            if not isinstance(found, RequestKeys):
+                self._note_uncacheable(req, found)
+        if req.failed or req.keys is None:
             return 0, False
         if req.answered is not None and not req.pending:
             return self._answer(req, num_tokens, num_computed)
@@ -102,8 +116,11 @@ class SchedulerSide:
                 reply = (
                     client.query_prefetch(request_id)
                     if req.pending
-                    else client.lookup(req.tokens, request_id=request_id, cache_salt=req.salt)
-                )
+                    else client.lookup(
+                        req.tokens, request_id=request_id, cache_salt=req.salt,
+                        extra_keys=req.keys.extras(req.num_prompt_tokens // self.chunk_size),
+                    )
+                )  # fmt: skip
                 hits.append(reply.hit_chunks)
                 pending = pending or reply.pending_chunks > 0
         except CLIENT_ERRORS as exc:
@@ -118,6 +135,17 @@ class SchedulerSide:
         req.hit_chunks = min(hits)
         req.answered = (req.hit_chunks, False)
         return self._answer(req, num_tokens, num_computed)
+
+    def _note_uncacheable(self, req: _Request, reason: Uncacheable) -> None:
+        """Tell the sidecar (one rank is enough: it counts requests) why this one is not cached."""
+        log.info("kvdepot: request %s is not cached (%s)", req.request_id, reason.value)
+        req.answered = (0, False)
+        if not self.clients or not self.guard.available():
+            return
+        try:
+            self.clients[0].lookup(b"", request_id=req.request_id, cache_salt=req.salt, uncacheable=reason)
+        except CLIENT_ERRORS as exc:
+            self.guard.failed("lookup", exc)
 
     def _answer(self, req: _Request, num_tokens: int, num_computed: int) -> tuple[int, bool]:
         hit_tokens = req.hit_chunks * self.chunk_size
@@ -162,7 +190,7 @@ class SchedulerSide:
         self._loads_due = []
         for s in scheduled:
             req = self._requests.get(s.request_id)
-            if req is None:
+            if req is None or req.keys is None:
                 continue
             done_tokens = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens)
             full = done_tokens // self.chunk_size
@@ -180,6 +208,7 @@ class SchedulerSide:
                     block_ids=tuple(s.block_ids[first * self.blocks_per_chunk : needed_blocks]),
                     first_chunk=first,
                     num_chunks=full - first,
+                    extra_keys=req.keys.extras(full),
                 )
             )
             req.saved_chunks = full

@@ -172,15 +172,16 @@ class WorkerSide:
             out = self._shared_call(
                 lambda: self.client.save_blocks(
                     spec.tokens, request_id=spec.request_id, block_ids=spec.block_ids,
-                    cache_salt=spec.cache_salt, first_chunk=spec.first_chunk,
+                    cache_salt=spec.cache_salt, first_chunk=spec.first_chunk, extra_keys=spec.extra_keys,
                 )
             )  # fmt: skip
             self.guard.succeeded()
             self.saved_chunks += out.stored
             return
         reply = self.client.reserve(
-            spec.tokens, request_id=spec.request_id, cache_salt=spec.cache_salt, first_chunk=spec.first_chunk
-        )
+            spec.tokens, request_id=spec.request_id, cache_salt=spec.cache_salt,
+            first_chunk=spec.first_chunk, extra_keys=spec.extra_keys,
+        )  # fmt: skip
         reserved = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
         try:
             cuts = [self._cut(self.client.slot_view(slot)) for slot in reserved]

@@ -3,11 +3,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import blake3
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher, salt_of
+from engine.keys import SEED, KVLayout, Namespace, ObjectKey, TokenHasher, salt_of
 from kvdepot_connector.protocol import encode_tokens
 
 # Pinned: these values must never change, or every cache in every tier silently misses after an
@@ -99,3 +100,29 @@ def test_salt_of_reads_the_tenant_of_any_serialized_key(model: str, salt: str) -
 def test_salt_of_a_string_that_is_not_a_key_is_the_default_tenant() -> None:
     for text in ("", "k0", "a:1", "kvd0/m=x/l=00/r=0/g=0/s=a/h=00", "s=a/h=00"):
         assert salt_of(text) == ""
+
+
+def test_extra_keys_change_their_chunk_and_every_later_one_only() -> None:
+    hasher = TokenHasher(4)
+    tokens = encode_tokens(list(range(16)))
+    plain = hasher.chunk_hashes(tokens)
+    x, y = b"x" * 32, b"y" * 32
+    # No extra key, or empty ones: the plain keys (a request without adapter/image is unchanged).
+    assert hasher.chunk_hashes(tokens, extras=[b"", b""]) == plain
+    assert hasher.chunk_hashes(tokens, extras=[b"", b"", b"", b"", x]) == plain  # past the end
+    with_x = hasher.chunk_hashes(tokens, extras=[b"", x])
+    assert with_x[0] == plain[0]
+    assert all(a != b for a, b in zip(with_x[1:], plain[1:], strict=True))
+    with_y = hasher.chunk_hashes(tokens, extras=[b"", y])
+    assert with_y[0] == plain[0] and all(a != b for a, b in zip(with_x[1:], with_y[1:], strict=True))
+    # Deterministic, and pinned like the plain chain.
+    assert hasher.chunk_hashes(tokens, extras=[b"", x]) == with_x
+    tokens = encode_tokens(list(range(4096)))
+    first = TokenHasher(256).chunk_hashes(tokens, extras=[b"\x01" * 32])[0]
+    assert first.hex() == blake3.blake3(SEED + tokens[:1024] + b"\x01" * 32).hexdigest()
+
+
+@pytest.mark.parametrize("bad", [b"x", b"x" * 31, b"x" * 33])
+def test_extra_keys_of_another_length_are_refused(bad: bytes) -> None:
+    with pytest.raises(ValueError, match="extra key of chunk 1"):
+        TokenHasher(4).chunk_hashes(encode_tokens(list(range(8))), extras=[b"", bad])
