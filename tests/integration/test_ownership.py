@@ -179,6 +179,11 @@ def test_every_connection_says_hello_first_and_versions_are_checked(sidecar_fact
         assert isinstance(old, p.ErrorReply) and old.code == p.ErrorCode.UNSUPPORTED_VERSION
         assert f"sidecar speaks {p.PROTOCOL_VERSION}" in old.message and "client 1" in old.message
         assert isinstance(ask(p.Ping(id=3)), p.ErrorReply)  # a refused HELLO opens no session
+        # A v2 client would send keys without extra keys (an adapter's chunks as the base model's):
+        # refused with both versions named, never served.
+        v2 = ask(p.Hello(id=6, version=2))
+        assert isinstance(v2, p.ErrorReply) and v2.code == p.ErrorCode.UNSUPPORTED_VERSION
+        assert "client 2" in v2.message and p.PROTOCOL_VERSION == 3
         assert isinstance(ask(p.Hello(id=4, version=p.PROTOCOL_VERSION)), p.HelloReply)
         assert isinstance(ask(p.Ping(id=5)), p.Pong)
     finally:
