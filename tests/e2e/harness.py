@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,17 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def build_lora(model_dir: Path, out_dir: Path, seed: int) -> Path:
+    """A random LoRA adapter for `model_dir` (tests/e2e/make_lora.py), PEFT's format."""
+    subprocess.run(
+        [str(VLLM_PYTHON), str(REPO / "tests" / "e2e" / "make_lora.py"), str(model_dir), str(out_dir),
+         "--seed", str(seed)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return out_dir
 
 
 def build_model(out_dir: Path) -> Path:
@@ -60,6 +72,8 @@ class VllmServer:
         kv: dict[str, Any] | None = None,
         prefix_caching: bool = False,
         name: str = "vllm",
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.model = str(model)
         self.port = free_port()
@@ -72,6 +86,7 @@ class VllmServer:
             # The same core binding with and without a connector (see shared notes): fair timings.
             VLLM_CPU_NUM_OF_RESERVED_CPU="1",
         )
+        env.update(extra_env or {})
         args = [
             str(VLLM_PYTHON),
             "-m",
@@ -89,6 +104,7 @@ class VllmServer:
         ]
         if kv is not None:
             args += ["--kv-transfer-config", json.dumps(kv)]
+        args += list(extra_args)
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -114,10 +130,18 @@ class VllmServer:
             time.sleep(1)
         raise RuntimeError(f"vLLM not healthy after {timeout} s; see {self.log_path}")
 
-    def complete(self, prompt: list[int], *, max_tokens: int = 4, cache_salt: str | None = None) -> Tokens:
-        """Greedy completion; (token, logprob) of every generated token."""
+    def complete(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int = 4,
+        cache_salt: str | None = None,
+        model: str | None = None,
+    ) -> Tokens:
+        """Greedy completion; (token, logprob) of every generated token. `model` names a served LoRA
+        adapter (`--lora-modules NAME=PATH`); the default is the base model."""
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": model if model is not None else self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -126,14 +150,18 @@ class VllmServer:
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        with self._conn(600) as conn:
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data[:500]!r}")
+        status, data = self.post("/v1/completions", body)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:500]!r}")
         logprobs = json.loads(data)["choices"][0]["logprobs"]
         return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """POST a JSON body (e.g. /v1/load_lora_adapter); the status and the raw answer."""
+        with self._conn(600) as conn:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
 
     def metric(self, name: str) -> float:
         with self._conn(30) as conn:

@@ -97,7 +97,15 @@ def _request(r: Request) -> dict[str, Any]:
         "kv_transfer_params": r.kv_transfer_params,
         "num_block_hashes": len(r.block_hashes),
         "block_hash_type": type(r.block_hashes[0]).__name__ if r.block_hashes else None,
-        "lora": r.lora_request is not None,
+        "lora": None
+        if r.lora_request is None
+        else {
+            "type": type(r.lora_request).__name__,
+            "lora_name": r.lora_request.lora_name,
+            "lora_int_id": r.lora_request.lora_int_id,
+            "lora_path": r.lora_request.lora_path,
+            "load_inplace": r.lora_request.load_inplace,
+        },
         "mm_features": len(r.mm_features),
         "max_tokens": sp.max_tokens if sp is not None else None,
     }
