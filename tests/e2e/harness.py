@@ -54,6 +54,50 @@ def build_model(out_dir: Path) -> Path:
     return out_dir
 
 
+def build_mm_model(out_dir: Path) -> Path:
+    """The tiny image+text checkpoint of make_mm_model.py (Idefics3, 64 <image> tokens per image)."""
+    subprocess.run(
+        [str(VLLM_PYTHON), str(REPO / "tests" / "e2e" / "make_mm_model.py"), str(out_dir)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return out_dir
+
+
+def png_data_url(seed: int, width: int = 64, height: int = 48) -> str:
+    """A PNG of seeded random RGB noise as a data URL: every seed gives another image, byte-stable.
+
+    Noise, not a plain colour: after the vision tower's layer norms, plain colours look alike.
+    """
+    import base64
+    import random
+    import struct
+    import zlib
+
+    rng = random.Random(seed)
+    rows = b"".join(b"\x00" + rng.randbytes(3 * width) for _ in range(height))  # filter 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def image_part(seed: int) -> dict[str, Any]:
+    """An OpenAI chat content part holding `png_data_url(seed)`."""
+    return {"type": "image_url", "image_url": {"url": png_data_url(seed)}}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
 def connector_config(url: str, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KVDepotConnector",
@@ -162,6 +206,31 @@ class VllmServer:
             conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             return resp.status, resp.read()
+
+    def chat(self, content: list[dict[str, Any]], *, max_tokens: int = 4) -> tuple[Tokens, int]:
+        """Greedy chat completion of one user message made of `content` parts (text, image_url).
+
+        Returns (token, logprob) of every generated token and the prompt's length in tokens.
+        """
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": True,
+            "ignore_eos": True,
+        }
+        with self._conn(600) as conn:
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data[:500]!r}")
+        reply = json.loads(data)
+        tokens = [(t["token"], t["logprob"]) for t in reply["choices"][0]["logprobs"]["content"]]
+        return tokens, int(reply["usage"]["prompt_tokens"])
 
     def metric(self, name: str) -> float:
         with self._conn(30) as conn:
