@@ -277,8 +277,9 @@ class DataPlaneServer:
 
     def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(
-            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id
-        )
+            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id,
+            prompt_tokens=m.prompt_tokens,
+        )  # fmt: skip
         return p.StoreReply(
             id=m.id,
             slots=[p.Slot(s.chunk, p.SlotStatus(s.status.value), s.oid, s.offset, s.size) for s in slots],
@@ -328,7 +329,7 @@ class DataPlaneServer:
     async def _save_blocks(self, m: p.SaveBlocks, _: Session) -> p.Reply:
         out = await self._transfers().save(
             m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
-            first_chunk=m.first_chunk, block_ids=m.block_ids,
+            first_chunk=m.first_chunk, block_ids=m.block_ids, prompt_tokens=m.prompt_tokens,
         )  # fmt: skip
         return p.SaveReply(id=m.id, stored=out.stored, existing=out.existing, refused=out.refused)
 

@@ -121,24 +121,27 @@ def load_blocks(
 
 
 def save_blocks(
-    tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int
-) -> Call[p.SaveReply]:
+    tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int, *,
+    prompt_tokens: int = 0,
+) -> Call[p.SaveReply]:  # fmt: skip
     data = p.encode_tokens(tokens)
     ids = list(block_ids)
     return _call(
         lambda i, e: p.SaveBlocks(
             id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
-            first_chunk=first_chunk, block_ids=ids,
+            first_chunk=first_chunk, block_ids=ids, prompt_tokens=prompt_tokens,
         ),
         p.SaveReply, _same,
     )  # fmt: skip
 
 
-def reserve(tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int) -> Call[p.StoreReply]:
+def reserve(
+    tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int, prompt_tokens: int = 0
+) -> Call[p.StoreReply]:
     data = p.encode_tokens(tokens)
     return _call(
         lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
-                             cache_salt=cache_salt, first_chunk=first_chunk),
+                             cache_salt=cache_salt, first_chunk=first_chunk, prompt_tokens=prompt_tokens),
         p.StoreReply, _same,
     )  # fmt: skip
 
