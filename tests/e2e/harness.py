@@ -116,6 +116,13 @@ class VllmServer:
 
     def complete(self, prompt: list[int], *, max_tokens: int = 4, cache_salt: str | None = None) -> Tokens:
         """Greedy completion; (token, logprob) of every generated token."""
+        return self.complete_ids(prompt, max_tokens=max_tokens, cache_salt=cache_salt)[0]
+
+    def complete_ids(
+        self, prompt: list[int], *, max_tokens: int = 4, cache_salt: str | None = None
+    ) -> tuple[Tokens, list[int]]:
+        """Greedy completion of exactly `max_tokens` tokens: (token, logprob) of every generated
+        token, and their token ids (what a chat sends back as part of its next prompt)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -123,6 +130,7 @@ class VllmServer:
             "temperature": 0,
             "logprobs": 1,
             "ignore_eos": True,
+            "return_token_ids": True,
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
@@ -132,8 +140,11 @@ class VllmServer:
             data = resp.read()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {data[:500]!r}")
-        logprobs = json.loads(data)["choices"][0]["logprobs"]
-        return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+        choice = json.loads(data)["choices"][0]
+        logprobs = choice["logprobs"]
+        return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True)), list(
+            choice["token_ids"]
+        )
 
     def metric(self, name: str) -> float:
         with self._conn(30) as conn:
