@@ -18,6 +18,7 @@ import torch
 
 from app.bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
+from kvdepot_connector.handles import export_tensor
 from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvdepot_connector.vllm.worker import WorkerSide
 from tests.integration.conftest import StartSidecar
@@ -36,7 +37,7 @@ def metric(sc: SidecarProcess, name: str) -> float:
 
 @dataclass
 class Engine:
-    """One engine instance's two connector halves (worker copies through the arena)."""
+    """One engine instance's two connector halves."""
 
     sc: SidecarProcess
     sched: SchedulerSide
@@ -59,15 +60,21 @@ class Engine:
 
 
 @pytest.fixture
-def engine(sidecar_factory: StartSidecar, tmp_path: Path) -> Iterator[Engine]:
+def engine(sidecar_factory: StartSidecar, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    """Worker copies through the arena; with the parameter True, the sidecar copies (SAVE_BLOCKS)."""
+    by_sidecar = bool(getattr(request, "param", False))
     sc = sidecar_factory(
         env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "sc"
     )
     instance = secrets.token_hex(16)
     sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False, instance=instance)
-    work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, instance=instance, timeout_s=1.0)
+    work_client = KVDepotClient(
+        sc.url, model="m", layout=LAYOUT, instance=instance, timeout_s=1.0, map_arena=not by_sidecar
+    )
     kv = KV()
-    worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK)
+    work_client.connect().share([kv.shared.region()])
+    shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
+    worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK, shared=shared)
     sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load_async=False)
     yield Engine(sc, sched, worker, kv)
     sched_client.close()
@@ -75,6 +82,7 @@ def engine(sidecar_factory: StartSidecar, tmp_path: Path) -> Iterator[Engine]:
     kv.shared.close()
 
 
+@pytest.mark.parametrize("engine", [False, True], indirect=True, ids=["worker-copies", "sidecar-copies"])
 def test_a_finished_request_saves_its_answer_once_and_the_next_turn_hits_through_it(engine: Engine) -> None:
     e = engine
     prompt = list(range(1000, 1000 + 2 * CHUNK + 5))  # 2 full chunks and 5 tokens
