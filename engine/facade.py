@@ -11,8 +11,12 @@ Primitives in data-plane call order:
                                                        prefetched from L2 (query_prefetch/wait_prefetch)
   retrieve(engine, request, first, count)           -> extents (and oids) of the locked objects
   release(engine, request, oids)                    -> True only if the copy is safe (see below)
-  store(engine, request, tokens, salt, first_chunk) -> per-chunk StoreSlot (reserve; client copies)
-  commit(engine, oids)                              -> per-oid ok / lease expired; visible at once;
+  store(engine, request, tokens, salt, first_chunk, prompt_tokens)
+                                                    -> per-chunk StoreSlot (reserve; client copies);
+                                                       chunks ending past prompt_tokens (when > 0)
+                                                       hold generated tokens
+  commit(engine, oids)                              -> per-oid ok / lease expired; visible at once
+                                                       (committed generated chunks are counted);
                                                        NotOwner (nothing done) for a reservation of
                                                        another instance (abort likewise)
   free_lookup_locks / end_request / clear
@@ -237,10 +241,12 @@ class CacheEngine:
 
     def store(
         self, engine_id: int, request_id: str, tokens: bytes, salt: str, first_chunk: int = 0, *,
-        holder: int = 0, extras: Sequence[bytes] = (),
+        holder: int = 0, extras: Sequence[bytes] = (), prompt_tokens: int = 0,
     ) -> list[StoreSlot]:  # fmt: skip
         """Reserve slots for full chunks `first_chunk..` of `tokens`. The client copies, then
-        commits. `holder`: the client session that copies (0: the sidecar copies itself)."""
+        commits. `holder`: the client session that copies (0: the sidecar copies itself);
+        `prompt_tokens`: the request's prompt length: a chunk that ends after it holds generated
+        tokens (0: every chunk is prompt)."""
         reg = self.registration(engine_id)
         _check_ids(request_id, salt)
         n = self.hasher.full_chunks(tokens)
@@ -281,7 +287,10 @@ class CacheEngine:
                 if refused is None and share is not None and taken and taken + charge > share:
                     refused = SlotStatus.NO_SPACE  # one request may not take more than its share
                 elif refused is None:
-                    got = cache.try_reserve(key, size, now, owner=reg.instance, holder=holder)
+                    generated = 0 < prompt_tokens < (i + 1) * self.chunk_size
+                    got = cache.try_reserve(
+                        key, size, now, owner=reg.instance, holder=holder, generated=generated
+                    )
                     if isinstance(got, L1Object):
                         slots.append(StoreSlot(i, SlotStatus.RESERVED, got.oid, got.offset, got.size))
                         c.stored_chunks += 1
@@ -316,6 +325,8 @@ class CacheEngine:
                 out.append(False)
                 continue
             out.append(True)
+            if obj.generated:
+                self.counters.decode_chunks_stored += 1
             if store is not None and obj.visible:
                 store.submit(obj, reg)
         return out

@@ -59,6 +59,7 @@ class EngineCounters:
     miss_tokens: int = 0
     store_requests: int = 0
     stored_chunks: int = 0
+    decode_chunks_stored: int = 0
     existing_chunks: int = 0
     no_space_chunks: int = 0
     quota_chunks: int = 0

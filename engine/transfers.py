@@ -19,7 +19,8 @@ Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
   load(engine, request, first, n, blocks, skip) retrieve the request's locked chunks, copy them
                                                 into the blocks, release -> False if a lease expired
-  save(engine, request, tokens, salt, first, blocks) reserve, copy out of the blocks, commit
+  save(engine, request, tokens, salt, first, blocks[, prompt_tokens])
+                                                reserve, copy out of the blocks, commit
   drop(engine)                                  the planes are closed
 L1 memory stays locked (load) or reserved (save) until its copy has completed.
 """
@@ -160,6 +161,7 @@ class KVTransfers:
         first_chunk: int,
         block_ids: Sequence[int],
         extras: Sequence[bytes] = (),
+        prompt_tokens: int = 0,
     ) -> SaveOutcome:
         planes, fmt = self._registered(engine_id)
         bpc = fmt.blocks_per_chunk
@@ -168,7 +170,9 @@ class KVTransfers:
             len(planes), bpc, len(tokens) // TOKEN_BYTES // chunk_tokens - first_chunk, block_ids
         )
         self._check_blocks(block_ids, planes)
-        slots = self.engine.store(engine_id, request_id, tokens, salt, first_chunk, extras=extras)
+        slots = self.engine.store(
+            engine_id, request_id, tokens, salt, first_chunk, extras=extras, prompt_tokens=prompt_tokens
+        )
         reserved = [s for s in slots if s.status is SlotStatus.RESERVED]
         if len(block_ids) < len(slots) * bpc:
             self.engine.abort(engine_id, [s.oid for s in reserved])

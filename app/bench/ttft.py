@@ -8,6 +8,10 @@ served without the connector) every cold request is preceded by the same request
 so both are measured under the same machine load: `cold_vs_baseline_p50` is the cost of the
 connector when nothing is reused, `warm_speedup_vs_baseline_p50` what it gains when everything is.
 Prints ONE JSON object.
+
+With `--turns N` it measures multi-turn chats instead (app/bench/chat.py): turn 1 sends a prompt
+of `--prompt-tokens`, every later turn the previous prompt, the previous answer's token ids and
+`--turn-tokens` new ones; answers have exactly `--answer-tokens` tokens.
 """
 
 from __future__ import annotations
@@ -36,9 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-salt", help="cache_salt sent with every request")
     p.add_argument("--seed", type=int, default=None, help="prompt seed (default: a fresh one per run)")
     p.add_argument("--timeout", type=float, default=600.0)
+    chat = p.add_argument_group("multi-turn chats (--turns)")
+    chat.add_argument("--turns", type=int, default=0, help="turns per chat (0: cold/warm mode)")
+    chat.add_argument("--answer-tokens", type=int, default=256, help="tokens of every answer")
+    chat.add_argument("--turn-tokens", type=int, default=64, help="new tokens in every later turn")
+    chat.add_argument("--no-decode-url", help="the server with the connector, kvdepot_save_decode false")
 
 
-class _Server:
+class OpenAIServer:
     def __init__(self, url: str, timeout: float) -> None:
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
@@ -56,8 +65,23 @@ class _Server:
         finally:
             conn.close()
 
-    def ttft(self, body: dict[str, Any]) -> tuple[float, list[Any]]:
-        """Seconds until the first streamed token, and the first choice's logprobs."""
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus metric's samples (0 when the server has none)."""
+        conn = self._conn()
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith((name + "{", name + " ")):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def ttft(self, body: dict[str, Any], token_ids: list[int] | None = None) -> tuple[float, list[Any]]:
+        """Seconds until the first streamed token, and the first choice's logprobs; the generated
+        token ids are appended to `token_ids` (ask with `return_token_ids`)."""
         conn = self._conn()
         try:
             start = time.perf_counter()
@@ -74,6 +98,8 @@ class _Server:
                 if first is None:
                     first = time.perf_counter() - start
                 choice = json.loads(line[6:])["choices"][0]
+                if token_ids is not None:
+                    token_ids.extend(choice.get("token_ids") or ())
                 logprobs = choice.get("logprobs") or {}
                 tokens.extend(
                     zip(logprobs.get("tokens", []), logprobs.get("token_logprobs", []), strict=False)
@@ -85,7 +111,7 @@ class _Server:
             conn.close()
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
@@ -129,7 +155,7 @@ class _Warm:
     logprob_max_abs_diff: float = 0.0
 
 
-def _cold_pass(server: _Server, baseline: _Server | None, prompts: _Prompts) -> _Cold:
+def _cold_pass(server: OpenAIServer, baseline: OpenAIServer | None, prompts: _Prompts) -> _Cold:
     """Every prompt once, each right after the same request to the baseline (if any)."""
     cold = _Cold()
     for prompt in prompts.prompts:
@@ -142,7 +168,7 @@ def _cold_pass(server: _Server, baseline: _Server | None, prompts: _Prompts) -> 
     return cold
 
 
-def _warm_pass(server: _Server, prompts: _Prompts, cold: _Cold) -> _Warm:
+def _warm_pass(server: OpenAIServer, prompts: _Prompts, cold: _Cold) -> _Warm:
     """Every prompt again; the tokens must be those of the cold pass."""
     warm = _Warm()
     for prompt, expected in zip(prompts.prompts, cold.first_tokens, strict=True):
@@ -159,9 +185,9 @@ def _result(args: argparse.Namespace, prompts: _Prompts, cold: _Cold, warm: _War
     c, w, base = cold.seconds, warm.seconds, cold.baseline
     result: dict[str, Any] = {
         "cold_ttft_ms_p50": round(statistics.median(c) * 1000, 1),
-        "cold_ttft_ms_p90": round(_pct(c, 0.9) * 1000, 1),
+        "cold_ttft_ms_p90": round(percentile(c, 0.9) * 1000, 1),
         "warm_ttft_ms_p50": round(statistics.median(w) * 1000, 1),
-        "warm_ttft_ms_p90": round(_pct(w, 0.9) * 1000, 1),
+        "warm_ttft_ms_p90": round(percentile(w, 0.9) * 1000, 1),
         "speedup_p50": round(statistics.median(c) / statistics.median(w), 2),
         "prompt_tokens": args.prompt_tokens,
         "shared_prefix_tokens": len(prompts.shared),
@@ -174,7 +200,7 @@ def _result(args: argparse.Namespace, prompts: _Prompts, cold: _Cold, warm: _War
     if base:
         result |= {
             "baseline_ttft_ms_p50": round(statistics.median(base) * 1000, 1),
-            "baseline_ttft_ms_p90": round(_pct(base, 0.9) * 1000, 1),
+            "baseline_ttft_ms_p90": round(percentile(base, 0.9) * 1000, 1),
             "warm_speedup_vs_baseline_p50": round(statistics.median(base) / statistics.median(w), 2),
             "cold_vs_baseline_p50": round(
                 statistics.median([x / b for x, b in zip(c, base, strict=True)]), 4
@@ -184,8 +210,12 @@ def _result(args: argparse.Namespace, prompts: _Prompts, cold: _Cold, warm: _War
 
 
 def run(args: argparse.Namespace) -> int:
-    server = _Server(args.url, args.timeout)
-    baseline = _Server(args.baseline_url, args.timeout) if args.baseline_url else None
+    if args.turns > 0:
+        from app.bench.chat import run_chats
+
+        return run_chats(args)
+    server = OpenAIServer(args.url, args.timeout)
+    baseline = OpenAIServer(args.baseline_url, args.timeout) if args.baseline_url else None
     prompts = _Prompts(args, args.model or server.first_model())
 
     # One short request to each server first: the first request after a start is slow once.

@@ -127,7 +127,7 @@ def load_blocks(
 
 def save_blocks(
     tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int, *,
-    extra_keys: Sequence[bytes] = (),
+    extra_keys: Sequence[bytes] = (), prompt_tokens: int = 0,
 ) -> Call[p.SaveReply]:  # fmt: skip
     data = p.encode_tokens(tokens)
     ids = list(block_ids)
@@ -135,20 +135,22 @@ def save_blocks(
     return _call(
         lambda i, e: p.SaveBlocks(
             id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
-            first_chunk=first_chunk, block_ids=ids, extra_keys=extras,
+            first_chunk=first_chunk, block_ids=ids, extra_keys=extras, prompt_tokens=prompt_tokens,
         ),
         p.SaveReply, _same,
     )  # fmt: skip
 
 
 def reserve(
-    tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int, *, extra_keys: Sequence[bytes] = ()
+    tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int, *, extra_keys: Sequence[bytes] = (),
+    prompt_tokens: int = 0,
 ) -> Call[p.StoreReply]:
     data = p.encode_tokens(tokens)
     extras = list(extra_keys)
     return _call(
         lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
-                             cache_salt=cache_salt, first_chunk=first_chunk, extra_keys=extras),
+                             cache_salt=cache_salt, first_chunk=first_chunk, extra_keys=extras,
+                             prompt_tokens=prompt_tokens),
         p.StoreReply, _same,
     )  # fmt: skip
 

@@ -191,10 +191,15 @@ class KVDepotClient(ClientBase):
         cache_salt: str = "",
         first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
+        prompt_tokens: int = 0,
     ) -> p.SaveReply:
-        """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`."""
+        """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`.
+        `prompt_tokens`: the prompt's length (chunks past it hold generated tokens; 0: all prompt)."""
         return self._call(
-            calls.save_blocks(tokens, request_id, block_ids, cache_salt, first_chunk, extra_keys=extra_keys)
+            calls.save_blocks(
+                tokens, request_id, block_ids, cache_salt, first_chunk, extra_keys=extra_keys,
+                prompt_tokens=prompt_tokens,
+            )
         )
 
     def slot_view(self, slot: p.Slot) -> torch.Tensor:
@@ -204,9 +209,16 @@ class KVDepotClient(ClientBase):
     def reserve(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
+        prompt_tokens: int = 0,
     ) -> p.StoreReply:  # fmt: skip
-        """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`."""
-        return self._call(calls.reserve(tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys))
+        """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`.
+        `prompt_tokens`: the prompt's length (chunks past it hold generated tokens; 0: all prompt)."""
+        return self._call(
+            calls.reserve(
+                tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys,
+                prompt_tokens=prompt_tokens,
+            )
+        )
 
     def commit(self, oids: Sequence[int]) -> list[bool]:
         """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""

@@ -9,7 +9,7 @@ Messages, in the order a client uses them:
   TensorHandle                          one shared tensor (CUDA IPC fields, or a region and offset)
   RegisterKVCache(engine_id, layers)    -> CountReply
   LoadBlocks(engine_id, request_id, chunks, block_ids)   -> ReleaseReply (valid = blocks filled)
-  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids) -> SaveReply
+  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids, prompt_tokens) -> SaveReply
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class LoadBlocks(Msg, tag="load_blocks"):
 
 class SaveBlocks(Msg, tag="save_blocks"):
     """Store the full chunks `first_chunk..` of `tokens` from `block_ids` (the blocks of those
-    chunks, in order): reserve, copy, commit, in one operation."""
+    chunks, in order): reserve, copy, commit, in one operation. `prompt_tokens`: as in STORE."""
 
     engine_id: EngineId
     request_id: Name
@@ -79,6 +79,7 @@ class SaveBlocks(Msg, tag="save_blocks"):
     first_chunk: Count = 0
     block_ids: BlockIds = msgspec.field(default_factory=list)
     extra_keys: ExtraKeys = msgspec.field(default_factory=list)  # as in protocol.Store
+    prompt_tokens: Count = 0
 
 
 class SaveReply(Msg, tag="save_reply"):

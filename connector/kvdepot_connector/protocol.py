@@ -54,7 +54,7 @@ Requests, in the order a client uses them:
                                             client copied from (`oids`, from RETRIEVE) is still the
                                             same live object (its bytes unchanged); without oids,
                                             only when the request still held its locks
-  Store(engine_id, request_id, tokens, cache_salt, first_chunk, extra_keys)
+  Store(engine_id, request_id, tokens, cache_salt, first_chunk, extra_keys, prompt_tokens)
                                          -> StoreReply: per chunk reserved(oid, offset)/exists/
                                             no_space/quota
   Commit(engine_id, oids)                -> CommitReply: per oid True, False = lease expired
@@ -68,7 +68,8 @@ CPU), the sidecar copies itself instead of the client (the messages: `kv_sharing
 
   RegisterKVCache(engine_id, layers)     -> CountReply
   LoadBlocks(engine_id, request_id, chunks, block_ids)   -> ReleaseReply (valid = blocks filled)
-  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids, extra_keys) -> SaveReply
+  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids, extra_keys, prompt_tokens)
+                                         -> SaveReply
 
 Any request may instead get an ErrorReply(code, message, retryable). A frame that cannot be
 decoded gets ErrorReply(code="malformed_frame") with id -1 when no id could be read.
@@ -181,12 +182,16 @@ class Release(Msg, tag="release"):
 
 
 class Store(Msg, tag="store"):
+    """`prompt_tokens`: the request's prompt length; chunks that end after it contain generated
+    tokens (counted apart by the sidecar); 0 means all prompt."""
+
     engine_id: EngineId
     request_id: Name
     tokens: bytes
     cache_salt: Name = ""
     first_chunk: Count = 0
     extra_keys: ExtraKeys = msgspec.field(default_factory=list)
+    prompt_tokens: Count = 0
 
 
 class Commit(Msg, tag="commit"):

@@ -155,12 +155,12 @@ class L1Cache:
 
     def try_reserve(
         self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = "",
-        holder: int = 0,
+        holder: int = 0, generated: bool = False,
     ) -> L1Object | Refusal:  # fmt: skip
         """Reserve room for `key`, within its tenant's quota (see the module docstring). A
         temporary object, once committed, is deleted when its last reader lets go (`make_ordinary`
         keeps it). `owner`: the engine instance it belongs to; `holder`: the client session that
-        writes into it (0: the sidecar itself)."""
+        writes into it (0: the sidecar itself); `generated`: it holds KV of generated tokens."""
         if key in self._objects:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
@@ -183,7 +183,7 @@ class L1Cache:
             oid = secrets.randbits(62)
         obj = L1Object(
             oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner,
-            holder=holder,
+            holder=holder, generated=generated,
         )  # fmt: skip
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s

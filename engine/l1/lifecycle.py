@@ -107,6 +107,7 @@ class L1Object:
     io_busy: bool = False  # a thread is copying into this reservation: never reap it meanwhile
     owner: str = ""  # the engine instance that reserved it ("" : the sidecar itself, e.g. L2 loads)
     holder: int = 0  # the client session that writes into the reservation (0: the sidecar writes)
+    generated: bool = False  # holds KV of generated (decode) tokens: counted apart when committed
     lease_deadline: float = 0.0
     last_access: float = 0.0
 

@@ -184,6 +184,18 @@ class VllmServer:
     ) -> Tokens:
         """Greedy completion; (token, logprob) of every generated token. `model` names a served LoRA
         adapter (`--lora-modules NAME=PATH`); the default is the base model."""
+        return self.complete_ids(prompt, max_tokens=max_tokens, cache_salt=cache_salt, model=model)[0]
+
+    def complete_ids(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int = 4,
+        cache_salt: str | None = None,
+        model: str | None = None,
+    ) -> tuple[Tokens, list[int]]:
+        """Greedy completion of exactly `max_tokens` tokens: (token, logprob) of every generated
+        token, and their token ids (what a chat sends back as part of its next prompt)."""
         body: dict[str, Any] = {
             "model": model if model is not None else self.model,
             "prompt": prompt,
@@ -191,14 +203,18 @@ class VllmServer:
             "temperature": 0,
             "logprobs": 1,
             "ignore_eos": True,
+            "return_token_ids": True,
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         status, data = self.post("/v1/completions", body)
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {data[:500]!r}")
-        logprobs = json.loads(data)["choices"][0]["logprobs"]
-        return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+        choice = json.loads(data)["choices"][0]
+        logprobs = choice["logprobs"]
+        return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True)), list(
+            choice["token_ids"]
+        )
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
         """POST a JSON body (e.g. /v1/load_lora_adapter); the status and the raw answer."""

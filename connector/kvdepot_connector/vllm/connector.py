@@ -18,6 +18,13 @@ Settings (`kv_connector_extra_config`):
   kvdepot_transfer     who copies between the KV blocks and L1: "connector" (the worker, through
                        the mapped arena), "sidecar" (CUDA IPC handles; the sidecar copies on its
                        own streams), or "auto" (default: sidecar for CUDA caches, else connector)
+  kvdepot_save_decode  true (default) or false: when a request ends, also save the full chunks
+                       of its generated tokens (a chat's next turn re-sends the answer as prompt)
+
+Saves: full prompt chunks in the step that computes them (`wait_for_save`); with
+kvdepot_save_decode, when a request finishes normally, the full chunks of prompt + generated
+tokens not stored yet, in the next step: `request_finished` returns True, vLLM keeps the blocks,
+and the workers report the request in `get_finished` (finished_sending) once that save is done.
 
 Keys: a chunk's key covers, besides the model, layout, kv rank, cache_salt and token ids, the
 request's LoRA adapter (name and a fingerprint of its files), its multimodal items and its prompt
@@ -128,6 +135,9 @@ class KVDepotConnector(KVConnectorBase_V1):
             raise ValueError(f"kvdepot_load must be 'async' or 'sync', not {load!r}")
         self._load_async = load == "async"
         self._timeout_s = float(ktc.get_from_extra_config("kvdepot_timeout_s", 2.0))
+        save_decode = ktc.get_from_extra_config("kvdepot_save_decode", True)
+        if not isinstance(save_decode, bool):
+            raise ValueError(f"kvdepot_save_decode must be true or false, not {save_decode!r}")
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size > 1:
             raise ValueError("KVDepotConnector does not support pipeline parallelism yet")
@@ -160,6 +170,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 load_async=self._load_async,
                 guard=guard,
+                save_decode=save_decode,
             )
 
     @property
@@ -178,6 +189,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         return self._scheduler.matched_tokens(
             request.request_id, prompt, request.cache_salt, request.num_tokens, num_computed_tokens,
             keys=lambda: request_keys(request, self._chunk_size, self._adapters),
+            preemptions=request.num_preemptions,
         )  # fmt: skip
 
     def update_state_after_alloc(
@@ -213,10 +225,23 @@ class KVDepotConnector(KVConnectorBase_V1):
                                   set(getattr(connector_output, "failed_recving", None) or ()))  # fmt: skip
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delays freeing the blocks (True) while a decode save of the request is due. Only for a
+        request that ended by a stop or its length: an aborted one is never saved (the client went
+        away or cancelled, so its answer will not come back as a prompt; vLLM also aborts in the
+        engine a request whose stop string its frontend matched. And an abort can end a request
+        still waiting for an asynchronous load, whose blocks vLLM frees when that load reports
+        finished_recving: holding them as well would report, and free, them twice). An error or
+        an ignored request has nothing worth keeping either."""
+        from vllm.v1.request import RequestStatus
+
         assert self._scheduler is not None
-        self._scheduler.finished(request.request_id)
         self._blocks.pop(request.request_id, None)
-        return False, None
+        completed = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        held = self._scheduler.finished(
+            request.request_id, completed=completed, tokens=request.all_token_ids,
+            num_computed=request.num_computed_tokens, block_ids=block_ids,
+        )  # fmt: skip
+        return held, None
 
     # --- worker side ---------------------------------------------------------------------------
 
@@ -264,15 +289,21 @@ class KVDepotConnector(KVConnectorBase_V1):
         return None  # whole chunks are saved at the end of the step, in wait_for_save
 
     def wait_for_save(self) -> None:
+        # Also in steps without a forward (kv_connector_no_forward): a decode save runs in the step
+        # after its request finished, which may be the only work left.
         meta = self._get_connector_metadata()
-        if self._worker is not None and isinstance(meta, KVDepotConnectorMetadata) and meta.plan.saves:
-            self._worker.save(meta.plan.saves)
+        plan = meta.plan if isinstance(meta, KVDepotConnectorMetadata) else None
+        if self._worker is not None and plan is not None and (plan.saves or plan.sending):
+            self._worker.save(plan.saves, plan.sending)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending: requests whose decode save is done, in this step's wait_for_save,
+        whose ids are in `finished_req_ids` of the same step; finished_recving: async loads done)."""
         if self._worker is None:
             return None, None
+        sent = self._worker.take_sent()
         done = self._worker.take_finished()
-        return None, (done or None) if self._load_async else None
+        return (sent or None), (done or None) if self._load_async else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

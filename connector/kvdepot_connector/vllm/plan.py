@@ -31,15 +31,20 @@ class SaveSpec:
     """Store the request's full chunks `first_chunk..first_chunk+num_chunks`, computed this step."""
 
     request_id: str
-    tokens: bytes  # uint32 LE prompt tokens up to the end of the last chunk saved
+    tokens: bytes  # uint32 LE tokens (prompt, then generated) up to the end of the last chunk saved
     cache_salt: str
     block_ids: tuple[int, ...]
     first_chunk: int
     num_chunks: int
     extra_keys: tuple[bytes, ...] = ()  # per chunk from chunk 0 (protocol.Lookup.extra_keys)
+    prompt_tokens: int = 0  # the request's prompt length: chunks ending after it hold generated tokens
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
+    """`sending`: finished requests whose blocks vLLM keeps for this step's saves; the workers
+    report them finished_sending once those saves are done, or failed (so the blocks are freed)."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    sending: list[str] = field(default_factory=list)

@@ -3,18 +3,28 @@
 State per request: its prompt tokens (encoded once), its cache_salt, its extra keys (LoRA adapter,
 multimodal items, prompt embeddings: `extra_keys`; a request that cannot be keyed is neither
 loaded nor stored), the hit found (chunks, read locked in the sidecar for this request on every kv
-rank), what is still to be loaded and what has been saved. One client per kv rank (tensor parallel
-rank): a hit counts only where every rank has it. Everything here runs on vLLM's scheduler thread.
+rank), what is still to be loaded and how many leading chunks are stored already (`saved_chunks`:
+saved or loaded by this request, never saved again by it). One client per kv rank (tensor
+parallel rank): a hit counts only where every rank has it. Everything here runs on vLLM's
+scheduler thread.
 
 Hooks, in the order vLLM calls them:
   matched_tokens(req, computed)   LOOKUP with the request's extra keys (an uncacheable request: one
                                   LOOKUP saying why, counted by the sidecar, then 0)
                                   (then QUERY_PREFETCH while chunks arrive from L2: None =
-                                  "ask me next step"); the answer is cached for repeated asks
+                                  "ask me next step"); the answer is cached for repeated asks,
+                                  until the request is preempted (its loaded chunks' locks are
+                                  gone then: it looks up again)
   after_alloc(req, blocks, n)     the blocks the hit goes into: a LoadSpec for the next step
-  plan_step(...)                  loads due + full prompt chunks completed this step -> SaveSpecs
+  plan_step(...)                  loads due + full prompt chunks completed this step -> SaveSpecs,
+                                  + the decode saves of requests finished since the last step
   on_output(invalid, failed)      a failed load marks the request: asked again, it answers 0
-  finished(req)                   END_REQUEST on every rank (locks released), state dropped
+  finished(req, ...)              END_REQUEST on every rank (locks released), state dropped; a
+                                  request that ended normally also saves the full chunks of prompt
+                                  + generated tokens not stored yet (the decode save): True = vLLM
+                                  keeps its blocks until the workers report it finished_sending
+
+Every SaveSpec is built in one place, `_save_spec`.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from dataclasses import dataclass, field
 
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.errors import KVDepotClientError
-from kvdepot_connector.protocol import Uncacheable
+from kvdepot_connector.protocol import TOKEN_BYTES, Uncacheable
 from kvdepot_connector.vllm.extra_keys import RequestKeys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec, StepPlan
@@ -50,6 +60,7 @@ class _Request:
     claim: tuple[int, int] | None = None  # tokens [start, end) promised to vLLM, not yet loaded
     load_blocks: tuple[int, ...] = ()
     saved_chunks: int = 0
+    preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -72,6 +83,7 @@ class SchedulerSide:
         block_size: int,
         load_async: bool,
         guard: SidecarGuard | None = None,
+        save_decode: bool = True,
     ) -> None:
         if chunk_size % block_size:
             raise ValueError(f"chunk size {chunk_size} must be a multiple of the block size {block_size}")
@@ -80,16 +92,19 @@ class SchedulerSide:
         self.block_size = block_size
         self.blocks_per_chunk = chunk_size // block_size
         self.load_async = load_async
+        self.save_decode = save_decode
         self.guard = guard or SidecarGuard()
         self._requests: dict[str, _Request] = {}
         self._loads_due: list[LoadSpec] = []
+        self._saves_due: list[SaveSpec] = []
+        self._sending: list[str] = []
 
     # --- lookups -------------------------------------------------------------------------------
 
     def matched_tokens(
         self, request_id: str, prompt: Sequence[int], salt: str | None, num_tokens: int, num_computed: int,
-        *, keys: Callable[[], RequestKeys | Uncacheable] | None = None,
-    ) -> tuple[int | None, bool]:
+        *, keys: Callable[[], RequestKeys | Uncacheable] | None = None, preemptions: int = 0,
+    ) -> tuple[int | None, bool]:  # fmt: skip
         """`keys`: called once, on the request's first ask, for its extra keys (None: plain tokens)."""
         req = self._requests.get(request_id)
         if req is None:
@@ -98,9 +113,16 @@ class SchedulerSide:
                 request_id, encode_tokens(list(prompt)), len(prompt), salt or "",
                 found if isinstance(found, RequestKeys) else None,
             )  # fmt: skip
+            req.preemptions = preemptions
             self._requests[request_id] = req
             if not isinstance(found, RequestKeys):
                 self._note_uncacheable(req, found)
+        elif req.preemptions != preemptions:
+            # Preempted since the last answer: its blocks are gone, and so are the read locks of a
+            # hit it loaded (released after the copy). Look up again; what it stored stays stored.
+            req.preemptions = preemptions
+            req.answered, req.claim, req.pending, req.load_blocks = None, None, False, ()
+            req.hit_chunks = 0
         if req.failed or req.keys is None:
             return 0, False
         if req.answered is not None and not req.pending:
@@ -186,8 +208,8 @@ class SchedulerSide:
     # --- each step -----------------------------------------------------------------------------
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
-        plan = StepPlan(loads=self._loads_due, saves=[])
-        self._loads_due = []
+        plan = StepPlan(loads=self._loads_due, saves=self._saves_due, sending=self._sending)
+        self._loads_due, self._saves_due, self._sending = [], [], []
         for s in scheduled:
             req = self._requests.get(s.request_id)
             if req is None or req.keys is None:
@@ -196,23 +218,27 @@ class SchedulerSide:
             full = done_tokens // self.chunk_size
             if full <= req.saved_chunks:
                 continue
-            needed_blocks = full * self.blocks_per_chunk
-            if len(s.block_ids) < needed_blocks:
+            if len(s.block_ids) < full * self.blocks_per_chunk:
                 continue  # never save what the block table does not cover
-            first = req.saved_chunks
-            plan.saves.append(
-                SaveSpec(
-                    request_id=req.request_id,
-                    tokens=req.tokens[: full * self.chunk_size * 4],
-                    cache_salt=req.salt,
-                    block_ids=tuple(s.block_ids[first * self.blocks_per_chunk : needed_blocks]),
-                    first_chunk=first,
-                    num_chunks=full - first,
-                    extra_keys=req.keys.extras(full),
-                )
-            )
-            req.saved_chunks = full
+            plan.saves.append(self._save_spec(req, req.tokens, s.block_ids, full))
         return plan
+
+    def _save_spec(self, req: _Request, tokens: bytes, block_ids: Sequence[int], end_chunk: int) -> SaveSpec:
+        """The one place a SaveSpec is built: chunks `req.saved_chunks..end_chunk` of `tokens`
+        (uint32 LE, prompt then generated tokens, at least `end_chunk` full chunks) from the
+        request's block table; they count as saved from now on."""
+        first, bpc = req.saved_chunks, self.blocks_per_chunk
+        req.saved_chunks = end_chunk
+        return SaveSpec(
+            request_id=req.request_id,
+            tokens=tokens[: end_chunk * self.chunk_size * TOKEN_BYTES],
+            cache_salt=req.salt,
+            block_ids=tuple(block_ids[first * bpc : end_chunk * bpc]),
+            first_chunk=first,
+            num_chunks=end_chunk - first,
+            prompt_tokens=req.num_prompt_tokens,
+            extra_keys=req.keys.extras(end_chunk) if req.keys is not None else (),
+        )
 
     def on_output(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
         """A failed load: that request answers 0 from now on and will recompute (and re-save)."""
@@ -225,15 +251,40 @@ class SchedulerSide:
                 req.failed = True
                 req.saved_chunks = 0
 
-    def finished(self, request_id: str) -> None:
+    def finished(
+        self, request_id: str, *, completed: bool = False, tokens: Sequence[int] = (), num_computed: int = 0,
+        block_ids: Sequence[int] = (),
+    ) -> bool:  # fmt: skip
+        """The request is done: its read locks go. `completed`: it ended normally (a stop or its
+        length), `tokens` its prompt then generated tokens, `num_computed` how many of them have
+        KV in `block_ids` (its block table). Then the full chunks of those not stored yet are
+        saved in the next step (the decode save) and True is returned: vLLM must keep the blocks
+        until the workers report the request finished_sending (`StepPlan.sending`)."""
         req = self._requests.pop(request_id, None)
+        held = False
+        if req is not None and completed and self.save_decode:
+            held = self._decode_save(req, tokens, num_computed, block_ids)
         if req is None or not req.looked_up or not self.guard.available():
-            return  # never looked up: the sidecar holds nothing for it
+            return held  # never looked up: the sidecar holds nothing for it
         try:
             for client in self.clients:
                 client.end_request(request_id)
         except CLIENT_ERRORS as exc:
             self.guard.failed("end_request", exc)
+        return held
+
+    def _decode_save(
+        self, req: _Request, tokens: Sequence[int], num_computed: int, block_ids: Sequence[int]
+    ) -> bool:
+        # Whole chunks only, within the tokens that have KV (the last sampled token has none) and
+        # the blocks vLLM handed over; chunks saved or loaded before are not saved again.
+        end = min(num_computed, len(tokens), len(block_ids) * self.block_size) // self.chunk_size
+        if req.keys is None or end <= req.saved_chunks or not self.guard.available():
+            return False
+        self._saves_due.append(self._save_spec(req, encode_tokens(list(tokens[: end * self.chunk_size])),
+                                               block_ids, end))  # fmt: skip
+        self._sending.append(req.request_id)
+        return True
 
     def tracked(self) -> int:
         return len(self._requests)

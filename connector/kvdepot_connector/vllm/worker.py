@@ -17,9 +17,11 @@ Primitives, in vLLM's step order:
                   valid=False (the objects changed: a lease expired, the scheduler ended the
                   request), or any failure, reports the request's blocks as failed, which vLLM
                   recomputes (never garbage KV)
-  save(specs)     in wait_for_save: reserve, fill from the blocks, commit; failures are logged
-                  and skipped (a future miss, nothing more)
-  take_finished() / take_load_errors()  what get_finished / get_block_ids_with_load_errors report
+  save(specs, sending)  in wait_for_save: reserve, fill from the blocks, commit; failures are
+                  logged and skipped (a future miss, nothing more); then the finished requests
+                  whose blocks vLLM held for these saves (`sending`) are done, saved or not
+  take_sent() / take_finished() / take_load_errors()  what get_finished (finished_sending,
+                  finished_recving) and get_block_ids_with_load_errors report
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class WorkerSide:
         self.shared = list(shared) if shared is not None else None
         self._registered_with = 0
         self._finished: set[str] = set()
+        self._sent: set[str] = set()
         self._errors: set[int] = set()
         self.loaded_chunks = 0
         self.saved_chunks = 0
@@ -156,16 +159,20 @@ class WorkerSide:
 
     # --- saves ---------------------------------------------------------------------------------
 
-    def save(self, specs: Sequence[SaveSpec]) -> None:
-        for spec in specs:
-            if not self.guard.available():
-                return
-            try:
-                self._save_one(spec)
-            except CLIENT_ERRORS as exc:
-                self.guard.failed("save", exc)
-            except Exception:
-                log.exception("kvdepot save of %s failed", spec.request_id)
+    def save(self, specs: Sequence[SaveSpec], sending: Sequence[str] = ()) -> None:
+        try:
+            for spec in specs:
+                if not self.guard.available():
+                    return
+                try:
+                    self._save_one(spec)
+                except CLIENT_ERRORS as exc:
+                    self.guard.failed("save", exc)
+                except Exception:
+                    log.exception("kvdepot save of %s failed", spec.request_id)
+        finally:
+            # Saved, skipped or failed: vLLM may free these requests' blocks now.
+            self._sent.update(sending)
 
     def _save_one(self, spec: SaveSpec) -> None:
         if self.shared is not None:
@@ -173,6 +180,7 @@ class WorkerSide:
                 lambda: self.client.save_blocks(
                     spec.tokens, request_id=spec.request_id, block_ids=spec.block_ids,
                     cache_salt=spec.cache_salt, first_chunk=spec.first_chunk, extra_keys=spec.extra_keys,
+                    prompt_tokens=spec.prompt_tokens,
                 )
             )  # fmt: skip
             self.guard.succeeded()
@@ -180,7 +188,7 @@ class WorkerSide:
             return
         reply = self.client.reserve(
             spec.tokens, request_id=spec.request_id, cache_salt=spec.cache_salt,
-            first_chunk=spec.first_chunk, extra_keys=spec.extra_keys,
+            first_chunk=spec.first_chunk, extra_keys=spec.extra_keys, prompt_tokens=spec.prompt_tokens,
         )  # fmt: skip
         reserved = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
         try:
@@ -197,6 +205,10 @@ class WorkerSide:
         self.saved_chunks += sum(committed)
 
     # --- reporting -----------------------------------------------------------------------------
+
+    def take_sent(self) -> set[str]:
+        sent, self._sent = self._sent, set()
+        return sent
 
     def take_finished(self) -> set[str]:
         done, self._finished = self._finished, set()

@@ -69,6 +69,24 @@ def test_repeated_lookup_replaces_the_locks_of_that_request() -> None:
         assert eng.cache.state_counts()["read_locked"] == 0
 
 
+def test_committed_chunks_of_generated_tokens_are_counted_apart() -> None:
+    with engine(1 << 20, write_lease_s=5) as (eng, clock):
+        eid = eng.register("m", small_layout()).engine_id
+        # A 20-token prompt then generated tokens: chunk 0 is prompt, chunk 1 ends after the
+        # prompt (it holds generated tokens), chunks 2 and 3 are generated.
+        slots = eng.store(eid, "r", tokens(4 * CHUNK), "", prompt_tokens=20)
+        assert [s.status for s in slots] == [SlotStatus.RESERVED] * 4
+        assert eng.commit(eid, [slots[0].oid, slots[1].oid]) == [True, True]
+        eng.abort(eid, [slots[2].oid])
+        clock.advance(5.1)
+        eng.reap()
+        assert eng.commit(eid, [slots[3].oid]) == [False]  # expired: not stored, not counted
+        assert eng.counters.decode_chunks_stored == 1
+        # Without prompt_tokens every chunk is prompt.
+        store_all(eng, eid, tokens(2 * CHUNK, start=3))
+        assert eng.counters.decode_chunks_stored == 1
+
+
 def test_expired_write_lease_frees_memory_for_reuse() -> None:
     with engine(4 * 4096, write_lease_s=5) as (eng, clock):
         eid = eng.register("m", small_layout()).engine_id
