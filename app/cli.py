@@ -44,6 +44,11 @@ def _bench_parser(sub: Any) -> None:
     bench_ttft.add_arguments(
         bsub.add_parser("ttft", help="time to first token, cold then warm, of an OpenAI server")
     )
+    from app.bench import footprint as bench_footprint
+
+    bench_footprint.add_arguments(
+        bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

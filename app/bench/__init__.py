@@ -23,4 +23,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.fuzz import run as run_fuzz
 
         return run_fuzz(args)
+    if args.bench == "footprint":
+        from app.bench.footprint import run as run_footprint
+
+        return run_footprint(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
