@@ -1,10 +1,13 @@
 """The L1 arena: one sealed memfd, created at start, handed to engine-side clients as a descriptor.
 
 State: the memfd (no name in /dev/shm or anywhere else: it exists while a process holds its
-descriptor or a mapping), its mapping and a uint8 tensor over the whole of it. Objects are views
-(`tensor(offset, size)`, `view(offset, size)`) at offsets the allocator hands out; there is no
-torch allocation per chunk. Its size is sealed (F_SEAL_SHRINK | GROW | SEAL): no client that maps
-it can truncate it (and SIGBUS the sidecar or another client) or grow it.
+descriptor or a mapping), its mapping and a memoryview over the whole of it. Objects are views
+(`view(offset, size)`, a writable memoryview) at offsets the allocator hands out; there is no
+allocation per chunk. Byte copies need nothing more (the L2 paths copy with memoryviews and numpy),
+so the arena imports no torch: `tensor(offset, size)` and `tensor_all`, for the callers that copy
+with torch (the sidecar's own KV copies, CUDA pinning), import it on first use. Its size is sealed
+(F_SEAL_SHRINK | GROW | SEAL): no client that maps it can truncate it (and SIGBUS the sidecar or
+another client) or grow it.
 
 Clients receive the descriptor over their lifeline (api/lifeline.py offers `fd`) and map it; they
 never open anything by name. A sidecar killed with SIGKILL leaves nothing behind: the kernel frees
@@ -22,12 +25,15 @@ import fcntl
 import mmap
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
 import structlog
-import torch
 
 from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger("kvdepot.l1.arena")
 
@@ -51,16 +57,21 @@ class SharedArena:
         self._fd = fd
         self._mm = mm
         self._buf = memoryview(mm)
-        self._tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self._tensor: torch.Tensor | None = None
         self.closed = False
 
     @property
     def tensor_all(self) -> torch.Tensor:
+        """The whole arena as a uint8 tensor (shares memory with it); imports torch on first use."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         return self._tensor
 
     def tensor(self, offset: int, size: int) -> torch.Tensor:
         """A uint8 tensor view of `[offset, offset+size)`; shares memory with the arena."""
-        return self._tensor[offset : offset + size]
+        return self.tensor_all[offset : offset + size]
 
     def view(self, offset: int, size: int) -> memoryview:
         """A writable memoryview of `[offset, offset+size)`."""
@@ -70,7 +81,7 @@ class SharedArena:
         if self.closed:
             return
         self.closed = True
-        del self._tensor
+        self._tensor = None
         self._buf.release()
         try:
             self._mm.close()
