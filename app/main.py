@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
@@ -44,12 +45,13 @@ from engine.l2.store_queue import StoreQueue
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
-from engine.transfers import KVTransfers
-from gpu.device import default_device
+from gpu.presence import cuda_may_be_present
 from gpu.sealed import SealedRegions
-from gpu.transfer import TransferEngine
 from storage.auth import KEY_FILE, BlobKeys
 from storage.factory import build_adapter
+
+if TYPE_CHECKING:
+    from engine.transfers import KVTransfers
 
 log = structlog.get_logger("kvdepot")
 
@@ -178,13 +180,19 @@ class Service:
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
         regions = SealedRegions()
         lifeline_path = (s.data_dir / "lifeline.sock").resolve()
+        # Waits on copy completion (and the making of the copies' machinery) run here.
+        self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
+        # The sidecar's own copies need torch: built now where a GPU may be (its arena pinned
+        # before the first engine comes), else when an engine first shares its KV cache.
+        transfers = self._build_transfers(regions) if cuda_may_be_present() else None
         self.dataplane = DataPlaneServer(
             self.engine,
             url=s.data_plane_url,
             max_frame_bytes=s.data_plane.max_frame_bytes,
             max_tokens=s.data_plane.max_tokens,
             metrics=DataPlaneMetrics(registry),
-            transfers=self._build_transfers(regions),
+            transfers=transfers,
+            make_transfers=lambda: self._make_transfers(regions),
             max_sessions=s.data_plane.max_sessions,
             session_idle_s=s.data_plane.session_idle_s,
             lifeline_path=str(lifeline_path),
@@ -213,15 +221,26 @@ class Service:
 
     def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
-        the CPU stub otherwise (opening the sealed regions clients share over their lifelines);
-        waits on copy completion run in their own executor."""
+        the CPU stub otherwise (opening the sealed regions clients share over their lifelines).
+        Imports torch; may run in the transfer executor (`_make_transfers`)."""
+        from engine.transfers import KVTransfers
+        from gpu.device import default_device
+        from gpu.transfer import TransferEngine
+
         assert self.engine is not None
+        assert self._transfer_executor is not None
         device = default_device(regions)
         device.pin(self.engine.arena.tensor_all)
-        self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
+        log.info("transfers_ready", device=device.kind)
         return KVTransfers(
             self.engine, TransferEngine(device, self._transfer_executor), self.settings.transfers
         )
+
+    async def _make_transfers(self, regions: SealedRegions) -> KVTransfers:
+        """`_build_transfers` off the loop: importing torch takes seconds the data plane goes on."""
+        assert self._transfer_executor is not None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._transfer_executor, self._build_transfers, regions)
 
     async def _start_l2(self) -> None:
         assert self.l2 is not None

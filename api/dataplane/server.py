@@ -23,6 +23,11 @@ The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py)
 lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
 of an instance takes the instance's read locks and registrations (`engine.end_instance`).
 
+The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS: engine/transfers.py, which
+needs torch) are given built (`transfers`, where a CUDA device is configured) or as a factory
+(`make_transfers`) that the first REGISTER_KV_CACHE awaits, once for all its concurrent callers: a
+sidecar that no engine asks to copy never imports torch.
+
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task), both the
 transport's, `handle(frame, peer) -> reply bytes` (what the transport calls for each frame; also
 what tests and the fuzzer drive), `stop()`, `close()`.
@@ -30,9 +35,10 @@ what tests and the fuzzer drive), `stop()`, `close()`.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -45,15 +51,19 @@ from app import __version__
 from app.errors import (
     InvalidInput,
     KVDepotError,
+    NotFound,
     ProtocolError,
+    TransferError,
     Unauthorized,
     UnsupportedVersion,
 )
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult
-from engine.transfers import KVTransfers
 from kvdepot_connector import protocol as p
+
+if TYPE_CHECKING:
+    from engine.transfers import KVTransfers
 
 log = structlog.get_logger("kvdepot.dataplane")
 
@@ -70,12 +80,15 @@ class DataPlaneServer:
         max_tokens: int,
         metrics: DataPlaneMetrics | None = None,
         transfers: KVTransfers | None = None,
+        make_transfers: Callable[[], Coroutine[Any, Any, KVTransfers]] | None = None,
         max_sessions: int = 4096,
         session_idle_s: float = 600.0,
         lifeline_path: str = "",
     ) -> None:
         self.engine = engine
-        self.transfers = transfers
+        self.transfers: KVTransfers | None = None
+        self._make_transfers = make_transfers
+        self._making: asyncio.Task[KVTransfers] | None = None
         self.url = url
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
@@ -86,7 +99,7 @@ class DataPlaneServer:
         self.sessions.on_instance_gone.append(engine.end_instance)
         self.lifeline_path = lifeline_path
         if transfers is not None:
-            engine.engines.on_drop.append(transfers.drop)
+            self._attach(transfers)
         self.transport = RouterTransport(
             url=url, max_frame_bytes=max_frame_bytes, handle=self.handle,
             malformed=lambda: self._error(-1, "malformed", ProtocolError("expected exactly one frame")),
@@ -317,14 +330,47 @@ class DataPlaneServer:
 
     # --- copies done by the sidecar (engines that share their KV cache) ------------------------
 
+    def _attach(self, transfers: KVTransfers) -> None:
+        self.transfers = transfers
+        self.engine.engines.on_drop.append(transfers.drop)
+
     def _transfers(self) -> KVTransfers:
         if self.transfers is None:
-            raise InvalidInput("this sidecar does not copy engine KV caches itself")
+            if self._make_transfers is None:
+                raise InvalidInput("this sidecar does not copy engine KV caches itself")
+            # Not made yet: no engine registered a KV cache (a REGISTER_KV_CACHE may be on its way).
+            raise NotFound("no engine registered a KV cache (REGISTER_KV_CACHE first)")
         return self.transfers
 
-    def _register_kv_cache(self, m: p.RegisterKVCache, _: Session) -> p.Reply:
+    async def _made_transfers(self) -> KVTransfers:
+        """The transfers, made by the first caller (the others await the same task); a failure is
+        answered to every waiting caller, and the next REGISTER_KV_CACHE tries again."""
+        assert self._make_transfers is not None
+        if self._making is None:
+            self._making = asyncio.get_running_loop().create_task(self._make_transfers())
+        making = self._making
+        try:
+            transfers = await asyncio.shield(making)
+        except Exception as exc:
+            if self._making is making:
+                self._making = None
+            if isinstance(exc, KVDepotError):
+                raise
+            log.error("transfers_unavailable", exc_info=exc)
+            raise TransferError(f"the sidecar cannot copy KV caches: {type(exc).__name__}: {exc}") from None
+        if self.transfers is None:
+            self._attach(transfers)
+        return transfers
+
+    def _register_kv_cache(self, m: p.RegisterKVCache, _: Session) -> p.Reply | Awaitable[p.Reply]:
         handles = [msgspec.structs.asdict(h) for h in m.layers]
+        if self.transfers is None and self._make_transfers is not None:
+            return self._register_when_made(m.id, m.engine_id, handles)
         return p.CountReply(id=m.id, count=self._transfers().register(m.engine_id, handles))
+
+    async def _register_when_made(self, rid: int, engine_id: int, handles: list[dict[str, Any]]) -> p.Reply:
+        transfers = await self._made_transfers()
+        return p.CountReply(id=rid, count=transfers.register(engine_id, handles))
 
     async def _load_blocks(self, m: p.LoadBlocks, _: Session) -> p.Reply:
         valid = await self._transfers().load(
