@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from app.main import Service
 from app.settings import Settings
 from app.settings_load import load_settings
@@ -227,6 +225,8 @@ def _settings(args: argparse.Namespace, workdir: Path, adapter: dict[str, Any], 
 
 def _fill(engine: CacheEngine, eid: int, args: argparse.Namespace) -> list[_Written]:
     """Reserve every request's chunks in L1 and fill them with random bytes (not committed yet)."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     requests = []
     for r in range(args.requests):

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from app.bench.sidecar import SidecarProcess
     from kvdepot_connector.client import KVDepotClient
     from kvdepot_connector.protocol import Layout
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch is imported by the client only
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    p.add_argument("--dtype", choices=DTYPES, default="float16")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--lookups", type=int, default=1000, help="lookup samples for the latency figures")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -81,6 +81,8 @@ class _Request:
         return elapsed
 
     def identical(self) -> bool:
+        import torch
+
         return all(
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in zip(self.chunks, self.out, strict=True)
@@ -98,8 +100,10 @@ class _Timings:
 
 
 def _make_requests(args: argparse.Namespace, chunk_bytes: int) -> list[_Request]:
+    import torch
+
     torch.manual_seed(0)
-    dtype = DTYPES[args.dtype]
+    dtype = getattr(torch, args.dtype)
     elems = chunk_bytes // torch.tensor([], dtype=dtype).element_size()
     requests = []
     for r in range(args.requests):
