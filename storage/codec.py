@@ -59,7 +59,6 @@ import xxhash
 
 from app.errors import AuthenticationError, IntegrityError
 from kvdepot_connector.layout import dtype_size
-from storage import fp8
 from storage.auth import BlobKeys
 from storage.blob_header import (
     DTYPE_CODES,
@@ -158,6 +157,8 @@ def encode(
                 f"payload of {raw.nbytes} bytes is not a whole number of K/V run pairs "
                 f"({options.pair_bytes} bytes each)"
             )
+        from storage import fp8  # numpy and ml_dtypes are imported where FP8 is used
+
         quantized = fp8.encode(raw, options.dtype, options.run_elems)
         if quantized.nbytes <= raw.nbytes:  # tiny runs would grow: such a layout is stored raw
             body = quantized
@@ -269,6 +270,8 @@ def decode_into(
         assert header.dtype is not None  # read_header guarantees it
         if body.nbytes != _fp8_encoded_len(header):
             raise IntegrityError("fp8 payload length does not match its run layout")
+        from storage import fp8
+
         fp8.decode(body, header.dtype, header.run_elems, dest)
     else:
         if body.nbytes != dest.nbytes:

@@ -23,7 +23,6 @@ from storage.base import L2Adapter
 from storage.config import AdapterConfig, DiskAdapterConfig, MockAdapterConfig, RedisAdapterConfig
 from storage.disk import DiskAdapter
 from storage.mock import MockAdapter
-from storage.redis_adapter import RedisAdapter
 
 REDIS_IO_THREADS = 4
 
@@ -38,6 +37,8 @@ def build_adapter(config: AdapterConfig, data_dir: Path) -> L2Adapter:
         executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
         return DiskAdapter(config, default_disk_dir(config, data_dir), executor, owns_executor=True)
     if isinstance(config, RedisAdapterConfig):
+        from storage.redis_adapter import RedisAdapter  # redis-py is imported where it is used
+
         threads = min(REDIS_IO_THREADS, config.max_connections)
         executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
         return RedisAdapter(config, executor, owns_executor=True)
