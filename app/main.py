@@ -199,8 +199,9 @@ class Service:
         )
         arena = self.arena
         self.lifeline = build_lifeline(
-            s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)]
-        )
+            s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)],
+            on_shared=self.dataplane.prepare_transfers,  # the engine's copies by the sidecar come next
+        )  # fmt: skip
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
         self.control = ControlContext(

@@ -46,12 +46,14 @@ from storage.base import L2Adapter
 def build_lifeline(
     data_dir: Path, regions: SealedRegions, sessions: SessionTable,
     offer: Callable[[], Sequence[tuple[str, int]]] | None = None,
+    on_shared: Callable[[], None] | None = None,
 ) -> LifelineServer:  # fmt: skip
     """The lifeline server at `<data_dir>/lifeline.sock`. A client process connects it with the
     token its data-plane session's HELLO reply handed out (random, used once), and the lifeline
     then holds that session: when it closes, the session ends (`sessions.end`). The server offers
     the descriptors `offer()` names (the arena's memfd); sealed regions a client shares land in
-    `regions` under its engine instance, and go when the instance's last session ends."""
+    `regions` under its engine instance, and go when the instance's last session ends; then
+    `on_shared()` runs (the sidecar is about to be asked to copy into them)."""
 
     def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
         assert isinstance(line.holder, Session)
@@ -62,6 +64,8 @@ def build_lifeline(
                 for rest in shared[i + 1 :]:
                     os.close(rest.fd)
                 raise LifelineRefused(f"{region.name}: {exc}") from None
+        if shared and on_shared is not None:
+            on_shared()
 
     def on_closed(line: Lifeline) -> None:
         if isinstance(line.holder, Session):

@@ -25,8 +25,9 @@ of an instance takes the instance's read locks and registrations (`engine.end_in
 
 The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS: engine/transfers.py, which
 needs torch) are given built (`transfers`, where a CUDA device is configured) or as a factory
-(`make_transfers`) that the first REGISTER_KV_CACHE awaits, once for all its concurrent callers: a
-sidecar that no engine asks to copy never imports torch.
+(`make_transfers`) that the first REGISTER_KV_CACHE awaits, once for all its concurrent callers, or
+that `prepare_transfers` starts early (an engine shared memory over its lifeline): a sidecar that
+no engine asks to copy never imports torch.
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task), both the
 transport's, `handle(frame, peer) -> reply bytes` (what the transport calls for each frame; also
@@ -342,25 +343,38 @@ class DataPlaneServer:
             raise NotFound("no engine registered a KV cache (REGISTER_KV_CACHE first)")
         return self.transfers
 
-    async def _made_transfers(self) -> KVTransfers:
-        """The transfers, made by the first caller (the others await the same task); a failure is
-        answered to every waiting caller, and the next REGISTER_KV_CACHE tries again."""
+    def prepare_transfers(self) -> None:
+        """Start making the copies without waiting for them (an engine shared memory for the
+        sidecar to copy into: its REGISTER_KV_CACHE is coming); nothing when made or being made."""
+        if self.transfers is None and self._make_transfers is not None and self._making is None:
+            self._start_making()
+
+    def _start_making(self) -> asyncio.Task[KVTransfers]:
         assert self._make_transfers is not None
-        if self._making is None:
-            self._making = asyncio.get_running_loop().create_task(self._make_transfers())
-        making = self._making
+        making = self._making = asyncio.get_running_loop().create_task(self._make_transfers())
+
+        def done(task: asyncio.Task[KVTransfers]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                if self._making is task:
+                    self._making = None  # the next REGISTER_KV_CACHE tries again
+                if not task.cancelled():
+                    log.error("transfers_unavailable", exc_info=task.exception())
+            elif self.transfers is None:
+                self._attach(task.result())
+
+        making.add_done_callback(done)
+        return making
+
+    async def _made_transfers(self) -> KVTransfers:
+        """The transfers, made once for every caller (the others await the same task); a failure
+        is answered to every waiting caller, and the next REGISTER_KV_CACHE tries again."""
+        making = self._making or self._start_making()
         try:
-            transfers = await asyncio.shield(making)
+            return await asyncio.shield(making)
+        except KVDepotError:
+            raise
         except Exception as exc:
-            if self._making is making:
-                self._making = None
-            if isinstance(exc, KVDepotError):
-                raise
-            log.error("transfers_unavailable", exc_info=exc)
             raise TransferError(f"the sidecar cannot copy KV caches: {type(exc).__name__}: {exc}") from None
-        if self.transfers is None:
-            self._attach(transfers)
-        return transfers
 
     def _register_kv_cache(self, m: p.RegisterKVCache, _: Session) -> p.Reply | Awaitable[p.Reply]:
         handles = [msgspec.structs.asdict(h) for h in m.layers]

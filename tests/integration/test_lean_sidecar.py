@@ -1,7 +1,7 @@
 """A sidecar on the default settings serves the data plane and its disk tier without torch: a store,
 lookup and retrieve round trip, write-behind to disk, and (after a restart on the same data dir) a
 prefetch from disk, leave libtorch unmapped in the `kvdepot serve` process (/proc/PID/maps). Only an
-engine that shares its KV cache for the sidecar to copy brings torch in, and those copies work.
+engine that shares memory for the sidecar to copy into brings torch in, and those copies work.
 """
 
 from __future__ import annotations
@@ -89,15 +89,15 @@ PAGED = Layout(dtype="uint8", num_layers=PLANES // 2, num_kv_heads=1, head_dim=8
                kind="test-paged", chunk_size=CHUNK)  # fmt: skip
 
 
-def test_an_engine_sharing_its_kv_cache_brings_torch_in_and_its_copies_work(
+def test_an_engine_sharing_its_kv_cache_brings_torch_in_and_the_copies_work(
     sidecar_factory: StartSidecar,
 ) -> None:
     sc = sidecar_factory()
     kv = SharedTensor((PLANES, BLOCKS, BLOCK_BYTES), torch.uint8)
     try:
         with KVDepotClient(sc.url, model="m", layout=PAGED, map_arena=False, timeout_s=60).connect() as c:
-            c.share([kv.region()])
             assert not torch_mapped(sc)
+            c.share([kv.region()])  # the sidecar starts making its copies now
             assert c.register_kv_cache([export_tensor(kv.tensor[p], kv) for p in range(PLANES)]) == PLANES
             assert torch_mapped(sc)
             g = torch.Generator().manual_seed(3)

@@ -111,3 +111,24 @@ async def test_a_failed_making_is_answered_retryable_and_the_next_registration_t
         assert "torch" in failed.message
         assert await answer(kv_register(server, eid, b"")) == p.CountReply(id=5, count=2)
         assert maker.calls == 2
+
+
+@pytest.mark.anyio
+async def test_prepared_copies_are_made_before_the_registration_comes() -> None:
+    maker = Maker()
+    with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
+        server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+                                 make_transfers=maker)  # fmt: skip
+        eid = register(server)
+        server.prepare_transfers()
+        server.prepare_transfers()  # being made: nothing more
+        maker.gate.set()
+        making = server._making
+        assert making is not None
+        await making  # its own callback (attaching the copies) runs before this await returns
+        assert server.transfers is maker.made
+        assert maker.calls == 1
+        reply = call(server, p.RegisterKVCache(id=6, engine_id=eid, layers=[HANDLE]))
+        assert reply == p.CountReply(id=6, count=1)  # answered at once
+        server.prepare_transfers()  # made: nothing more
+        assert maker.calls == 1
