@@ -40,6 +40,10 @@ from kvdepot_connector.session import ClientBase, Locked, StoreOutcome
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
 
 
+#: a first RegisterKVCache waits for the sidecar to set up its copy engine
+REGISTER_KV_CACHE_TIMEOUT_S = 30.0
+
+
 class KVDepotClient(ClientBase):
     """Blocking client. Thread-safe: one request at a time per client."""
 
@@ -165,9 +169,19 @@ class KVDepotClient(ClientBase):
         reply = self._call(calls.retrieve(request_id, first_chunk, num_chunks))
         return self._session.locked(reply)
 
-    def register_kv_cache(self, layers: Sequence[p.TensorHandle]) -> int:
-        """Share the engine's KV planes with the sidecar (it then copies itself)."""
-        return self._call(calls.register_kv_cache(layers))
+    def register_kv_cache(
+        self, layers: Sequence[p.TensorHandle], *, timeout_s: float = REGISTER_KV_CACHE_TIMEOUT_S
+    ) -> int:
+        """Share the engine's KV planes with the sidecar (it then copies itself). Once per engine
+        (and sidecar) start, so it may take longer than other calls: a sidecar that has not copied
+        for an engine before sets its copy engine up first (torch, CUDA streams: seconds)."""
+        with self._lock:
+            usual = self.timeout_ms
+            self.timeout_ms = max(usual, int(timeout_s * 1000))
+            try:
+                return self._call(calls.register_kv_cache(layers))
+            finally:
+                self.timeout_ms = usual
 
     def load_blocks(
         self,
