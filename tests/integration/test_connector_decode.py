@@ -75,7 +75,7 @@ def engine(sidecar_factory: StartSidecar, tmp_path: Path, request: pytest.Fixtur
     work_client.connect().share([kv.shared.region()])
     shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
     worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK, shared=shared)
-    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load_async=False)
+    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load="sync")
     yield Engine(sc, sched, worker, kv)
     sched_client.close()
     work_client.close()

@@ -75,7 +75,7 @@ def test_plan_save_lookup_load_round_trip(
     work_client.connect().share([kv.shared.region()])  # over the worker's lifeline
     shared = [export_tensor(p, kv.shared) for p in kv.planes()] if by_sidecar else None
     worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK, shared=shared)
-    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load_async=False)
+    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load="sync")
     try:
         prompt = list(range(1000, 1000 + 4 * CHUNK + 5))  # 4 full chunks and a tail
         # First request: a miss; its 8 blocks are computed (filled), then saved at the end of the step.
@@ -98,7 +98,7 @@ def test_plan_save_lookup_load_round_trip(
         assert plan.saves == []  # loaded chunks are not saved again
         worker.load(plan.loads)
         assert worker.take_load_errors() == set()
-        assert worker.take_finished() == {"r2"}
+        assert worker.take_finished() == set()  # a sync load is not reported as finished_recving
         loaded = kv.blocks(blocks2[:8])
         assert all(torch.equal(a, b) for a, b in zip(written, loaded, strict=True))
         sched.finished("r2")
@@ -116,9 +116,12 @@ def test_a_load_whose_locks_are_gone_is_reported_failed(sidecar_factory: StartSi
     worker = WorkerSide(client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK)
     try:
         # Nothing was looked up for this request: the sidecar holds no locks for it.
-        worker.load([LoadSpec("ghost", tuple(range(8)), 0, 4, 0)])
+        worker.load([LoadSpec("ghost", tuple(range(8)), 0, 4, 0, asynchronous=True)])
         assert worker.take_load_errors() == set(range(8))
-        assert worker.take_finished() == {"ghost"}
+        assert worker.take_finished() == {"ghost"}  # vLLM waits for it: reported, and failed
+        worker.load([LoadSpec("ghost-sync", tuple(range(8, 16)), 0, 4, 0)])
+        assert worker.take_load_errors() == set(range(8, 16))
+        assert worker.take_finished() == set()
     finally:
         client.close()
 
@@ -151,3 +154,44 @@ def test_sidecar_copies_refuse_handles_outside_their_region(
         assert sc.get_json("/ready") == {"ready": True}
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("load", "tail", "expect_async"),
+    [("auto", 5, False), ("auto", 0, True), ("sync", 0, False), ("async", 5, True)],
+    ids=["auto-tail-sync", "auto-whole-prompt-async", "sync", "async"],
+)
+def test_load_mode_per_request(
+    sidecar_factory: StartSidecar, kv: KV, load: str, tail: int, expect_async: bool
+) -> None:
+    """auto loads a hit in the step that schedules the request (sync) unless the hit covers the
+    whole prompt; only asynchronous loads are reported to vLLM as finished_recving."""
+    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
+    engine = secrets.token_hex(16)
+    sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False, instance=engine)
+    work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, instance=engine)
+    worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK)
+    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load=load)
+    try:
+        prompt = list(range(5000, 5000 + 4 * CHUNK + tail))
+        assert ask(sched, "w", prompt) == (0, False)
+        blocks = list(range(0, 9))
+        kv.fill(blocks, seed=7)
+        worker.save(sched.plan_step([ScheduledRequest("w", blocks, 0, len(prompt))]).saves)
+        sched.finished("w")
+        # The whole prompt is stored. Sync must leave a token to compute: one chunk fewer.
+        hit = 4 * CHUNK if (tail or expect_async) else 3 * CHUNK
+        assert ask(sched, "r", prompt) == (hit, expect_async)
+        dest = list(range(20, 29))
+        sched.after_alloc("r", dest, hit)
+        plan = sched.plan_step([ScheduledRequest("r", dest, 0, 0 if expect_async else len(prompt) - hit)])
+        assert [s.asynchronous for s in plan.loads] == [expect_async]
+        worker.load(plan.loads)
+        assert worker.take_load_errors() == set()
+        assert worker.take_finished() == ({"r"} if expect_async else set())
+        n = hit // BLOCK
+        assert all(torch.equal(a, b) for a, b in zip(kv.blocks(blocks[:n]), kv.blocks(dest[:n]), strict=True))
+        sched.finished("r")
+    finally:
+        sched_client.close()
+        work_client.close()

@@ -9,8 +9,13 @@ Settings (`kv_connector_extra_config`):
   kvdepot_url          the sidecar's data-plane URL (required), e.g. ipc:///data/dataplane.sock
   kvdepot_chunk_size   tokens per cached chunk, a multiple of vLLM's block size (default 256);
                        must equal the sidecar's l1.chunk_size
-  kvdepot_load         "async" (default: the whole prompt may hit; vLLM recomputes only the last
-                       token) or "sync" (loads before the forward; at least one chunk computed)
+  kvdepot_load         "auto" (default): "sync" unless the hit covers the whole prompt, then
+                       "async"; "sync": loaded in the step that schedules the request, before
+                       its forward, which runs in that step (at least one chunk is computed);
+                       "async": vLLM parks the request until the load is reported done and runs
+                       it in a later step (the whole prompt may hit; vLLM recomputes the last
+                       token). Under concurrent load an engine step lasts as long as the batch's
+                       prefill, so each step a hit waits costs that long.
   kvdepot_timeout_s    per data-plane call (default 2.0); a sidecar that does not answer in time
                        is skipped (misses) with a warning and retried with backoff
   kvdepot_model_id     the model name used in cache keys (default: the served model name); set it
@@ -20,6 +25,8 @@ Settings (`kv_connector_extra_config`):
                        own streams), or "auto" (default: sidecar for CUDA caches, else connector)
   kvdepot_save_decode  true (default) or false: when a request ends, also save the full chunks
                        of its generated tokens (a chat's next turn re-sends the answer as prompt)
+  kvdepot_trace_dir    a directory: write a per-request timeline of the connector's work there
+                       (`trace.py`; off by default)
 
 Saves: full prompt chunks in the step that computes them (`wait_for_save`); with
 kvdepot_save_decode, when a request finishes normally, the full chunks of prompt + generated
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,7 +75,8 @@ from kvdepot_connector.vllm.extra_keys import AdapterFingerprints, request_keys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.identity import instance_nonce
 from kvdepot_connector.vllm.plan import StepPlan
-from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
+from kvdepot_connector.vllm.scheduler import LOAD_MODES, ScheduledRequest, SchedulerSide
+from kvdepot_connector.vllm.trace import Trace
 from kvdepot_connector.vllm.worker import WorkerSide, kv_planes
 
 if TYPE_CHECKING:
@@ -130,10 +139,9 @@ class KVDepotConnector(KVConnectorBase_V1):
                 f"kvdepot_chunk_size {self._chunk_size} must be a positive multiple of vLLM's block size "
                 f"{block_size} (set --block-size or kvdepot_chunk_size)"
             )
-        load = str(ktc.get_from_extra_config("kvdepot_load", "async"))
-        if load not in ("async", "sync"):
-            raise ValueError(f"kvdepot_load must be 'async' or 'sync', not {load!r}")
-        self._load_async = load == "async"
+        self._load = str(ktc.get_from_extra_config("kvdepot_load", "auto"))
+        if self._load not in LOAD_MODES:
+            raise ValueError(f"kvdepot_load must be one of {', '.join(LOAD_MODES)}, not {self._load!r}")
         self._timeout_s = float(ktc.get_from_extra_config("kvdepot_timeout_s", 2.0))
         save_decode = ktc.get_from_extra_config("kvdepot_save_decode", True)
         if not isinstance(save_decode, bool):
@@ -156,6 +164,10 @@ class KVDepotConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._blocks: dict[str, list[int]] = {}
         self._adapters = AdapterFingerprints()
+        self._trace = Trace(
+            "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+            str(ktc.get_from_extra_config("kvdepot_trace_dir", "") or ""),
+        )
         if role == KVConnectorRole.SCHEDULER:
             guard = SidecarGuard()
             clients = [
@@ -168,7 +180,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 clients,
                 chunk_size=self._chunk_size,
                 block_size=block_size,
-                load_async=self._load_async,
+                load=self._load,
                 guard=guard,
                 save_decode=save_decode,
             )
@@ -185,21 +197,26 @@ class KVDepotConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         # Token ids as vLLM hashes them: positions given as embeddings hold 0 (their embeddings go
         # into the extra keys).
+        started = time.perf_counter()
         prompt = request.all_token_ids[: request.num_prompt_tokens]
-        return self._scheduler.matched_tokens(
+        answer = self._scheduler.matched_tokens(
             request.request_id, prompt, request.cache_salt, request.num_tokens, num_computed_tokens,
             keys=lambda: request_keys(request, self._chunk_size, self._adapters),
             preemptions=request.num_preemptions,
         )  # fmt: skip
+        self._trace.event("lookup", request.request_id, started, computed=num_computed_tokens, n=answer[0])
+        return answer
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        self._trace.event("alloc", request.request_id, external=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        started = time.perf_counter()
         so = scheduler_output
         scheduled: list[ScheduledRequest] = []
         for new in so.scheduled_new_reqs:
@@ -217,7 +234,14 @@ class KVDepotConnector(KVConnectorBase_V1):
                                               so.num_scheduled_tokens.get(rid, 0)))  # fmt: skip
         for rid in so.finished_req_ids:
             self._blocks.pop(rid, None)
-        return KVDepotConnectorMetadata(self._scheduler.plan_step(scheduled))
+        plan = self._scheduler.plan_step(scheduled)
+        if self._trace.enabled:
+            self._trace.event(
+                "step", "", started, new=[n.req_id for n in so.scheduled_new_reqs], running=len(scheduled),
+                tokens=so.total_num_scheduled_tokens, loads=len(plan.loads),
+                saves=sum(s.num_chunks for s in plan.saves),
+            )  # fmt: skip
+        return KVDepotConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -241,6 +265,7 @@ class KVDepotConnector(KVConnectorBase_V1):
             request.request_id, completed=completed, tokens=request.all_token_ids,
             num_computed=request.num_computed_tokens, block_ids=block_ids,
         )  # fmt: skip
+        self._trace.event("finished", request.request_id, held=held)
         return held, None
 
     # --- worker side ---------------------------------------------------------------------------
@@ -277,8 +302,12 @@ class KVDepotConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        self._trace.event("step_start")
         if self._worker is not None and isinstance(meta, KVDepotConnectorMetadata) and meta.plan.loads:
+            started = time.perf_counter()
             self._worker.load(meta.plan.loads)
+            self._trace.event("load", ",".join(s.request_id for s in meta.plan.loads), started,
+                              chunks=sum(s.num_chunks for s in meta.plan.loads))  # fmt: skip
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete inside start_load_kv, before any layer runs
@@ -293,8 +322,12 @@ class KVDepotConnector(KVConnectorBase_V1):
         # after its request finished, which may be the only work left.
         meta = self._get_connector_metadata()
         plan = meta.plan if isinstance(meta, KVDepotConnectorMetadata) else None
+        self._trace.event("step_end")
         if self._worker is not None and plan is not None and (plan.saves or plan.sending):
+            started = time.perf_counter()
             self._worker.save(plan.saves, plan.sending)
+            self._trace.event("save", ",".join(s.request_id for s in plan.saves), started,
+                              chunks=sum(s.num_chunks for s in plan.saves))  # fmt: skip
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending: requests whose decode save is done, in this step's wait_for_save,
@@ -303,7 +336,7 @@ class KVDepotConnector(KVConnectorBase_V1):
             return None, None
         sent = self._worker.take_sent()
         done = self._worker.take_finished()
-        return (sent or None), (done or None) if self._load_async else None
+        return (sent or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

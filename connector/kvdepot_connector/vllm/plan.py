@@ -24,6 +24,7 @@ class LoadSpec:
     first_chunk: int
     num_chunks: int
     skip_blocks: int = 0
+    asynchronous: bool = False  # vLLM waits for it in finished_recving (else it runs before the forward)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,13 @@ from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec, StepPlan
 log = logging.getLogger("kvdepot.connector")
 
 CLIENT_ERRORS = (KVDepotClientError, OSError, ValueError)
+# How a hit is loaded. sync: in the step that schedules the request, before its forward (the
+# request runs in that same step, like a hit in vLLM's own prefix cache; at least one token is
+# computed, so a hit covering the whole prompt loses its last chunk). async: vLLM parks the
+# request until the workers report the load done, and schedules it in a later step (the whole
+# prompt may hit; vLLM recomputes the last token). auto: sync, unless the hit covers the whole
+# prompt. Under load a step takes as long as the batch's prefill, so async costs a step's time.
+LOAD_MODES = ("auto", "sync", "async")
 
 
 @dataclass(slots=True)
@@ -58,6 +65,7 @@ class _Request:
     looked_up: bool = False
     failed: bool = False
     claim: tuple[int, int] | None = None  # tokens [start, end) promised to vLLM, not yet loaded
+    claim_async: bool = False  # that load runs asynchronously (vLLM waits for finished_recving)
     load_blocks: tuple[int, ...] = ()
     saved_chunks: int = 0
     preemptions: int = 0
@@ -81,7 +89,7 @@ class SchedulerSide:
         *,
         chunk_size: int,
         block_size: int,
-        load_async: bool,
+        load: str = "auto",
         guard: SidecarGuard | None = None,
         save_decode: bool = True,
     ) -> None:
@@ -91,7 +99,9 @@ class SchedulerSide:
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.blocks_per_chunk = chunk_size // block_size
-        self.load_async = load_async
+        if load not in LOAD_MODES:
+            raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, not {load!r}")
+        self.load = load
         self.save_decode = save_decode
         self.guard = guard or SidecarGuard()
         self._requests: dict[str, _Request] = {}
@@ -171,7 +181,8 @@ class SchedulerSide:
 
     def _answer(self, req: _Request, num_tokens: int, num_computed: int) -> tuple[int, bool]:
         hit_tokens = req.hit_chunks * self.chunk_size
-        if not self.load_async:
+        asynchronous = self.load == "async" or (self.load == "auto" and hit_tokens >= num_tokens)
+        if not asynchronous:
             # A synchronous load must leave at least one token to compute: whole chunks only.
             hit_tokens = min(hit_tokens, (num_tokens - 1) // self.chunk_size * self.chunk_size)
         extra = hit_tokens - num_computed
@@ -179,7 +190,8 @@ class SchedulerSide:
             req.claim = None
             return 0, False
         req.claim = (num_computed, hit_tokens)
-        return extra, self.load_async
+        req.claim_async = asynchronous
+        return extra, asynchronous
 
     def after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """The blocks for the claimed hit exist now: load [claim start, claim end) into them."""
@@ -199,7 +211,9 @@ class SchedulerSide:
             )
             last_block = len(block_ids)
             num_chunks = 0
-        spec = LoadSpec(request_id, tuple(block_ids[:last_block]), first_chunk, num_chunks, skip_blocks)
+        spec = LoadSpec(
+            request_id, tuple(block_ids[:last_block]), first_chunk, num_chunks, skip_blocks, req.claim_async
+        )
         req.load_blocks = tuple(block_ids[skip_blocks:last_block])
         req.saved_chunks = max(req.saved_chunks, first_chunk + num_chunks)
         req.claim = None

