@@ -75,7 +75,7 @@ from kvdepot_connector.vllm.extra_keys import AdapterFingerprints, request_keys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.identity import instance_nonce
 from kvdepot_connector.vllm.plan import StepPlan
-from kvdepot_connector.vllm.scheduler import LOAD_MODES, ScheduledRequest, SchedulerSide
+from kvdepot_connector.vllm.scheduler import CLIENT_ERRORS, LOAD_MODES, ScheduledRequest, SchedulerSide
 from kvdepot_connector.vllm.trace import Trace
 from kvdepot_connector.vllm.worker import WorkerSide, kv_planes
 
@@ -294,6 +294,14 @@ class KVDepotConnector(KVConnectorBase_V1):
             self._url, model=self._model, layout=lay, kv_rank=rank, timeout_s=self._timeout_s,
             name=f"vllm-worker-{rank}", map_arena=not by_sidecar, instance=self._instance,
         )  # fmt: skip
+        # Connect now, at engine start: mapping the arena (populated, so that copies pay no page
+        # faults) takes ~0.5 s per GiB here, which the first save of a request must not wait for.
+        # A sidecar that is not up yet is connected to on first use instead.
+        try:
+            client.connect()
+        except CLIENT_ERRORS as exc:
+            log.warning("kvdepot: sidecar at %s not reachable at engine start (%s); connecting on first use",
+                        self._url, exc)  # fmt: skip
         # CUDA: the sidecar opens the planes through IPC handles and copies on its own streams.
         shared = [export_tensor(p) for p in planes] if by_sidecar else None
         self._worker = WorkerSide(
