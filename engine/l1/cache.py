@@ -1,10 +1,11 @@
 """L1Cache: the objects in the arena, their lifecycles, leases, eviction and tenant quotas.
 
 State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
-object for every live object and for write reservations (oids are random, 62 bits, never reused
-while their object lives; each reservation records the engine instance that owns it), the
-allocator, the eviction policy, counters, the tenant ledger it reports every object's memory into
-(charged from reservation until freed; engine/tenants), and the room maker (engine/l1/room.py,
+object for every live object and for write reservations (oids are random, 62 bits, drawn in
+batches by engine/l1/oids.py, never reused while their object lives; each reservation records the
+engine instance that owns it), the allocator, the eviction policy, counters, the tenant ledger it
+reports every object's memory into (charged from reservation until freed; engine/tenants), and
+the room maker (engine/l1/room.py,
 holding the `Shedder` given at construction: the write-behind queue, engine/l2/store_queue.py).
 Only this package changes an L1Object; the L2 controllers go through the primitives below.
 
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -55,6 +55,7 @@ from engine.keys import ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
+from engine.l1.oids import OidSource
 from engine.l1.quarantine import Quarantine
 from engine.l1.room import RoomMaker, Shedder
 from engine.tenants.ledger import TenantLedger
@@ -107,6 +108,7 @@ class L1Cache:
         self._objects: dict[ObjectKey, L1Object] = {}
         self._reservations: dict[int, L1Object] = {}
         self._by_oid: dict[int, L1Object] = {}
+        self._oids = OidSource()
         self._room = RoomMaker(
             allocator, policy, self.ledger, self.counters, high=int(allocator.capacity * high_watermark),
             low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._release,
@@ -178,9 +180,9 @@ class L1Cache:
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE
-        oid = secrets.randbits(62)
-        while oid == 0 or oid in self._by_oid:
-            oid = secrets.randbits(62)
+        oid = self._oids.next()
+        while oid in self._by_oid:
+            oid = self._oids.next()
         obj = L1Object(
             oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner,
             holder=holder, generated=generated,
