@@ -5,8 +5,8 @@ object for every live object and for write reservations (oids are random, 62 bit
 batches by engine/l1/oids.py, never reused while their object lives; each reservation records the
 engine instance that owns it), the allocator, the eviction policy, counters, the tenant ledger it
 reports every object's memory into (charged from reservation until freed; engine/tenants), and
-the room maker (engine/l1/room.py,
-holding the `Shedder` given at construction: the write-behind queue, engine/l2/store_queue.py).
+the room maker (engine/l1/room.py, holding the `Shedder` given at construction: the write-behind
+queue, engine/l2/store_queue.py).
 Only this package changes an L1Object; the L2 controllers go through the primitives below.
 
 Primitives in call order:
