@@ -275,7 +275,8 @@ def test_retrieve_copies_the_locked_chunks_out_then_releases_them(sidecar: Any, 
     def answer(m: Any) -> p.Reply:
         if isinstance(m, p.Retrieve):
             return p.RetrieveReply(id=m.id, extents=[
-                p.Extent(offset=1024, size=CHUNK_BYTES, oid=21), p.Extent(offset=512, size=CHUNK_BYTES, oid=22),
+                p.Extent(offset=1024, size=CHUNK_BYTES, oid=21),
+                p.Extent(offset=512, size=CHUNK_BYTES, oid=22),
             ])  # fmt: skip
         if isinstance(m, p.Release):
             return p.ReleaseReply(id=m.id, valid=True)
