@@ -76,7 +76,8 @@ class Shape:
     chunks_per_request: int
 
     def chunk_bytes(self, args: argparse.Namespace) -> int:
-        return 2 * self.layers * args.kv_heads * args.head_dim * args.chunk_tokens * DTYPE_BYTES[args.dtype]
+        per_layer: int = 2 * args.kv_heads * args.head_dim * args.chunk_tokens * DTYPE_BYTES[args.dtype]
+        return self.layers * per_layer
 
 
 def shapes(args: argparse.Namespace) -> list[Shape]:

@@ -60,9 +60,7 @@ class Request:
 
     def verified_bytes(self) -> int:
         """Bytes that came back as they were stored (all of them, or the request counts none)."""
-        same = all(
-            np.array_equal(a.numpy(), b.numpy()) for a, b in zip(self.chunks, self.outs, strict=True)
-        )
+        same = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(self.chunks, self.outs, strict=True))
         return self.nbytes if same else 0
 
 
