@@ -22,8 +22,11 @@ the client each time, server-side hashing included), in the first client of the 
 connector sends it (its wire bytes, encoded once per request: `encode_ms`), and the server's
 chained blake3 of the same tokens alone (`hash_p50_ms`, `hash_ns_per_token`).
 
-JSON: the first run's figures under the keys this benchmark always had, every run under `runs`,
-the prompt under `prompt`, and `/proc/loadavg` before and after.
+JSON: the first run's figures under the keys this benchmark always had, every run under `runs`
+(with `store_vs_memcpy_p50` and `retrieve_vs_memcpy_p50`, the median over requests of each
+request's own ratio, which a burst of outside load during one request does not move, and the PING
+round trip of client 0 right before the run: the overhead every call pays), the prompt under
+`prompt`, and `/proc/loadavg` before and after.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch is imported 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: how far ahead of now a step is scheduled, so that every client has read it before it starts
 LEAD_S = 0.01
+#: PINGs timed before each run (client 0): the round trip every call pays
+PINGS = 200
 WORKER_ARGS = ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
 
 
@@ -161,21 +166,31 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
+def _paired_median(baseline: list[float], measured: list[float]) -> float:
+    """The median over requests of each request's memcpy time over its own store (or retrieve)
+    time: what a burst of outside load during one request does not move."""
+    ratios = sorted(b / m for b, m in zip(baseline, measured, strict=True))
+    mid = len(ratios) // 2
+    return round(ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2, 3)
+
+
 def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) -> dict[str, Any]:
     """One run: every request stored, then retrieved, each step after its memcpy, in all clients."""
-    t = {"memcpy_store": 0.0, "store": 0.0, "memcpy_retrieve": 0.0, "retrieve": 0.0}
+    ping = clients.ask({"op": "ping", "samples": PINGS}, only=0)[0]
+    spans: dict[str, list[float]] = {"memcpy_store": [], "store": [], "memcpy_retrieve": [], "retrieve": []}
     ok = True
     for r in range(args.requests):
         for op, key in (("memcpy", "memcpy_store"), ("store", "store")):
             span, good = clients.timed(op, r)
-            t[key] += span
+            spans[key].append(span)
             ok = ok and good
     for r in range(args.requests):
         ok = ok and all(a["ok"] for a in clients.ask({"op": "lock", "r": r}))
         for op, key in (("memcpy", "memcpy_retrieve"), ("retrieve", "retrieve")):
             span, good = clients.timed(op, r)
-            t[key] += span
+            spans[key].append(span)
             ok = ok and good
+    t = {key: sum(values) for key, values in spans.items()}
     verified = clients.ask({"op": "verify"})
     chunk_bytes = shape.chunk_bytes(args)
     total = n * args.requests * shape.chunks_per_request * chunk_bytes
@@ -188,6 +203,9 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
         "memcpy_gbps": _gbps(2 * total, t["memcpy_store"] + t["memcpy_retrieve"]),
         "store_vs_memcpy": round(t["memcpy_store"] / t["store"], 3),
         "retrieve_vs_memcpy": round(t["memcpy_retrieve"] / t["retrieve"], 3),
+        "store_vs_memcpy_p50": _paired_median(spans["memcpy_store"], spans["store"]),
+        "retrieve_vs_memcpy_p50": _paired_median(spans["memcpy_retrieve"], spans["retrieve"]),
+        "ping_p50_ms": ping["p50_ms"], "ping_p99_ms": ping["p99_ms"],
         "bytes_verified": sum(a["bytes_verified"] for a in verified),
         "ok": ok and all(a["ok"] for a in verified),
     }  # fmt: skip

@@ -13,6 +13,7 @@ stdin, one JSON object a line, and answers each with one line:
   {"op": "lock", "r": i}                  LOOKUP of request i (read locks for the retrieve)
   {"op": "retrieve", "r": i, "start": t}  RETRIEVE + copies + RELEASE into the output memory
   {"op": "verify"}                        every retrieved byte against what was stored
+  {"op": "ping", "samples": n}            round trips of a PING (the per-call overhead)
   {"op": "lookups", "samples": n}         latency of LOOKUPs of request 0 (token encoding included)
   {"op": "prompt", "tokens": T, ...}      latency of LOOKUPs of a T-token prompt (hashing included)
                                           and of the server's hash chain of the same tokens alone
@@ -134,6 +135,13 @@ class Worker:
             verified = sum(req.verified_bytes() for req in self.requests)
             total = sum(req.nbytes for req in self.requests)
             return {"ok": verified == total, "bytes_verified": verified}
+        if op == "ping":
+            times = []
+            for _ in range(cmd["samples"]):
+                start = time.perf_counter()
+                c.ping()
+                times.append(time.perf_counter() - start)
+            return {"p50_ms": _percentile_ms(times, 0.5), "p99_ms": _percentile_ms(times, 0.99)}
         if op == "lookups":
             return self._lookups(cmd["samples"])
         if op == "prompt":
