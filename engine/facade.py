@@ -132,13 +132,10 @@ class CacheEngine:
         _check_ids(request_id, salt)
         now = self._clock()
         rid = (engine_id, request_id)
-        keys = [ObjectKey(reg.namespace, salt, h) for h in self._hashes(tokens, extras)]
-        found: list[L1Object] = []
-        for key in keys:
-            obj = self.cache.find(key, now)
-            if obj is None:
-                break
-            found.append(obj)
+        ns = reg.namespace
+        hashes = self._hashes(tokens, extras)
+        n = len(hashes)
+        found = self.cache.find_chain(ns, salt, hashes, now)  # no ObjectKey built for the hits
         # A repeated lookup replaces the request's previous state (its prefetch attaches no more).
         state = self._requests.lookup(rid, found, now)
         locked = state.objects
@@ -148,20 +145,22 @@ class CacheEngine:
         l2 = self.l2
         pending = 0
         if l2 is not None:
-            l2.store.note_lookup(reg, keys, locked)
-            if hit < len(keys) and l2.tiers.active():
+            if l2.store.policy == "seen_twice":
+                l2.store.note_lookup(reg, [ObjectKey(ns, salt, h) for h in hashes], locked)
+            if hit < n and l2.tiers.active():
                 self._requests.keep(rid, state)
-                state.prefetch = l2.prefetch.start(reg, keys[hit:], partial(self._attach, state))
-                pending = len(keys) - hit
+                missing = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
+                state.prefetch = l2.prefetch.start(reg, missing, partial(self._attach, state))
+                pending = n - hit
         c = self.counters
         c.lookups += 1
         c.hit_chunks += hit
-        c.miss_chunks += len(keys) - hit
-        self.tenants.note_lookup(salt, hit, len(keys) - hit)
+        c.miss_chunks += n - hit
+        self.tenants.note_lookup(salt, hit, n - hit)
         c.hit_tokens += hit * self.chunk_size
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
         return LookupResult(
-            hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=len(keys), pending_chunks=pending
+            hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=n, pending_chunks=pending
         )
 
     def _attach(self, state: RequestState, obj: L1Object) -> bool:

@@ -60,7 +60,7 @@ from app.errors import (
 )
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
-from engine.results import LookupResult
+from engine.results import LookupResult, SlotStatus
 from kvdepot_connector import protocol as p
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvdepot.dataplane")
 
 _TAGS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in p.Request.__args__}
+_WIRE_STATUS = {s: p.SlotStatus(s.value) for s in SlotStatus}
 
 
 class DataPlaneServer:
@@ -303,7 +304,7 @@ class DataPlaneServer:
         )  # fmt: skip
         return p.StoreReply(
             id=m.id,
-            slots=[p.Slot(s.chunk, p.SlotStatus(s.status.value), s.oid, s.offset, s.size) for s in slots],
+            slots=[p.Slot(s.chunk, _WIRE_STATUS[s.status], s.oid, s.offset, s.size) for s in slots],
         )
 
     def _commit(self, m: p.Commit, _: Session) -> p.Reply:

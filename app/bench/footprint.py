@@ -125,7 +125,7 @@ def _spawn(data_dir: Path, size_gb: float) -> tuple[subprocess.Popen[str], dict[
 def _load(args: argparse.Namespace, url: str, pid: int) -> tuple[float, bool]:
     """Run a `bench server` client against the sidecar; the largest beyond-arena RSS seen meanwhile,
     and whether the client's run was ok."""
-    cmd = [sys.executable, "-m", "app.cli", "bench", "server", "--worker", "--url", url,
+    cmd = [sys.executable, "-m", "app.cli", "bench", "server", "--url", url,
            "--requests", str(args.requests), "--chunks-per-request", str(args.chunks_per_request),
            "--lookups", str(args.lookups)]  # fmt: skip
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,11 +1,32 @@
 """`kvdepot bench server`: data-plane store / retrieve / lookup against memcpy, one JSON object.
 
-A sidecar is started (or `--url` used); a client in a separate process stores `--requests`
-requests of `--chunks-per-request` chunks, LOOKUPs each right after its STORE (all chunks must
-hit), retrieves them into fresh tensors, verifies every byte, and times 16-chunk lookups (token
-encoding and server-side hashing included). The baseline is `memcpy_gbps`: torch `copy_` of the
-same bytes into preallocated, pre-touched memory, in the same process, measured right before each
-request's store and retrieve so that both sides of each ratio see the same machine load.
+A sidecar is started (L1 only; or `--url` used) and `--clients` client processes
+(app/bench/server_worker.py) each store `--requests` requests of their own, LOOKUP each right
+after its STORE (all chunks must hit), retrieve them into preallocated, touched memory, and verify
+every byte. The baseline is memcpy: each client memmoves the same request's bytes into the same
+preallocated memory right before each store and each retrieve, with every client doing so at the
+same time, so that both sides of each ratio see the same machine load. With N clients every step
+runs in all of them at once (started at one CLOCK_MONOTONIC instant) and the figure is the
+aggregate: all clients' bytes over the span from the first client's start to the last one's end,
+for the store and for its memcpy alike.
+
+Chunk sizes: `--chunk-mib M ...` makes a chunk M MiB by the number of layers, the rest of the
+layout fixed (`--kv-heads` 8, `--head-dim` 128, `--dtype` float16, `--chunk-tokens` 256: 1 MiB
+per layer), and sizes each request to `--request-mib` (64 MiB: 64 chunks of 1 MiB, 1 of 64 MiB);
+without it the layout is `--layers` etc. and requests have `--chunks-per-request` chunks. Each
+chunk size gets its own sidecar; each client count in `--clients 1 2 4` its own client processes.
+
+Lookups: `lookup_p50_ms`/`lookup_p99_ms` time LOOKUPs of one request (its token list encoded by
+the client each time, server-side hashing included), in the first client of the first run.
+`--prompt-tokens T` times LOOKUPs of a T-token prompt whose chunks are all in L1, sent as the
+connector sends it (its wire bytes, encoded once per request: `encode_ms`), and the server's
+chained blake3 of the same tokens alone (`hash_p50_ms`, `hash_ns_per_token`).
+
+JSON: the first run's figures under the keys this benchmark always had, every run under `runs`
+(with `store_vs_memcpy_p50` and `retrieve_vs_memcpy_p50`, the median over requests of each
+request's own ratio, which a burst of outside load during one request does not move, and the PING
+round trip of client 0 right before the run: the overhead every call pays), the prompt under
+`prompt`, and `/proc/loadavg` before and after.
 """
 
 from __future__ import annotations
@@ -16,213 +37,259 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
     from app.bench.sidecar import SidecarProcess
-    from kvdepot_connector.client import KVDepotClient
-    from kvdepot_connector.protocol import Layout
 
-DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch is imported by the client only
+DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch is imported by the clients only
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: how far ahead of now a step is scheduled, so that every client has read it before it starts
+LEAD_S = 0.01
+#: PINGs timed before each run (client 0): the round trip every call pays
+PINGS = 200
+WORKER_ARGS = ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="use a running sidecar at this data-plane URL instead of starting one")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--chunks-per-request", type=int, default=16)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--requests", type=int, default=4, help="requests per client")
+    p.add_argument("--chunks-per-request", type=int, default=16, help="without --chunk-mib")
+    p.add_argument("--layers", type=int, default=32, help="without --chunk-mib")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=DTYPES, default="float16")
     p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunk-mib", type=int, nargs="+", help="chunk sizes in MiB (by the number of layers)")
+    p.add_argument("--request-mib", type=int, default=64, help="bytes of one request with --chunk-mib")
+    p.add_argument("--clients", type=int, nargs="+", default=[1], help="client processes at once")
     p.add_argument("--lookups", type=int, default=1000, help="lookup samples for the latency figures")
+    p.add_argument("--prompt-tokens", type=int, help="also time LOOKUPs of a prompt this long")
+    p.add_argument("--prompt-samples", type=int, default=300)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--client", type=int, default=0, help=argparse.SUPPRESS)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The layout and request sizes of one chunk size."""
+
+    chunk_mib: float
+    layers: int
+    chunks_per_request: int
+
+    def chunk_bytes(self, args: argparse.Namespace) -> int:
+        per_layer: int = 2 * args.kv_heads * args.head_dim * args.chunk_tokens * DTYPE_BYTES[args.dtype]
+        return self.layers * per_layer
+
+
+def shapes(args: argparse.Namespace) -> list[Shape]:
+    """The chunk sizes to run; ValueError for a size the fixed layout cannot make."""
+    per_layer = 2 * args.kv_heads * args.head_dim * args.chunk_tokens * DTYPE_BYTES[args.dtype]
+    if not args.chunk_mib:
+        return [Shape(args.layers * per_layer / (1 << 20), args.layers, args.chunks_per_request)]
+    out = []
+    for mib in args.chunk_mib:
+        if mib <= 0 or (mib << 20) % per_layer:
+            raise ValueError(f"--chunk-mib {mib}: not a whole number of {per_layer}-byte layers")
+        out.append(Shape(mib, (mib << 20) // per_layer, max(1, args.request_mib // mib)))
+    return out
+
+
+class Clients:
+    """N worker processes, driven step by step over their stdin/stdout."""
+
+    def __init__(self, args: argparse.Namespace, shape: Shape, url: str, n: int, tmp: Path) -> None:
+        self._procs: list[subprocess.Popen[str]] = []
+        self._errs: list[IO[str]] = []
+        values = {**vars(args), "layers": shape.layers, "chunks_per_request": shape.chunks_per_request}
+        for i in range(n):
+            cmd = [sys.executable, "-m", "app.cli", "bench", "server", "--worker", "--client", str(i),
+                   "--url", url]  # fmt: skip
+            for name in WORKER_ARGS:
+                cmd += [f"--{name.replace('_', '-')}", str(values[name])]
+            err = (tmp / f"client-{i}.err").open("w+")
+            self._errs.append(err)
+            self._procs.append(subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1
+            ))  # fmt: skip
+        for i in range(n):
+            self._read(i)  # {"ready": true}
+
+    def _read(self, i: int) -> dict[str, Any]:
+        proc = self._procs[i]
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            self._errs[i].seek(0)
+            raise RuntimeError(f"bench client {i} failed:\n{self._errs[i].read()[-3000:]}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, cmd: dict[str, Any], only: int | None = None) -> list[dict[str, Any]]:
+        """Send `cmd` to every client (or to client `only`); their answers."""
+        chosen = range(len(self._procs)) if only is None else [only]
+        line = json.dumps(cmd) + "\n"
+        for i in chosen:
+            stdin = self._procs[i].stdin
+            assert stdin is not None
+            stdin.write(line)
+            stdin.flush()
+        return [self._read(i) for i in chosen]
+
+    def timed(self, op: str, r: int) -> tuple[float, bool]:
+        """Step `op` of request `r` in every client at once: (the span of all, every client ok)."""
+        answers = self.ask({"op": op, "r": r, "start": time.monotonic() + LEAD_S})
+        span = max(a["end"] for a in answers) - min(a["begin"] for a in answers)
+        return span, all(a["ok"] for a in answers)
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write('{"op": "exit"}\n')
+                proc.stdin.close()
+        for proc in self._procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for err in self._errs:
+            err.close()
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _paired_median(baseline: list[float], measured: list[float]) -> float:
+    """The median over requests of each request's memcpy time over its own store (or retrieve)
+    time: what a burst of outside load during one request does not move."""
+    ratios = sorted(b / m for b, m in zip(baseline, measured, strict=True))
+    mid = len(ratios) // 2
+    return round(ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2, 3)
 
 
-def _layout(args: argparse.Namespace) -> Layout:
-    from kvdepot_connector.protocol import Layout
-
-    return Layout(
-        dtype=args.dtype, num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=args.chunk_tokens, kind="bench", chunk_size=args.chunk_tokens,
-    )  # fmt: skip
-
-
-@dataclass
-class _Request:
-    """One request's tokens, its chunks, and the preallocated, pre-touched memory they come back to."""
-
-    rid: str
-    tokens: list[int]
-    chunks: list[torch.Tensor]
-    out: list[torch.Tensor]
-
-    def memcpy(self) -> float:
-        """The baseline: the same bytes copied into the preallocated memory by torch."""
-        start = time.perf_counter()
-        for src, dst in zip(self.chunks, self.out, strict=True):
-            dst.copy_(src)
-        elapsed = time.perf_counter() - start
-        for t in self.out:
-            t.zero_()
-        return elapsed
-
-    def identical(self) -> bool:
-        import torch
-
-        return all(
-            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-            for a, b in zip(self.chunks, self.out, strict=True)
-        )
-
-
-@dataclass
-class _Timings:
-    store_s: float = 0.0
-    retrieve_s: float = 0.0
-    memcpy_store_s: float = 0.0
-    memcpy_retrieve_s: float = 0.0
-    lookups: list[float] = field(default_factory=list)
-    ok: bool = True
-
-
-def _make_requests(args: argparse.Namespace, chunk_bytes: int) -> list[_Request]:
-    import torch
-
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    elems = chunk_bytes // torch.tensor([], dtype=dtype).element_size()
-    requests = []
+def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) -> dict[str, Any]:
+    """One run: every request stored, then retrieved, each step after its memcpy, in all clients."""
+    ping = clients.ask({"op": "ping", "samples": PINGS}, only=0)[0]
+    spans: dict[str, list[float]] = {"memcpy_store": [], "store": [], "memcpy_retrieve": [], "retrieve": []}
+    ok = True
     for r in range(args.requests):
-        tokens = torch.randint(0, 50_000, (args.chunks_per_request * args.chunk_tokens,), dtype=torch.int64)
-        chunks = [torch.randn(elems).to(dtype) for _ in range(args.chunks_per_request)]
-        out = [torch.zeros_like(c) for c in chunks]  # pre-touched, as the memcpy baseline's destination is
-        requests.append(_Request(f"bench-{r}", tokens.tolist(), chunks, out))
-    return requests
-
-
-# The baseline is measured right before each store and each retrieve of the same request, so both
-# sides of the ratio see the same machine (it is shared and its load drifts).
-
-
-def _store_all(client: KVDepotClient, requests: list[_Request], t: _Timings) -> None:
-    for req in requests:
-        t.memcpy_store_s += req.memcpy()
-        start = time.perf_counter()
-        outcome = client.store(req.tokens, req.chunks, request_id=req.rid)
-        t.store_s += time.perf_counter() - start
-        if outcome.stored != len(req.chunks):
-            t.ok = False
-        hit = client.lookup(req.tokens, request_id=req.rid)  # the very next lookup sees the commit
-        if hit.hit_chunks != len(req.chunks):
-            t.ok = False
-        client.free_lookup_locks(req.rid)
-
-
-def _retrieve_all(client: KVDepotClient, requests: list[_Request], t: _Timings) -> None:
-    for req in requests:
-        t.memcpy_retrieve_s += req.memcpy()
-        client.lookup(req.tokens, request_id=req.rid)
-        start = time.perf_counter()
-        valid = client.retrieve(req.rid, req.out)
-        t.retrieve_s += time.perf_counter() - start
-        t.ok = t.ok and valid
-    for req in requests:
-        t.ok = t.ok and req.identical()
-
-
-def _time_lookups(client: KVDepotClient, req: _Request, samples: int, t: _Timings) -> None:
-    for _ in range(samples):
-        start = time.perf_counter()
-        reply = client.lookup(req.tokens, request_id=req.rid)
-        t.lookups.append(time.perf_counter() - start)
-        t.ok = t.ok and reply.hit_chunks == len(req.chunks)
-    client.end_request(req.rid)
-
-
-def _figures(args: argparse.Namespace, chunk_bytes: int, t: _Timings) -> dict[str, Any]:
-    total = args.requests * args.chunks_per_request * chunk_bytes
+        for op, key in (("memcpy", "memcpy_store"), ("store", "store")):
+            span, good = clients.timed(op, r)
+            spans[key].append(span)
+            ok = ok and good
+    for r in range(args.requests):
+        ok = ok and all(a["ok"] for a in clients.ask({"op": "lock", "r": r}))
+        for op, key in (("memcpy", "memcpy_retrieve"), ("retrieve", "retrieve")):
+            span, good = clients.timed(op, r)
+            spans[key].append(span)
+            ok = ok and good
+    t = {key: sum(values) for key, values in spans.items()}
+    verified = clients.ask({"op": "verify"})
+    chunk_bytes = shape.chunk_bytes(args)
+    total = n * args.requests * shape.chunks_per_request * chunk_bytes
     return {
-        "store_gbps": _gbps(total, t.store_s),
-        "retrieve_gbps": _gbps(total, t.retrieve_s),
-        "memcpy_gbps": _gbps(2 * total, t.memcpy_store_s + t.memcpy_retrieve_s),
-        "store_vs_memcpy": round(t.memcpy_store_s / t.store_s, 3),
-        "retrieve_vs_memcpy": round(t.memcpy_retrieve_s / t.retrieve_s, 3),
-        "lookup_p50_ms": round(_percentile(t.lookups, 0.50) * 1000, 4),
-        "lookup_p99_ms": round(_percentile(t.lookups, 0.99) * 1000, 4),
-        "lookup_chunks": args.chunks_per_request,
-        "chunk_bytes": chunk_bytes,
-        "chunks": args.requests * args.chunks_per_request,
-        "requests": args.requests,
-        "ok": t.ok,
-    }
+        "chunk_mib": shape.chunk_mib, "chunk_bytes": chunk_bytes, "clients": n, "requests": args.requests,
+        "chunks_per_request": shape.chunks_per_request,
+        "store_gbps": _gbps(total, t["store"]), "retrieve_gbps": _gbps(total, t["retrieve"]),
+        "memcpy_store_gbps": _gbps(total, t["memcpy_store"]),
+        "memcpy_retrieve_gbps": _gbps(total, t["memcpy_retrieve"]),
+        "memcpy_gbps": _gbps(2 * total, t["memcpy_store"] + t["memcpy_retrieve"]),
+        "store_vs_memcpy": round(t["memcpy_store"] / t["store"], 3),
+        "retrieve_vs_memcpy": round(t["memcpy_retrieve"] / t["retrieve"], 3),
+        "store_vs_memcpy_p50": _paired_median(spans["memcpy_store"], spans["store"]),
+        "retrieve_vs_memcpy_p50": _paired_median(spans["memcpy_retrieve"], spans["retrieve"]),
+        "ping_p50_ms": ping["p50_ms"], "ping_p99_ms": ping["p99_ms"],
+        "bytes_verified": sum(a["bytes_verified"] for a in verified),
+        "ok": ok and all(a["ok"] for a in verified),
+    }  # fmt: skip
 
 
-def worker(args: argparse.Namespace) -> dict[str, Any]:
-    """The client side; runs in its own process."""
-    from kvdepot_connector.client import KVDepotClient
-
-    layout = _layout(args)
-    requests = _make_requests(args, layout.chunk_bytes)
-    t = _Timings()
-    with KVDepotClient(args.url, model="bench-model", layout=layout, timeout_s=30) as client:
-        _store_all(client, requests, t)
-        _retrieve_all(client, requests, t)
-        _time_lookups(client, requests[0], args.lookups, t)
-    return _figures(args, layout.chunk_bytes, t)
-
-
-def _start_sidecar(args: argparse.Namespace, tmp: Path) -> SidecarProcess:
-    """A sidecar with an L1 big enough for every request, and no L2."""
+def _start_sidecar(args: argparse.Namespace, shape: Shape, tmp: Path) -> SidecarProcess:
+    """A sidecar with an L1 big enough for every client's requests (and the prompt), and no L2."""
     from app.bench.sidecar import start_sidecar
 
-    need = _layout(args).chunk_bytes * args.requests * args.chunks_per_request
+    need = shape.chunk_bytes(args) * shape.chunks_per_request * args.requests * max(args.clients)
+    need += (args.prompt_tokens or 0) * 2 * 64 * 2  # the prompt's layout: 256 bytes per token
     size_gb = need * 1.25 / (1 << 30) + 0.0625
     # L1 and the data plane only: write-behind to L2 would compete for the same cores.
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
     return start_sidecar(tmp, env=env, l1_size_gb=round(size_gb, 3))
 
 
-def _run_worker(args: argparse.Namespace, url: str) -> dict[str, Any] | int:
-    """The worker's JSON object, or its exit status when it failed (its stderr is printed)."""
-    cmd = [sys.executable, "-m", "app.cli", "bench", "server", "--worker", "--url", url]
-    for name in ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype",
-                 "chunk_tokens", "lookups"):  # fmt: skip
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        print(done.stderr, file=sys.stderr)
-        return done.returncode
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+def _loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (empty where /proc has none)."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+def _run_shape(args: argparse.Namespace, shape: Shape, url: str, tmp: Path, out: dict[str, Any]) -> None:
+    for n in args.clients:
+        clients = Clients(args, shape, url, n, tmp)
+        try:
+            out["runs"].append(measure(clients, args, shape, n))
+            if "lookups" not in out:
+                out["lookups"] = clients.ask({"op": "lookups", "samples": args.lookups}, only=0)[0]
+            if args.prompt_tokens and "prompt" not in out:
+                cmd = {"op": "prompt", "tokens": args.prompt_tokens, "samples": args.prompt_samples}
+                out["prompt"] = clients.ask(cmd, only=0)[0]
+        finally:
+            clients.close()
+
+
+def _result(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    first, lookups = out["runs"][0], out["lookups"]
+    result = {
+        key: first[key]
+        for key in ("store_gbps", "retrieve_gbps", "memcpy_gbps", "store_vs_memcpy", "retrieve_vs_memcpy")
+    }
+    result.update(
+        lookup_p50_ms=lookups["p50_ms"], lookup_p99_ms=lookups["p99_ms"],
+        lookup_chunks=first["chunks_per_request"], chunk_bytes=first["chunk_bytes"],
+        chunks=args.requests * first["chunks_per_request"], requests=args.requests,
+        ok=lookups["ok"] and all(r["ok"] for r in out["runs"]) and out.get("prompt", {}).get("ok", True),
+        url="started" if args.url is None else args.url, runs=out["runs"],
+    )  # fmt: skip
+    if "prompt" in out:
+        result["prompt"] = out["prompt"]
     return result
 
 
 def run(args: argparse.Namespace) -> int:
     if args.worker:
-        print(json.dumps(worker(args)))
-        return 0
+        from app.bench import server_worker
+
+        return server_worker.main(args)
+    try:
+        chosen = shapes(args)
+    except ValueError as exc:
+        print(f"kvdepot bench server: {exc}", file=sys.stderr)
+        return 2
+    if any(n < 1 for n in args.clients) or args.requests < 1:
+        print("kvdepot bench server: --clients and --requests must be positive", file=sys.stderr)
+        return 2
+    out: dict[str, Any] = {"runs": []}
+    load_before = _loadavg()
     with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp:
-        sidecar = None if args.url is not None else _start_sidecar(args, Path(tmp))
-        try:
-            result = _run_worker(args, args.url if sidecar is None else sidecar.url)
-        finally:
-            if sidecar is not None:
-                sidecar.stop()
-    if isinstance(result, int):
-        return result
-    result["url"] = "started" if args.url is None else args.url
+        for i, shape in enumerate(chosen):
+            sidecar = None if args.url is not None else _start_sidecar(args, shape, Path(tmp) / f"s{i}")
+            try:
+                _run_shape(args, shape, args.url if sidecar is None else sidecar.url, Path(tmp), out)
+            except RuntimeError as exc:
+                print(str(exc), file=sys.stderr)
+                return 1
+            finally:
+                if sidecar is not None:
+                    sidecar.stop()
+    result = _result(args, out)
+    result["loadavg"] = [load_before, _loadavg()]
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -76,6 +76,12 @@ def _as_u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1) if t.dtype != torch.uint8 else t.reshape(-1)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    if not t.is_contiguous():
+        raise ValueError("chunk tensors must be contiguous")
+    return t.numel() * t.element_size()
+
+
 class Session:
     """What both clients share: the handshake state, the arena, the copy steps."""
 
@@ -208,15 +214,26 @@ class Session:
             raise SidecarUnavailable("the arena is not mapped")
         return self.arena.region(offset, size)
 
+    def _mapped(self) -> ArenaMapping:
+        if self.arena is None:
+            raise SidecarUnavailable("the arena is not mapped")
+        return self.arena
+
     def copy_in(self, reply: p.StoreReply, chunks: Sequence[torch.Tensor], first_chunk: int) -> list[int]:
+        """Copy the chunks into their reserved slots (CPU tensors: one memmove each); the oids
+        to commit."""
         oids = []
         for slot in reply.slots:
             if slot.status is not p.SlotStatus.RESERVED:
                 continue
-            src = _as_u8(chunks[slot.chunk - first_chunk])
-            if src.numel() != slot.size:
-                raise ValueError(f"chunk {slot.chunk} has {src.numel()} bytes, the slot {slot.size}")
-            self.region(slot.offset, slot.size).copy_(src)
+            src = chunks[slot.chunk - first_chunk]
+            size = _nbytes(src)
+            if size != slot.size:
+                raise ValueError(f"chunk {slot.chunk} has {size} bytes, the slot {slot.size}")
+            if src.device.type == "cpu":
+                self._mapped().write(slot.offset, src.data_ptr(), size)
+            else:
+                self.region(slot.offset, slot.size).copy_(_as_u8(src))
             oids.append(slot.oid)
         return oids
 
@@ -231,11 +248,15 @@ class Session:
         return [ext.oid for ext in reply.extents if ext.oid]
 
     def copy_out(self, reply: p.RetrieveReply, outs: Sequence[torch.Tensor]) -> None:
+        """Copy the locked chunks into `outs` (CPU tensors: one memmove each)."""
         for ext, dst in zip(reply.extents, outs, strict=True):
-            view = _as_u8(dst)
-            if view.numel() != ext.size:
-                raise ValueError(f"output of {view.numel()} bytes for a chunk of {ext.size}")
-            view.copy_(self.region(ext.offset, ext.size))
+            size = _nbytes(dst)
+            if size != ext.size:
+                raise ValueError(f"output of {size} bytes for a chunk of {ext.size}")
+            if dst.device.type == "cpu":
+                self._mapped().read(ext.offset, dst.data_ptr(), size)
+            else:
+                _as_u8(dst).copy_(self.region(ext.offset, ext.size))
 
     @staticmethod
     def reserved(reply: p.StoreReply) -> list[int]:

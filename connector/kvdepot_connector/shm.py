@@ -5,11 +5,16 @@ MAP_POPULATE so the first copies do not pay a page fault per 4 KiB. `ArenaMappin
 size)` maps the arena's sealed memfd, received over the lifeline: its size is sealed, so no client
 can truncate it (and SIGBUS the sidecar or another client), and nothing is opened by name.
 A client's mapping stays valid until the client unmaps it, even after the sidecar exits.
+
+Copies between the caller's CPU memory and the arena (`write`, `read`) are one bounds-checked
+`memmove` each, on the calling thread and without the GIL: no torch kernel, whose thread pool
+contends with the caller's own threads and the sidecar on a busy machine, and no view tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -42,9 +47,25 @@ class ArenaMapping:
         return cls(mm, name, size)
 
     def region(self, offset: int, size: int) -> torch.Tensor:
+        self._check(offset, size)
+        return self.tensor[offset : offset + size]
+
+    def write(self, offset: int, src: int, size: int) -> None:
+        """Copy `size` bytes from address `src` (memory the caller owns and keeps alive) into
+        the arena at `offset`."""
+        self._check(offset, size)
+        if size:
+            ctypes.memmove(self.tensor.data_ptr() + offset, src, size)
+
+    def read(self, offset: int, dst: int, size: int) -> None:
+        """Copy `size` bytes of the arena at `offset` to address `dst` (memory the caller owns)."""
+        self._check(offset, size)
+        if size:
+            ctypes.memmove(dst, self.tensor.data_ptr() + offset, size)
+
+    def _check(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise ValueError(f"extent {offset}+{size} outside the arena of {self.size} bytes")
-        return self.tensor[offset : offset + size]
 
     def close(self) -> None:
         del self.tensor

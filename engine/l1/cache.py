@@ -1,15 +1,19 @@
 """L1Cache: the objects in the arena, their lifecycles, leases, eviction and tenant quotas.
 
 State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
-object for every live object and for write reservations (oids are random, 62 bits, never reused
-while their object lives; each reservation records the engine instance that owns it), the
-allocator, the eviction policy, counters, the tenant ledger it reports every object's memory into
-(charged from reservation until freed; engine/tenants), and the room maker (engine/l1/room.py,
-holding the `Shedder` given at construction: the write-behind queue, engine/l2/store_queue.py).
+object for every live object and for write reservations (oids are random, 62 bits, drawn in
+batches by engine/l1/oids.py, never reused while their object lives; each reservation records the
+engine instance that owns it), the allocator, the eviction policy, counters, the tenant ledger it
+reports every object's memory into (charged from reservation until freed; engine/tenants), and
+the room maker (engine/l1/room.py, holding the `Shedder` given at construction: the write-behind
+queue, engine/l2/store_queue.py).
 Only this package changes an L1Object; the L2 controllers go through the primitives below.
 
 Primitives in call order:
   find(key)                      visible object or None (touches LRU)
+  find_chain(ns, salt, hashes)   the visible objects of a chain of chunk hashes, up to the first
+                                 missing one (touches LRU); no key is built (a second index:
+                                 (namespace, salt) -> chunk hash -> object, kept with the first)
   alive(oid)                     the object is still the same committed object (bytes unchanged)
   try_reserve(key, size, now[, temporary, owner])
                                  -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
@@ -46,15 +50,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from app.errors import LeaseExpired, NotFound
-from engine.keys import ObjectKey
+from engine.keys import Namespace, ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
+from engine.l1.oids import OidSource
 from engine.l1.quarantine import Quarantine
 from engine.l1.room import RoomMaker, Shedder
 from engine.tenants.ledger import TenantLedger
@@ -105,8 +109,11 @@ class L1Cache:
         self.write_lease_s = write_lease_s
         self.counters = L1Counters()
         self._objects: dict[ObjectKey, L1Object] = {}
+        #: the same objects as `_objects`, by (namespace, salt), then chunk hash: for `find_chain`
+        self._chains: dict[tuple[Namespace, str], dict[bytes, L1Object]] = {}
         self._reservations: dict[int, L1Object] = {}
         self._by_oid: dict[int, L1Object] = {}
+        self._oids = OidSource()
         self._room = RoomMaker(
             allocator, policy, self.ledger, self.counters, high=int(allocator.capacity * high_watermark),
             low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._release,
@@ -136,6 +143,25 @@ class L1Cache:
         obj.last_access = now
         self.policy.on_access(obj)
         return obj
+
+    def find_chain(self, ns: Namespace, salt: str, hashes: Sequence[bytes], now: float) -> list[L1Object]:
+        """What `find` gives for the keys (ns, salt, hashes[i]), i = 0.. up to the first None."""
+        chain = self._chains.get((ns, salt))
+        found: list[L1Object] = []
+        if chain is None:
+            return found
+        get = chain.get
+        ready, locked = ObjectState.READY, ObjectState.READ_LOCKED
+        for h in hashes:
+            obj = get(h)
+            if obj is None or obj.doomed or (obj.state is not ready and obj.state is not locked):
+                break
+            found.append(obj)
+        on_access = self.policy.on_access
+        for obj in found:
+            obj.last_access = now
+            on_access(obj)
+        return found
 
     def alive(self, oid: int) -> bool:
         """The object `oid` is committed and not yet freed: committed objects are immutable, so its
@@ -178,9 +204,9 @@ class L1Cache:
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE
-        oid = secrets.randbits(62)
-        while oid == 0 or oid in self._by_oid:
-            oid = secrets.randbits(62)
+        oid = self._oids.next()
+        while oid in self._by_oid:
+            oid = self._oids.next()
         obj = L1Object(
             oid=oid, key=key, offset=offset, size=size, last_access=now, temporary=temporary, owner=owner,
             holder=holder, generated=generated,
@@ -188,6 +214,7 @@ class L1Cache:
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
         self._objects[key] = obj
+        self._chains.setdefault((key.namespace, salt), {})[key.chunk_hash] = obj
         self._reservations[oid] = obj
         self._by_oid[oid] = obj
         ledger.charge(salt, L1, charge)
@@ -330,8 +357,7 @@ class L1Cache:
         of a stalled writer land nowhere else) until `release_holder(obj.holder)`."""
         del self._reservations[obj.oid]
         obj.apply(Event.QUARANTINE)
-        if self._objects.get(obj.key) is obj:
-            del self._objects[obj.key]
+        self._forget(obj)
         charge = self.allocator.aligned(obj.size)
         self.ledger.credit(obj.key.salt, L1, charge)  # the tenant holds no chunk there any more
         self.quarantine.add(obj, charge)
@@ -339,9 +365,18 @@ class L1Cache:
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _forget(self, obj: L1Object) -> None:
+        """`obj` is no longer what its key names (both indexes)."""
+        key = obj.key
+        if self._objects.get(key) is obj:
+            del self._objects[key]
+            chain = self._chains[key.namespace, key.salt]
+            del chain[key.chunk_hash]
+            if not chain:
+                del self._chains[key.namespace, key.salt]
+
     def _release(self, obj: L1Object) -> None:
-        if self._objects.get(obj.key) is obj:
-            del self._objects[obj.key]
+        self._forget(obj)
         self._by_oid.pop(obj.oid, None)
         self.policy.on_remove(obj)
         self.allocator.free(obj.offset)

@@ -37,6 +37,21 @@ def test_hashes_are_equal_in_another_process() -> None:
     assert out.stdout.strip().split(",") == local
 
 
+def test_every_hash_of_the_chain_follows_its_definition_on_every_path() -> None:
+    tokens = encode_tokens(list(range(7, 7 + 4 * 50 + 3)))  # 50 full chunks of 4, and 3 tokens
+    expected, prev = [], SEED
+    for i in range(50):
+        prev = blake3.blake3(prev + tokens[16 * i : 16 * (i + 1)]).digest()
+        expected.append(prev)
+    h = TokenHasher(4)
+    assert h.chunk_hashes(tokens) == expected
+    assert h.chunk_hashes(memoryview(bytearray(tokens))) == expected
+    assert h.chunk_hashes(tokens, extras=[b""] * 50) == expected  # empty extra keys are no keys
+    assert h.chunk_hashes(tokens, limit=7) == expected[:7]
+    with_extra = h.chunk_hashes(tokens, extras=[b""] * 49 + [b"\x02" * 32])
+    assert with_extra[:49] == expected[:49] and with_extra[49] != expected[49]
+
+
 def test_only_full_chunks_and_chaining() -> None:
     h = TokenHasher(4)
     a = h.chunk_hashes(encode_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]))

@@ -248,3 +248,50 @@ def test_store_copies_into_the_reserved_slots_and_commits(sidecar: Any, connect:
     with pytest.raises(ValueError, match="bytes"):
         client.store(list(range(12)), [chunks[0], chunks[1][:4], chunks[2]], request_id="w")
     assert sc.ops()[-2:] == ["Store", "Abort"] and sc.seen[-1].oids == [11]
+
+
+def test_a_slot_beyond_the_arena_is_refused_and_given_back(sidecar: Any, connect: Connect) -> None:
+    """The client copies with memmove: a slot the arena does not hold must never be written."""
+
+    def answer(m: Any) -> p.Reply:
+        if isinstance(m, p.Store):
+            return p.StoreReply(id=m.id, slots=[
+                p.Slot(chunk=0, status=p.SlotStatus.RESERVED, oid=5, offset=0, size=CHUNK_BYTES),
+                p.Slot(chunk=1, status=p.SlotStatus.RESERVED, oid=6, offset=ARENA_BYTES - 64,
+                       size=CHUNK_BYTES),
+            ])  # fmt: skip
+        return p.CountReply(id=m.id, count=len(m.oids))
+
+    sc = sidecar(answer)
+    client = connect(sc.url)
+    chunks = [torch.full((CHUNK_BYTES // 2,), 3.0, dtype=torch.float16) for _ in range(2)]
+    with pytest.raises(ValueError, match="outside the arena"):
+        client.store(list(range(8)), chunks, request_id="w")
+    assert sc.ops()[-2:] == ["Store", "Abort"] and sc.seen[-1].oids == [5, 6]
+    assert sc.arena[ARENA_BYTES - 64 :] == bytes(64)
+
+
+def test_retrieve_copies_the_locked_chunks_out_then_releases_them(sidecar: Any, connect: Connect) -> None:
+    def answer(m: Any) -> p.Reply:
+        if isinstance(m, p.Retrieve):
+            return p.RetrieveReply(id=m.id, extents=[
+                p.Extent(offset=1024, size=CHUNK_BYTES, oid=21),
+                p.Extent(offset=512, size=CHUNK_BYTES, oid=22),
+            ])  # fmt: skip
+        if isinstance(m, p.Release):
+            return p.ReleaseReply(id=m.id, valid=True)
+        raise AssertionError(m)
+
+    sc = sidecar(answer)
+    sc.arena[512 : 512 + CHUNK_BYTES] = bytes(range(CHUNK_BYTES))
+    sc.arena[1024 : 1024 + CHUNK_BYTES] = bytes(range(CHUNK_BYTES, 0, -1))
+    client = connect(sc.url)
+    outs = [torch.zeros(CHUNK_BYTES // 4, dtype=torch.float32) for _ in range(2)]
+    assert client.retrieve("r", outs) is True
+    assert outs[0].view(torch.uint8).numpy().tobytes() == sc.arena[1024 : 1024 + CHUNK_BYTES]
+    assert outs[1].view(torch.uint8).numpy().tobytes() == sc.arena[512 : 512 + CHUNK_BYTES]
+    assert sc.ops()[-2:] == ["Retrieve", "Release"] and sc.seen[-1].oids == [21, 22]
+    # An output of the wrong size raises; the locks still go.
+    with pytest.raises(ValueError, match="bytes"):
+        client.retrieve("r", [outs[0], outs[1][:4]])
+    assert sc.ops()[-1] == "Release"

@@ -211,3 +211,51 @@ def test_an_instance_over_its_quarantine_cap_is_refused_and_others_are_not() -> 
     assert isinstance(cache.try_reserve(key(11), PAGE, 100.0, owner="b", holder=3), L1Object)
     cache.release_holder(1)
     assert isinstance(cache.try_reserve(key(10), PAGE, 100.0, owner="a", holder=2), L1Object)
+
+
+def test_find_chain_sees_exactly_what_find_sees_through_every_lifecycle_move() -> None:
+    """`find_chain` reads a second index: it must agree with `find` after every kind of change."""
+    clock = FakeClock()
+    cache = make_cache(8 * PAGE, high=1.0, low=1.0)
+    ns = key(0).namespace
+
+    def chain(salt: str = "", n: int = 6) -> list[int]:
+        found = cache.find_chain(ns, salt, [key(i, salt).chunk_hash for i in range(n)], clock())
+        by_find = []
+        for i in range(n):
+            o = cache.find(key(i, salt), clock())
+            if o is None:
+                break
+            by_find.append(o)
+        assert found == by_find
+        return [o.oid for o in found]
+
+    objs = [reserve(cache, key(i), PAGE, clock()) for i in range(4)]
+    assert all(o is not None for o in objs)
+    assert chain() == []  # reserved: invisible
+    for o in objs[:3]:
+        assert o is not None
+        cache.commit(o.oid, clock())
+    assert chain() == [o.oid for o in objs[:3] if o is not None]  # stops at the reservation
+    other = reserve(cache, key(0, "tenant-b"), PAGE, clock())
+    assert other is not None
+    cache.commit(other.oid, clock())
+    assert chain("tenant-b") == [other.oid] and chain("tenant-c") == []
+    a, b, c, d = objs
+    assert a is not None and b is not None and c is not None and d is not None
+    cache.lock(b, clock())
+    cache.delete(b)  # doomed while locked: no longer found, freed at the unlock
+    assert chain() == [a.oid]
+    cache.unlock(b)
+    assert chain() == [a.oid] and cache.peek(key(1)) is None
+    cache.abort(d)
+    again = reserve(cache, key(1), PAGE, clock())  # the key is free again: a new object
+    assert again is not None
+    cache.commit(again.oid, clock())
+    assert chain() == [a.oid, again.oid, c.oid]
+    for i in range(10, 16):  # fill the arena: the least recently used go, tenant-b's, then a
+        o = reserve(cache, key(i), PAGE, clock())
+        assert o is not None
+        cache.commit(o.oid, clock())
+    assert chain() == []
+    assert cache.find_chain(ns, "", [key(1).chunk_hash, key(2).chunk_hash], clock()) == [again, c]
