@@ -7,8 +7,8 @@ same vLLM-CPU server: no cache, vLLM's native prefix cache, native + kvdepot, kv
 Cases (8-layer random Llama, 2048-token prefixes + 128-token suffixes, 8 output tokens,
 `--max-concurrency 4`, every server pinned alike with VLLM_CPU_NUM_OF_RESERVED_CPU=1):
   fits     4 prefixes x 6 prompts: everything fits in the engine's KV space (1 GiB)
-  over     18 prefixes x 3 prompts on an engine of 72 blocks (9216 tokens): the working set
-           (36864 prefix tokens) is 4x the engine's KV space
+  over     8 prefixes x 3 prompts on an engine of 32 blocks (4096 tokens): the working set
+           (16384 prefix tokens) is 4x the engine's KV space (one request runs at a time)
   restart  the `fits` workload, then the engine restarted (a kvdepot sidecar keeps running, as a
            sidecar does), then the same workload again: the figures are the second pass's.
            Setup `disk` (restart only): kvdepot alone with its disk L2, and the sidecar restarted
@@ -17,9 +17,10 @@ Cases (8-layer random Llama, 2048-token prefixes + 128-token suffixes, 8 output 
 
 Each setup gets a fresh server (and a fresh sidecar where kvdepot is on); its runs use different
 seeds, so each run's prefixes are new to every cache. Per run: TTFT of every request in dispatch
-order (`ttfts`, seconds), mean/p50/p99, and the server's prefix-cache counters (native queries and
-hits, kvdepot's external hits) read before and after. One JSON object per run on stdout and in
-OUT/<case>-<config>-<run>.json; OUT/summary.json holds all of them.
+order (`ttfts`, seconds), mean/p50/p99, the server's prefix-cache counters (native queries and
+hits, kvdepot's external hits) read before and after, and the sidecar's view (`sidecar_ops`: calls
+and mean handling time per data-plane operation during the run). One JSON object per run on stdout and in
+OUT/<case>-<config>-<run>.json; OUT/summary.jsonl collects the rows of every invocation.
 
 `--trace`: the connector writes its per-request timeline (lookup, prefetch polling, load, save,
 in the scheduler's and the worker's view) to OUT/trace-<case>-<config>/; read it with
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,7 @@ from app.bench.sidecar import SidecarProcess, start_sidecar  # noqa: E402
 
 CASES = {
     "fits": {"prefixes": 4, "prompts": 24, "blocks": None},
-    "over": {"prefixes": 18, "prompts": 54, "blocks": 72},
+    "over": {"prefixes": 8, "prompts": 24, "blocks": 32},
     "restart": {"prefixes": 4, "prompts": 24, "blocks": None},
 }
 CONFIGS = ("none", "native", "both", "kvdepot", "disk")
@@ -77,6 +79,31 @@ COUNTERS = {
 
 def _counters(server: VllmServer) -> dict[str, float]:
     return {k: server.metric(name) for k, name in COUNTERS.items()}
+
+
+def _sidecar_ops(sidecar: SidecarProcess | None) -> dict[str, list[float]]:
+    """The sidecar's view: per data-plane operation, [count, seconds] handled so far."""
+    if sidecar is None:
+        return {}
+    with urllib.request.urlopen(sidecar.http + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    ops: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for suffix, i in (("_count{", 0), ("_sum{", 1)):
+            head = "kvdepot_dataplane_request_seconds" + suffix
+            if line.startswith(head):
+                op = line[len(head) :].split('"')[1]
+                ops.setdefault(op, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+    return ops
+
+
+def _ops_delta(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for op, (n, secs) in after.items():
+        n0, s0 = before.get(op, [0.0, 0.0])
+        if n > n0:
+            out[op] = {"calls": int(n - n0), "mean_ms": round((secs - s0) / (n - n0) * 1000, 3)}
+    return out
 
 
 def _bench(server: VllmServer, model: Path, case: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
@@ -139,7 +166,9 @@ def _sidecar(data: Path, config: str) -> SidecarProcess:
     return start_sidecar(data, env=env, l1_size_gb=3)
 
 
-def run_setup(model: Path, out: Path, name: str, config: str, runs: int, trace: bool) -> list[dict[str, Any]]:
+def run_setup(
+    model: Path, out: Path, name: str, config: str, runs: range, trace: bool
+) -> list[dict[str, Any]]:
     case = CASES[name]
     where = out / f"trace-{name}-{config}" if trace else None
     data = Path(tempfile.mkdtemp(prefix=f"sidecar-{config}-", dir=out))
@@ -148,7 +177,7 @@ def run_setup(model: Path, out: Path, name: str, config: str, runs: int, trace: 
     results = []
     server = _server(model, out, config, case, url, where)
     try:
-        for run in range(1, runs + 1):
+        for run in runs:
             seed = 1000 * run + len(config)
             if name == "restart":
                 _bench(server, model, case, seed, out)  # first pass: fills whatever caches there are
@@ -158,14 +187,15 @@ def run_setup(model: Path, out: Path, name: str, config: str, runs: int, trace: 
                     sidecar = _sidecar(data, config)
                     url = sidecar.url
                 server = _server(model, out, config, case, url, where)
-            before = _counters(server)
+            before, ops = _counters(server), _sidecar_ops(sidecar)
             t0 = time.monotonic()
             got = _bench(server, model, case, seed, out)
-            after = _counters(server)
+            after, ops_after = _counters(server), _sidecar_ops(sidecar)
             row = {
                 "case": name, "config": config, "run": run, "seed": seed,
                 "seconds": round(time.monotonic() - t0, 2), **_summary(got["ttfts"]),
                 "counters": {k: after[k] - before[k] for k in after}, "loadavg": os.getloadavg()[0],
+                "sidecar_ops": _ops_delta(ops, ops_after),
                 **got,
             }  # fmt: skip
             (out / f"{name}-{config}-{run}.json").write_text(json.dumps(row))
@@ -183,6 +213,7 @@ def main() -> int:
     p.add_argument("--cases", default="fits,over,restart")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-run", type=int, default=1, help="number the runs (and seed them) from here")
     p.add_argument("--out", type=Path, default=Path("/tmp/kvdepot-bench-serve"))
     p.add_argument("--trace", action="store_true", help="the connector's per-request timeline")
     args = p.parse_args()
@@ -194,8 +225,10 @@ def main() -> int:
         for config in args.configs.split(","):
             if config == "disk" and name != "restart":
                 continue
-            rows += run_setup(model, out, name, config, args.runs, args.trace)
-    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+            runs = range(args.first_run, args.first_run + args.runs)
+            rows += run_setup(model, out, name, config, runs, args.trace)
+    with open(out / "summary.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     return 0
 
 
