@@ -16,6 +16,8 @@ I/O threads (`threads`, storage.factory.io_threads: disk `io_threads`, redis the
   disk   open + write + fsync + close per chunk file; open + read of each file, page-cache and cold
   redis  plain redis-py clients, one connection per thread: SET of each chunk, then GET of each
   mock   the same bytes copied into fresh memory, one thread (what an in-memory tier cannot beat)
+Each baseline phase runs right after the adapter's phase of the same kind (the sidecar idles
+meanwhile), so that the two sides of a ratio see the machine in about the same state.
 Each figure is GB/s; `*_vs_baseline` / `vs_baseline` is baseline seconds / adapter seconds (above 1:
 the adapter is faster).
 

@@ -1,22 +1,26 @@
 """The plain baselines of `kvdepot bench l2`: what a program without kvdepot does with the same
 bytes, at the same concurrency as the adapter, measured in the same run.
 
-Each baseline runs `threads` workers (N, the adapter's own I/O threads: storage.factory.io_threads)
-over the same chunks, one chunk per task, and times three phases:
+A Baseline gets the chunks and `threads` (N, the adapter's own I/O threads:
+storage.factory.io_threads); its workers take one chunk per task. The harness (app/bench/l2.py)
+calls each phase right after the adapter's phase of the same kind:
   disk   store      open + write + fsync + close of one file per chunk
-         load_warm  open + read of each file into preallocated memory, the files just written
-                    (page-cache reads)
-         load_cold  the same after every file was dropped from the page cache
-                    (posix_fadvise DONTNEED of the clean, fsync-ed pages): reads from the device
+         load_warm  open + read of each file into preallocated shared memory, the files just
+                    written (page-cache reads)
+         drop, load_cold
+                    the same after every file was dropped from the page cache (posix_fadvise
+                    DONTNEED of the clean, fsync-ed pages): reads from the device
   redis  store      SET of each chunk, N redis-py clients (one connection each, one per thread)
-         load_warm  GET of each chunk on the same connections; no load_cold: Redis serves from
+         load_warm  GET of each chunk on the same connections; no cold reads: Redis serves from
                     its own memory, there is no page cache to drop
   mock   store      a copy of each chunk into fresh memory, load_warm a copy of each copy (one
-                    thread: what an in-memory tier cannot beat); no load_cold
+                    thread: what an in-memory tier cannot beat); no cold reads
 
-Every baseline checks, outside the timing, that it read back the bytes it wrote (`ok`).
+Every load checks, outside its timing, that it read back the bytes stored (`ok`).
+State: the baseline's threads, files, memory or connections, all freed by close().
 
-Also `mac_cost`: what authenticating the blobs costs on one thread, keyed BLAKE3 against xxh3.
+Also `drop_cached` (evict a directory's files from the page cache), `cpu_seconds` (the Redis main
+thread's CPU time from INFO cpu) and `mac_cost` (keyed BLAKE3 against xxh3, one thread).
 """
 
 from __future__ import annotations
@@ -168,8 +172,11 @@ class RedisBaseline(Baseline):
 
         super().__init__(chunks, threads)
         self._prefix = f"kvdepot-bench-baseline-{uuid.uuid4().hex[:8]}:"
+        # redis-py's 5 s socket timeout is short for a 32 MiB value on a busy machine; a baseline
+        # that gives up is no figure (the adapter's lane allows timeout_s + bytes at 64 MB/s).
         self._clients = [
-            redis.Redis.from_url(url, single_connection_client=True) for _ in range(self.threads)
+            redis.Redis.from_url(url, single_connection_client=True, socket_timeout=120)
+            for _ in range(self.threads)
         ]
         for c in self._clients:
             c.ping()
