@@ -15,7 +15,7 @@ Baselines (app/bench/l2_baselines.py), on the same bytes, with as many threads a
 I/O threads (`threads`, storage.factory.io_threads: disk `io_threads`, redis the bulk lane's):
   disk   open + write + fsync + close per chunk file; open + read of each file, page-cache and cold
   redis  plain redis-py clients, one connection per thread: SET of each chunk, then GET of each
-  mock   the same bytes copied into fresh memory, one thread (what an in-memory tier cannot beat)
+  mock   one thread: each chunk copied into fresh memory, then into preallocated shared memory
 Each baseline phase runs right after the adapter's phase of the same kind (the sidecar idles
 meanwhile), so that the two sides of a ratio see the machine in about the same state.
 Each figure is GB/s; `*_vs_baseline` / `vs_baseline` is baseline seconds / adapter seconds (above 1:
@@ -302,7 +302,7 @@ def _adapter(args: argparse.Namespace, workdir: Path, prefix: str) -> dict[str, 
 _BASELINES = {
     "disk": "{n} threads: open + write + fsync + close per chunk file; open + read per file",
     "redis": "{n} redis-py connections, one per thread: SET / GET per chunk",
-    "mock": "one thread: a copy of each chunk into fresh memory",
+    "mock": "one thread: a copy of each chunk into fresh memory; copied back into shared memory",
 }
 _READS = {
     "disk": ("page cache: the files just written", "device: every file dropped from the page cache "

@@ -13,8 +13,9 @@ calls each phase right after the adapter's phase of the same kind:
   redis  store      SET of each chunk, N redis-py clients (one connection each, one per thread)
          load_warm  GET of each chunk on the same connections; no cold reads: Redis serves from
                     its own memory, there is no page cache to drop
-  mock   store      a copy of each chunk into fresh memory, load_warm a copy of each copy (one
-                    thread: what an in-memory tier cannot beat); no cold reads
+  mock   store      a copy of each chunk into fresh memory, load_warm a copy of each copy into
+                    preallocated shared memory (one thread: what an in-memory tier cannot beat);
+                    no cold reads
 
 Every load checks, outside its timing, that it read back the bytes stored (`ok`).
 State: the baseline's threads, files, memory or connections, all freed by close().
@@ -96,18 +97,7 @@ class DiskBaseline(Baseline):
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self._paths = [root / f"baseline-{i}" for i in range(len(chunks))]
-        # The reads land in one shared mapping, the kind of memory the L1 arena is (a private
-        # heap buffer per chunk reads markedly slower here, which would flatter the adapter).
-        self._mem = mmap.mmap(-1, max(1, sum(len(c) for c in chunks)))
-        offsets = list(itertools.accumulate((len(c) for c in chunks), initial=0))
-        whole = memoryview(self._mem)
-        self._outs = [whole[a:b] for a, b in itertools.pairwise(offsets)]
-        whole.release()
-        self._clear_outs()
-
-    def _clear_outs(self) -> None:
-        for out in self._outs:
-            out[:] = bytes(len(out))  # every page written: no first-touch faults in the timing
+        self._mem, self._outs = _arena_like(chunks)
 
     def _write(self, i: int) -> None:
         fd = os.open(self._paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -130,7 +120,7 @@ class DiskBaseline(Baseline):
 
     def _check(self) -> None:
         self.ok = self.ok and all(o == c for o, c in zip(self._outs, self.chunks, strict=True))
-        self._clear_outs()
+        _clear(self._outs)
 
     def store(self) -> float:
         return self._timed(self._write, len(self.chunks))
@@ -150,9 +140,7 @@ class DiskBaseline(Baseline):
         super().close()
         for path in self._paths:
             path.unlink(missing_ok=True)
-        for out in self._outs:
-            out.release()
-        self._mem.close()
+        _free(self._mem, self._outs)
 
 
 def cpu_seconds(info: dict[str, Any]) -> float:
@@ -208,12 +196,14 @@ class RedisBaseline(Baseline):
 
 
 class MemoryBaseline(Baseline):
-    """A copy of each chunk into fresh memory, then a copy of each copy, one thread: what an
-    in-memory tier cannot beat."""
+    """A copy of each chunk into fresh memory (what the mock does with a blob), then a copy of each
+    copy into preallocated shared memory (as a load lands in L1), one thread: what an in-memory
+    tier cannot beat."""
 
     def __init__(self, chunks: Sequence[bytes]) -> None:
         super().__init__(chunks, 1)
         self._copies: list[bytearray] = []
+        self._mem, self._outs = _arena_like(chunks)
 
     def store(self) -> float:
         start = time.perf_counter()
@@ -222,10 +212,40 @@ class MemoryBaseline(Baseline):
 
     def load_warm(self) -> float:
         start = time.perf_counter()
-        again = [bytearray(c) for c in self._copies]
+        for out, copy in zip(self._outs, self._copies, strict=True):
+            out[:] = copy
         seconds = time.perf_counter() - start
-        self.ok = self.ok and all(a == c for a, c in zip(again, self.chunks, strict=True))
+        self.ok = self.ok and all(o == c for o, c in zip(self._outs, self.chunks, strict=True))
+        _clear(self._outs)
         return seconds
+
+    def close(self) -> None:
+        super().close()
+        _free(self._mem, self._outs)
+
+
+def _arena_like(chunks: Sequence[bytes]) -> tuple[mmap.mmap, list[memoryview]]:
+    """One shared mapping with a region per chunk, every page touched: the kind of memory the L1
+    arena is (a private heap buffer per chunk takes reads markedly slower here, and first-touch
+    faults inside a timed phase would flatter the adapter)."""
+    mem = mmap.mmap(-1, max(1, sum(len(c) for c in chunks)))
+    offsets = list(itertools.accumulate((len(c) for c in chunks), initial=0))
+    whole = memoryview(mem)
+    outs = [whole[a:b] for a, b in itertools.pairwise(offsets)]
+    whole.release()
+    _clear(outs)
+    return mem, outs
+
+
+def _clear(outs: list[memoryview]) -> None:
+    for out in outs:
+        out[:] = bytes(len(out))
+
+
+def _free(mem: mmap.mmap, outs: list[memoryview]) -> None:
+    for out in outs:
+        out.release()
+    mem.close()
 
 
 def mac_cost(chunks: Sequence[bytes], load_s: float) -> dict[str, float]:
