@@ -361,10 +361,10 @@ def run(args: argparse.Namespace) -> int:
     prefix = f"kvdepot-bench-{uuid.uuid4().hex[:8]}:"
     url = args.redis_url
     probe = (lambda: _redis_cpu(url)) if args.adapter == "redis" else None
-    settings = _settings(args, workdir, _adapter(args, workdir, prefix), _layout(args))
-    threads = io_threads(settings.l2.adapters[0])
-    configure_logging(settings.logging, sys.stderr)  # stdout carries the result alone
     try:
+        settings = _settings(args, workdir, _adapter(args, workdir, prefix), _layout(args))
+        threads = io_threads(settings.l2.adapters[0])
+        configure_logging(settings.logging, sys.stderr)  # stdout carries the result alone
         got = asyncio.run(_through_controllers(args, workdir, settings, threads, probe))
     finally:
         if args.adapter == "redis":
