@@ -188,7 +188,7 @@ async def _time_load(engine: CacheEngine, eid: int, requests: list[_Written], ph
         engine.lookup(eid, f"{phase}{r}", req.tokens, "")
     hits = [(await engine.wait_prefetch(eid, f"{phase}{r}")).hit_chunks for r in range(len(requests))]
     seconds = time.perf_counter() - start
-    return _Load(seconds, sum(hits), _identical(engine, eid, requests, phase))
+    return _Load(seconds, sum(hits), _identical(engine, eid, requests, hits, phase))
 
 
 @dataclass
@@ -269,11 +269,15 @@ async def _through_controllers(
         await runner
 
 
-def _identical(engine: CacheEngine, eid: int, requests: list[_Written], phase: str) -> bool:
+def _identical(engine: CacheEngine, eid: int, requests: list[_Written], hits: list[int], phase: str) -> bool:
+    """Whether every request hit all its chunks and they hold the bytes written. A request that
+    hit nothing (its prefetch missed the deadline) holds no read locks: nothing to retrieve."""
     same = True
-    for r, req in enumerate(requests):
-        extents = engine.retrieve(eid, f"{phase}{r}", 0, len(req.payloads))
-        same = same and len(extents) == len(req.payloads)
+    for r, (req, hit) in enumerate(zip(requests, hits, strict=True)):
+        same = same and hit == len(req.payloads)
+        if not hit:
+            continue
+        extents = engine.retrieve(eid, f"{phase}{r}", 0, hit)
         same = same and all(
             bytes(engine.arena.view(e.offset, e.size)) == p
             for e, p in zip(extents, req.payloads, strict=False)
