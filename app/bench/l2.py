@@ -134,6 +134,9 @@ def _settings(args: argparse.Namespace, workdir: Path, adapter: dict[str, Any], 
             "l1.size_gb": layout.chunk_bytes * n_chunks * 1.3 / (1 << 30) + 0.05,
             "l2.adapters": [adapter], "l2.prefetch_deadline_ms": 60_000, "l2.store_queue_depth": n_chunks,
             "data_plane.url": f"ipc://{workdir}/bench.sock", "l2.allowed_roots": [workdir],
+            # Filling gigabytes on a busy machine can outlast the default 30 s write lease: a
+            # reservation reclaimed before its commit is never written behind.
+            "l1.write_lease_s": 3600, "l1.read_lease_s": 3600,
         }
     )  # fmt: skip
 
@@ -164,7 +167,8 @@ async def _time_store(engine: CacheEngine, eid: int, requests: list[_Written]) -
     assert engine.l2 is not None
     start = time.perf_counter()
     for req in requests:
-        engine.commit(eid, [s.oid for s in req.slots])
+        if not all(engine.commit(eid, [s.oid for s in req.slots])):
+            raise RuntimeError("a write reservation expired before its commit")
     if not await engine.l2.store.wait_idle(600):
         raise RuntimeError("write-behind did not finish")
     return time.perf_counter() - start, engine.l2.store.counters.written
