@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 import structlog
@@ -21,9 +21,11 @@ def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
 
 
-def configure_logging(settings: LoggingSettings) -> None:
-    """Configure structlog and the stdlib root logger. Called once by app/main."""
-    as_json = settings.format == "json" or (settings.format == "auto" and not sys.stdout.isatty())
+def configure_logging(settings: LoggingSettings, stream: TextIO | None = None) -> None:
+    """Configure structlog and the stdlib root logger, writing to `stream` (stdout by default; a
+    benchmark whose stdout is its JSON result logs to stderr). Called once by app/main."""
+    out = sys.stdout if stream is None else stream
+    as_json = settings.format == "json" or (settings.format == "auto" and not out.isatty())
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -47,7 +49,7 @@ def configure_logging(settings: LoggingSettings) -> None:
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(out)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]

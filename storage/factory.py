@@ -31,15 +31,25 @@ def default_disk_dir(config: DiskAdapterConfig, data_dir: Path) -> Path:
     return data_dir / ("l2-disk" if config.name == "disk" else f"l2-disk-{config.name}")
 
 
+def io_threads(config: AdapterConfig) -> int:
+    """How many threads move the adapter's bytes at once (stores and loads alike): the disk
+    adapter's file I/O threads, the Redis bulk lane's threads; 0 for the mock (no executor)."""
+    if isinstance(config, DiskAdapterConfig):
+        return config.io_threads
+    if isinstance(config, RedisAdapterConfig):
+        return min(REDIS_IO_THREADS, config.max_connections)
+    return 0
+
+
 def build_adapter(config: AdapterConfig, data_dir: Path) -> L2Adapter:
     """A new adapter for `config`; call `await adapter.close()` to release everything it holds."""
     if isinstance(config, DiskAdapterConfig):
-        executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
+        executor = ThreadPoolExecutor(io_threads(config), thread_name_prefix=f"kvdepot-l2-{config.name}")
         return DiskAdapter(config, default_disk_dir(config, data_dir), executor, owns_executor=True)
     if isinstance(config, RedisAdapterConfig):
         from storage.redis_adapter import RedisAdapter  # redis-py is imported where it is used
 
-        threads = min(REDIS_IO_THREADS, config.max_connections)
+        threads = io_threads(config)
         executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
         return RedisAdapter(config, executor, owns_executor=True)
     if isinstance(config, MockAdapterConfig):

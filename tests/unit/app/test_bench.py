@@ -1,5 +1,7 @@
 """The benchmarks as a user runs them (`kvdepot bench ...`), at tiny sizes: the one JSON object they
-print, its keys, and what it says about the run. `bench ttft` talks to a fake OpenAI server."""
+print, its keys, and what it says about the run. `bench ttft` talks to a fake OpenAI server.
+`bench l2` sets the process's logging up (to stderr), so it runs as a process:
+tests/integration/test_bench_l2_process.py."""
 
 from __future__ import annotations
 
@@ -18,27 +20,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[s
     status = main(list(argv))
     out = capsys.readouterr().out.strip().splitlines()
     return status, json.loads(out[-1])
-
-
-def test_bench_l2_through_the_mock_adapter(capsys: pytest.CaptureFixture[str]) -> None:
-    status, got = run_cli(
-        capsys, "bench", "l2", "--adapter", "mock", "--requests", "2", "--chunks-per-request", "3",
-        "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--chunk-tokens", "16",
-    )  # fmt: skip
-    assert status == 0
-    assert set(got) == {
-        "adapter", "store_gbps", "load_gbps", "baseline_store_gbps", "baseline_load_gbps",
-        "store_vs_baseline", "load_vs_baseline", "chunks", "chunk_bytes", "written", "hit_chunks", "ok",
-        "cold", "mac",
-    }  # fmt: skip
-    assert (got["adapter"], got["chunks"], got["written"], got["hit_chunks"], got["ok"]) == (
-        "mock",
-        6,
-        6,
-        6,
-        True,
-    )
-    assert got["chunk_bytes"] == 2 * 1 * 1 * 16 * 16 * 2  # K and V, layers, heads, head_dim, tokens, fp16
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):

@@ -1,0 +1,69 @@
+"""`kvdepot bench l2` as a user runs it, at tiny sizes, against a real directory, the real Redis and
+the mock: one JSON object in the documented shape, every byte verified on both sides (the adapter's
+loads and the baseline's), nothing left behind. Timings are not judged here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+FIGURES = {"reads", "adapter_gbps", "baseline_gbps", "vs_baseline", "hit_chunks"}
+
+
+def bench_l2(adapter: str, workdir: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVDEPOT_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "l2", "--adapter", adapter, "--requests", "2",
+         "--chunks-per-request", "3", "--layers", "1", "--kv-heads", "1", "--head-dim", "16",
+         "--chunk-tokens", "16", "--dir", str(workdir), "--redis-url", REDIS_URL],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout
+    got: dict[str, Any] = json.loads(lines[0])
+    return got
+
+
+@pytest.mark.parametrize("adapter", ["disk", "redis", "mock"])
+def test_bench_l2_prints_both_baselines_and_verified_bytes(adapter: str, tmp_path: Path) -> None:
+    got = bench_l2(adapter, tmp_path)
+
+    base = {
+        "adapter", "threads", "baseline", "store_gbps", "baseline_store_gbps", "store_vs_baseline",
+        "load_warm", "load_cold", "chunks", "chunk_bytes", "written", "verified", "ok", "mac",
+    }  # fmt: skip
+    assert set(got) == base | ({"redis_cpu_s"} if adapter == "redis" else set())
+    assert (got["adapter"], got["chunks"], got["written"], got["chunk_bytes"]) == (adapter, 6, 6, 1024)
+    assert got["verified"] == {"adapter": True, "baseline": True}
+    assert got["ok"] is True
+
+    # The baseline runs as many threads as the adapter moves bytes with (the defaults: 4).
+    threads = None if adapter == "mock" else 4
+    assert got["threads"] == threads
+    if threads:
+        assert got["baseline"].startswith(f"{threads} ")
+
+    assert set(got["load_warm"]) == FIGURES
+    assert got["load_warm"]["hit_chunks"] == 6
+    if adapter == "disk":
+        assert set(got["load_cold"]) == FIGURES
+        assert got["load_cold"]["hit_chunks"] == 6
+        assert "page cache" in got["load_warm"]["reads"]
+        assert "posix_fadvise" in got["load_cold"]["reads"]
+    else:
+        assert set(got["load_cold"]) == {"reads"}
+        assert got["load_cold"]["reads"].startswith("not applicable")
+    if adapter == "redis":
+        assert set(got["redis_cpu_s"]) == {"store", "load", "baseline_store", "baseline_load"}
+
+    assert list(tmp_path.iterdir()) == []  # the adapter's and the baseline's files are gone
