@@ -151,7 +151,8 @@ def _server(
     extra: list[str] = ["--max-num-seqs", "8", "--dtype", DTYPE]
     if case["blocks"] is not None:
         # vLLM refuses an engine that cannot hold one request of --max-model-len tokens
-        extra += ["--num-gpu-blocks-override", str(case["blocks"]), "--max-model-len", str(case["blocks"] * 128)]
+        blocks = str(case["blocks"])
+        extra += ["--num-gpu-blocks-override", blocks, "--max-model-len", str(case["blocks"] * 128)]
     traced = {"kvdepot_trace_dir": str(trace)} if trace is not None else {}
     kv = connector_config(url, kvdepot_chunk_size=CHUNK, **traced) if url is not None else None
     native = config in ("native", "both")
