@@ -210,6 +210,33 @@ def run_setup(
     return results
 
 
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown rows, one per case and setup: ranges over the runs of the mean, p50 and p99 TTFT,
+    the mean of the first four (cold, concurrent) requests and the p50 of the rest, and the
+    share of prompt tokens served by the native cache and by kvdepot."""
+    out = []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["case"], row["config"]), []).append(row)
+
+    def span(values: list[float]) -> str:
+        return f"{min(values):.2f}-{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+    for (case, config), runs in groups.items():
+        rest = [sorted(r["ttfts"][4:])[len(r["ttfts"][4:]) // 2] for r in runs]
+        first = [sum(r["ttfts"][:4]) / 4 for r in runs]
+        tokens = [r["counters"]["native_queries"] or r["counters"]["external_queries"] for r in runs]
+        pairs = list(zip(runs, tokens, strict=True))
+        native = [r["counters"]["native_hits"] / t * 100 if t else 0.0 for r, t in pairs]
+        ext = [r["counters"]["external_hits"] / t * 100 if t else 0.0 for r, t in pairs]
+        out.append(
+            f"| {case} | {config} | {len(runs)} | {span([r['mean'] for r in runs])} | "
+            f"{span([r['p50'] for r in runs])} | {span([r['p99'] for r in runs])} | {span(first)} | "
+            f"{span(rest)} | {span(native)} / {span(ext)} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="fits,over,restart")
@@ -218,8 +245,13 @@ def main() -> int:
     p.add_argument("--first-run", type=int, default=1, help="number the runs (and seed them) from here")
     p.add_argument("--out", type=Path, default=Path("/tmp/kvdepot-bench-serve"))
     p.add_argument("--trace", action="store_true", help="the connector's per-request timeline")
+    p.add_argument("--table", action="store_true", help="print OUT/summary.jsonl as README rows and exit")
     args = p.parse_args()
     out = args.out.resolve()
+    if args.table:
+        lines = (out / "summary.jsonl").read_text().splitlines()
+        print(table([json.loads(line) for line in lines if line.strip()]))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(out / "model")
     rows: list[dict[str, Any]] = []
