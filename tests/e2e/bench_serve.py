@@ -152,7 +152,8 @@ def _server(
     if case["blocks"] is not None:
         # vLLM refuses an engine that cannot hold one request of --max-model-len tokens
         blocks = str(case["blocks"])
-        extra += ["--num-gpu-blocks-override", blocks, "--max-model-len", str((case["blocks"] - 1) * 128)]  # one block is vLLM's null block
+        longest = str((case["blocks"] - 1) * 128)  # one block is vLLM's null block
+        extra += ["--num-gpu-blocks-override", blocks, "--max-model-len", longest]
     traced = {"kvdepot_trace_dir": str(trace)} if trace is not None else {}
     kv = connector_config(url, kvdepot_chunk_size=CHUNK, **traced) if url is not None else None
     native = config in ("native", "both")
