@@ -1,0 +1,531 @@
+"""SlabAdapter: the slab-file L2. Preallocated files (or raw block devices) cut into fixed slots,
+one blob per slot, written and read with O_DIRECT: no file per chunk, no filesystem metadata on the
+hot path.
+
+State (event loop only): the index key -> slot (file, slot, generation, blob header length) in
+least-recently-used order (`_held`, which reports every change to the owner's accounting,
+storage/holdings.py), each file's free slots, the slots being read (a slot freed meanwhile waits
+for its readers: `_draining`), the number of slots being written, the next generation, the store
+in flight per key, and when the index was last checkpointed. Every file operation runs in the I/O
+executor passed in (storage/slabfile.py, storage/slabindex.py); the loop never touches a file.
+
+Placement: a key's digest picks its file (keys are sharded over config.paths); a write takes a
+free slot of that file, evicting that file's least recently used blobs when it has none, and the
+least recently used of all while the slots in use reach the capacity. Each write gets a new
+generation; the index moves to the new slot once the write (and, with fsync "always", the
+fdatasync of its batch) is done, and the old slot is freed.
+
+Primitives in call order:
+  start()          per path: open, or create, preallocate and format (storage/slabfile.py; a
+                   foreign, damaged or wrongly sized file is refused with ConfigError); scan every
+                   slot's head; merge with the checkpoint (storage/slabindex.py): the newest valid
+                   generation of each key wins, in the checkpoint's recency order where it agrees.
+                   `startup` reports what was found
+  store(items)     per blob: a slot (or ERROR: larger than a slot; NO_SPACE: no slot can be had),
+                   both headers and the payload in one O_DIRECT write straight from the caller's
+                   memory, one fdatasync per file per batch (config.fsync), then the index. A
+                   store of a key already being written waits for that write and shares its result
+  contains(keys)   the index alone
+  load(keys)       the whole blob (recency refreshed); the slot's header must still name the key
+                   at the indexed generation and length, else a MISS (counted, forgotten)
+  load_into(keys, outs)
+                   as load, but a raw blob of the right size has its payload read straight into
+                   out (when out is aligned; else through a bounce buffer); a blob longer than any
+                   for out is refused unread. A cancelled load_into waits for its reads to finish
+  delete(keys)     index entries dropped, their slots' heads zeroed (durable), slots freed
+  set_capacity(n)  evicts down to n // slot_bytes slots
+  evict_salt(salt, nbytes)
+                   the tenant's least recently used entries dropped and zeroed, enough for nbytes
+  close()          waits (bounded) for I/O in flight, checkpoints the index, closes the files
+
+Checkpoints are written at most every config.checkpoint_s, after an operation that changed the
+index or its order, and at close. Capacity evictions do not zero their slots (they are rewritten
+soon): after a crash such a blob may come back, with its own bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from storage import blob_header
+from storage import slabformat as fmt
+from storage.base import MISS, OK, LoadResult, OpResult, Status
+from storage.codec import EncodedBlob
+from storage.common import AdapterCore
+from storage.config import SlabAdapterConfig
+from storage.diskio import Placed
+from storage.inflight import CLOSE_WAIT_S, gather_all, settled
+from storage.slabfile import SlabFile, SlotReadError
+from storage.slabindex import Checkpoint, SlotEntry, load_checkpoint, merge, save_checkpoint
+
+log = structlog.get_logger("kvdepot.storage.slab")
+
+T = TypeVar("T")
+
+
+class StaleSlot(Exception):
+    """The slot no longer holds what the index says (rewritten, zeroed or torn)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    file: int
+    slot: int
+    generation: int
+    head_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlabStartup:
+    """What start() found."""
+
+    files: int
+    slots: int
+    blobs: int
+    bytes: int
+    empty_slots: int
+    invalid_slots: int
+    superseded: int
+    checkpoint_used: bool
+    stale_checkpoint_entries: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    index: int
+    key: str
+    blob: EncodedBlob
+    file: int
+    slot: int
+    generation: int
+
+
+def default_capacity(config: SlabAdapterConfig) -> int:
+    """The capacity before start: config.capacity_gb, else every slot of the configured files."""
+    if config.capacity_gb is not None:
+        return int(config.capacity_gb * (1 << 30))
+    return (
+        max(1, len(config.paths)) * fmt.slot_count(config.size_bytes, config.slot_bytes) * config.slot_bytes
+    )
+
+
+class SlabAdapter(AdapterCore[SlotRef]):
+    kind = "slab"
+
+    def __init__(
+        self,
+        config: SlabAdapterConfig,
+        default_path: Path,
+        checkpoint_path: Path,
+        executor: ThreadPoolExecutor,
+        *,
+        owns_executor: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(config.name, default_capacity(config))
+        self.config = config
+        self.paths = [str(p) for p in config.paths] or [str(default_path)]
+        self.checkpoint_path = str(checkpoint_path)
+        self.startup: SlabStartup | None = None
+        self.checkpoints = 0
+        self._executor = executor
+        self._owns_executor = owns_executor
+        self._clock = clock
+        self._files: list[SlabFile] = []
+        self._free: list[deque[int]] = []
+        self._readers: dict[tuple[int, int], int] = {}
+        self._draining: set[tuple[int, int]] = set()
+        self._writing = 0
+        self._total_slots = 0
+        self._next_generation = 1
+        self._writes: dict[str, asyncio.Future[OpResult]] = {}
+        self._jobs: set[concurrent.futures.Future[Any]] = set()
+        self._dirty = False
+        self._last_checkpoint = clock()
+
+    def keys_lru(self) -> list[str]:
+        """Keys from least to most recently used."""
+        return self._held.keys()
+
+    def slot_of(self, key: str) -> tuple[str, int, int] | None:
+        """(file path, byte offset of its slot, payload offset within the slot) of `key`, for tests."""
+        held = self._held.entry(key)
+        if held is None:
+            return None
+        ref = held.value
+        file = self._files[ref.file]
+        return file.path, file.offset(ref.slot), fmt.payload_offset(ref.head_len)
+
+    # --- executor ------------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        job = self._executor.submit(fn, *args)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return job
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await settled(self._submit(fn, *args))
+
+    # --- start and close -----------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        started = time.perf_counter()
+        cfg = self.config
+        try:
+            for path in self.paths:
+                self._files.append(await self._io(SlabFile.open, path, cfg.size_bytes, cfg.slot_bytes))
+            scans = await gather_all(self._io(f.scan) for f in self._files)
+            checkpoint = await self._io(load_checkpoint, self.checkpoint_path, cfg.slot_bytes)
+        except BaseException:
+            self._close_files()
+            raise
+        found = [
+            SlotEntry(
+                s.key, f.file_id.hex(), s.slot, s.header.generation, s.header.blob_len, s.header.blob_head_len
+            )
+            for f, scan in zip(self._files, scans, strict=True)
+            for s in scan.slots
+        ]
+        merged = merge(found, checkpoint)
+        number = {f.file_id.hex(): i for i, f in enumerate(self._files)}
+        used: set[tuple[int, int]] = set()
+        for entry in merged.entries:
+            ref = SlotRef(number[entry.file_id], entry.slot, entry.generation, entry.head_len)
+            self._held.put(entry.key, ref, entry.blob_len)
+            used.add((ref.file, ref.slot))
+        self._free = [
+            deque(s for s in range(f.slots) if (i, s) not in used) for i, f in enumerate(self._files)
+        ]
+        self._total_slots = sum(f.slots for f in self._files)
+        if cfg.capacity_gb is None:
+            self._capacity = self._total_slots * cfg.slot_bytes
+        self._next_generation = merged.next_generation
+        self._evict_to(self._budget())
+        invalid = sum(scan.invalid for scan in scans)
+        self._stats.integrity_failures += invalid
+        self.startup = SlabStartup(
+            files=len(self._files),
+            slots=self._total_slots,
+            blobs=len(self._held),
+            bytes=self._held.bytes,
+            empty_slots=sum(scan.empty for scan in scans),
+            invalid_slots=invalid,
+            superseded=len(merged.superseded),
+            checkpoint_used=checkpoint is not None,
+            stale_checkpoint_entries=merged.stale,
+            seconds=time.perf_counter() - started,
+        )
+        log.info("slab_l2_started", adapter=self.name, paths=self.paths, **asdict(self.startup))
+
+    async def _close(self) -> None:
+        running = [asyncio.wrap_future(job) for job in list(self._jobs)]
+        if running:
+            await asyncio.wait(running, timeout=CLOSE_WAIT_S)
+        if self._started and self._files:
+            try:
+                await asyncio.wrap_future(
+                    self._executor.submit(save_checkpoint, self.checkpoint_path, self._snapshot())
+                )
+                self.checkpoints += 1
+            except Exception as exc:
+                log.warning("slab_checkpoint_failed", adapter=self.name, error=repr(exc))
+        if self._jobs:  # a descriptor in use may not be closed: its number could be reused
+            log.warning("slab_files_left_open", adapter=self.name, jobs=len(self._jobs))
+        else:
+            self._close_files()
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _close_files(self) -> None:
+        for f in self._files:
+            f.close()  # close(2) of a file opened O_DIRECT, no dirty pages: never blocks
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def _snapshot(self) -> Checkpoint:
+        entries = []
+        for key in self._held:
+            held = self._held.entry(key)
+            assert held is not None
+            ref = held.value
+            file_id = self._files[ref.file].file_id.hex()
+            entries.append(SlotEntry(key, file_id, ref.slot, ref.generation, held.size, ref.head_len))
+        return Checkpoint(self.config.slot_bytes, self._next_generation, entries)
+
+    def _changed(self) -> None:
+        """The index or its order changed: checkpoint it when the last one is old enough."""
+        self._dirty = True
+        now = self._clock()
+        if now - self._last_checkpoint < self.config.checkpoint_s or self._closed:
+            return
+        self._dirty = False
+        self._last_checkpoint = now
+        job = self._submit(save_checkpoint, self.checkpoint_path, self._snapshot())
+        job.add_done_callback(self._checkpoint_done)
+
+    def _checkpoint_done(self, job: concurrent.futures.Future[None]) -> None:
+        if job.cancelled():
+            return
+        exc = job.exception()
+        if exc is None:
+            self.checkpoints += 1
+        else:
+            log.warning("slab_checkpoint_failed", adapter=self.name, error=repr(exc))
+
+    # --- slots ---------------------------------------------------------------------------------
+
+    def _budget(self) -> int:
+        return min(self._total_slots, self._capacity // self.config.slot_bytes)
+
+    def _release(self, ref: SlotRef) -> None:
+        """The slot holds nothing the index needs: free, or once its readers are done."""
+        place = (ref.file, ref.slot)
+        if self._readers.get(place):
+            self._draining.add(place)
+        else:
+            self._free[ref.file].append(ref.slot)
+
+    def _evict(self, key: str) -> None:
+        held = self._held.pop(key, evicted=True)
+        assert held is not None
+        self._count_eviction(held.size)
+        self._release(held.value)
+
+    def _evict_to(self, slots: int) -> None:
+        while len(self._held) + self._writing > slots and len(self._held):
+            self._evict(next(iter(self._held)))
+
+    def _oldest_in(self, file: int) -> str | None:
+        for key in self._held:
+            held = self._held.entry(key)
+            if held is not None and held.value.file == file:
+                return key
+        return None
+
+    def _take_slot(self, file: int) -> int | None:
+        self._evict_to(self._budget() - 1)
+        if len(self._held) + self._writing >= self._budget():
+            return None
+        free = self._free[file]
+        while not free:
+            oldest = self._oldest_in(file)
+            if oldest is None:
+                return None
+            self._evict(oldest)
+        self._writing += 1
+        return free.popleft()
+
+    # --- operations ----------------------------------------------------------------------------
+
+    async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        results: list[OpResult | None] = [None] * len(items)
+        waits: list[tuple[int, asyncio.Future[OpResult]]] = []
+        mine: list[tuple[int, str, EncodedBlob]] = []
+        loop = asyncio.get_running_loop()
+        for i, (key, blob) in enumerate(items):
+            in_flight = self._writes.get(key)
+            if in_flight is not None:
+                waits.append((i, in_flight))
+                continue
+            self._writes[key] = loop.create_future()
+            mine.append((i, key, blob))
+        written: list[OpResult] = [OpResult.error("store interrupted")] * len(mine)
+        try:
+            written = await self._write_batch([(key, blob) for _, key, blob in mine])
+        finally:
+            for (i, key, _), result in zip(mine, written, strict=True):
+                results[i] = result
+                self._writes.pop(key).set_result(result)
+        for i, fut in waits:
+            results[i] = await asyncio.shield(fut)
+        self._changed()
+        return [r if r is not None else OpResult.error("store lost") for r in results]
+
+    async def _write_batch(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        slot_bytes = self.config.slot_bytes
+        results: list[OpResult] = [OpResult.error("store interrupted")] * len(items)
+        plan: list[_Write] = []
+        for i, (key, blob) in enumerate(items):
+            if fmt.slot_need(len(blob.header), blob.payload.nbytes) > slot_bytes:
+                results[i] = OpResult.error(
+                    f"blob of {blob.nbytes} bytes does not fit a slot of {slot_bytes} bytes"
+                )
+                continue
+            digest = fmt.key_digest(key)
+            file = int.from_bytes(digest[:8], "little") % len(self._files)
+            slot = self._take_slot(file)
+            if slot is None:
+                results[i] = OpResult(Status.NO_SPACE, "no free slot: every slot is being written or read")
+                continue
+            plan.append(_Write(i, key, blob, file, slot, self._next_generation))
+            self._next_generation += 1
+        outcomes: list[BaseException | None] = []
+        try:
+            outcomes = list(
+                await asyncio.gather(*(self._io(self._write_one, w) for w in plan), return_exceptions=True)
+            )
+            if self.config.fsync == "always":
+                touched = sorted({w.file for w, exc in zip(plan, outcomes, strict=True) if exc is None})
+                synced = await asyncio.gather(
+                    *(self._io(self._files[f].sync) for f in touched), return_exceptions=True
+                )
+                failed = {f: exc for f, exc in zip(touched, synced, strict=True) if exc is not None}
+                outcomes = [
+                    exc if exc is not None else failed.get(w.file)
+                    for w, exc in zip(plan, outcomes, strict=True)
+                ]
+        finally:
+            outcomes += [asyncio.CancelledError()] * (len(plan) - len(outcomes))
+            for w, exc in zip(plan, outcomes, strict=True):
+                self._writing -= 1
+                ref = SlotRef(w.file, w.slot, w.generation, len(w.blob.header))
+                if exc is not None:
+                    self._release(ref)
+                    results[w.index] = OpResult.error(f"write failed: {exc!r}")
+                    continue
+                previous = self._held.put(w.key, ref, w.blob.nbytes)
+                if previous is not None:
+                    self._release(previous.value)
+                results[w.index] = OK
+        return results
+
+    def _write_one(self, w: _Write) -> None:
+        file = self._files[w.file]
+        head_len = len(w.blob.header)
+        checksum = blob_header.read_header(w.blob.header).payload_checksum
+        slot_head = fmt.pack_slot(
+            generation=w.generation, blob_len=w.blob.nbytes, blob_head_len=head_len,
+            digest=fmt.key_digest(w.key), payload_checksum=checksum, file_id=file.file_id, slot=w.slot,
+        )  # fmt: skip
+        file.write_slot(w.slot, slot_head + w.blob.header, blob_header.as_bytes_view(w.blob.payload))
+
+    async def _contains(self, keys: list[str]) -> list[OpResult]:
+        return [OK if key in self._held else MISS for key in keys]
+
+    async def _load(self, keys: list[str]) -> list[LoadResult]:
+        results = await gather_all(self._load_one(key) for key in keys)
+        self._changed()
+        return results
+
+    async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        results = await gather_all(self._load_one(key, out) for key, out in zip(keys, outs, strict=True))
+        self._changed()
+        return results
+
+    async def _load_one(self, key: str, out: memoryview | None = None) -> LoadResult:
+        held = self._held.entry(key)
+        if held is None:
+            return LoadResult(Status.MISS)
+        ref = held.value
+        if out is not None and held.size > blob_header.header_size(key) + out.nbytes:
+            return LoadResult.too_long(f"slab blob of {held.size} bytes, a blob for this chunk has at most "
+                                       f"{blob_header.header_size(key) + out.nbytes}")  # fmt: skip
+        self._held.touch(key)
+        place = (ref.file, ref.slot)
+        self._readers[place] = self._readers.get(place, 0) + 1
+        try:
+            data = await self._io(self._read, key, ref, held.size, out)
+        except StaleSlot as exc:
+            self._stats.integrity_failures += 1
+            log.warning("slab_l2_stale_slot", adapter=self.name, error=str(exc))
+            if self._held.discard(key, held):
+                self._release(ref)
+            return LoadResult(Status.MISS)
+        except (OSError, SlotReadError) as exc:
+            return LoadResult.error(f"read failed: {exc!r}")
+        finally:
+            left = self._readers.pop(place) - 1
+            if left:
+                self._readers[place] = left
+            elif place in self._draining:
+                self._draining.discard(place)
+                self._free[ref.file].append(ref.slot)
+        if isinstance(data, Placed):
+            return LoadResult.placed(data.header)
+        return LoadResult.hit(data)
+
+    def _read(self, key: str, ref: SlotRef, size: int, out: memoryview | None) -> Placed | bytes | memoryview:
+        """In an executor thread: the slot's blob, or its payload in out (Placed)."""
+        file = self._files[ref.file]
+        area = fmt.payload_offset(ref.head_len)
+        payload_len = size - ref.head_len
+        if out is None or payload_len != out.nbytes:
+            head, blob = file.read_blob(ref.slot, area, ref.head_len, payload_len)
+            self._check_head(head, file, key, ref, size)
+            return blob
+        head = file.read_into(ref.slot, area, out)
+        self._check_head(head, file, key, ref, size)
+        blob_head = head[fmt.SLOT_HEADER_SIZE : fmt.SLOT_HEADER_SIZE + ref.head_len]
+        if blob_header.fits_in_place(blob_head, out.nbytes):
+            return Placed(blob_head)
+        return blob_head + bytes(out)
+
+    @staticmethod
+    def _check_head(head: bytes, file: SlabFile, key: str, ref: SlotRef, size: int) -> None:
+        found = fmt.parse_slot(head, file.file_id, ref.slot)
+        if found is None:
+            raise StaleSlot(f"{file.path} slot {ref.slot}: no valid slot header")
+        if (found.generation, found.blob_len, found.blob_head_len) != (ref.generation, size, ref.head_len):
+            raise StaleSlot(f"{file.path} slot {ref.slot}: holds generation {found.generation}, "
+                            f"the index says {ref.generation}")  # fmt: skip
+        if found.digest != fmt.key_digest(key):
+            raise StaleSlot(f"{file.path} slot {ref.slot}: holds another key")
+
+    async def _delete(self, keys: list[str]) -> list[OpResult]:
+        results: list[OpResult] = []
+        refs: list[SlotRef] = []
+        for key in keys:
+            held = self._held.pop(key)
+            if held is None:
+                results.append(MISS)
+            else:
+                refs.append(held.value)
+                results.append(OK)
+        await self._zero(refs)
+        self._changed()
+        return results
+
+    async def _zero(self, refs: list[SlotRef]) -> None:
+        """Zero the slots' heads (so they stay empty after a crash), then free them."""
+        try:
+            done = await asyncio.gather(
+                *(self._io(self._files[r.file].invalidate, r.slot) for r in refs), return_exceptions=True
+            )
+            failed = [exc for exc in done if exc is not None]
+            if failed:
+                log.warning(
+                    "slab_l2_zero_failed", adapter=self.name, error=repr(failed[0]), count=len(failed)
+                )
+        finally:
+            for ref in refs:
+                self._release(ref)
+
+    async def _capacity_changed(self, capacity_bytes: int) -> None:
+        if self._started and not self.closed:
+            self._evict_to(self._budget())
+            self._changed()
+
+    async def _evict_salt(self, salt: str, nbytes: int) -> int:
+        refs: list[SlotRef] = []
+        freed = 0
+        for key in self._held.oldest(salt, nbytes):
+            held = self._held.pop(key, evicted=True)
+            assert held is not None
+            self._count_eviction(held.size)
+            freed += held.size
+            refs.append(held.value)
+        await self._zero(refs)
+        self._changed()
+        return freed
