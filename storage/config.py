@@ -70,7 +70,7 @@ class SlabAdapterConfig(BaseModel):
         description="Slab files or block devices, keys sharded over them; empty = <data_dir>/l2-slab.",
     )
     size_bytes: int = Field(
-        8 << 30, ge=1 << 20, le=1 << 50, description="Size of each slab file (a block device: its own size)."
+        8 << 30, ge=1 << 16, le=1 << 50, description="Size of each slab file (a block device: its own size)."
     )
     slot_bytes: int = Field(
         16 << 20,
