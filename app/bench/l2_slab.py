@@ -1,0 +1,253 @@
+"""`kvdepot bench l2 --adapter slab`: the slab tier through the sidecar's controllers, against two
+baselines measured in the same run on the same bytes:
+
+  raw    the same slab file written with O_DIRECT, one chunk per pwrite from aligned memory
+         (faulted in), one fdatasync at the end, then read back the same way: once sequentially
+         (one stream), once with as many streams as the slab's I/O threads. `raw_*_gbps` is the
+         better of the two (what the file and the device can do: the slab's goal is >= 0.9 x it);
+         both are printed
+  disk   the file-per-chunk disk adapter through the same controllers, fsync always and O_DIRECT
+         (`o_direct: true`), so that its loads are cold like the slab's
+
+Both adapters keep their files under the run's data dir (l2.allowed_roots defaults to it). The slab
+file is written with zeros before anything is timed (`prefill`). `adapter_only`: the slab adapter
+called directly on the same file and bytes (no controllers, no checksums: what the adapter itself
+costs against raw). Order: slab, adapter_only, raw (over the slab's
+slots, after the slab adapter closed; its superblock is left alone), disk. Prints one JSON object:
+GB/s of each, the ratios, the filesystem of --dir, and whether every chunk came back byte for byte
+(`ok`, `disk_ok`, `raw_ok`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage import slabformat
+
+SLAB_IO_THREADS = 4  # the slab adapter's default io_threads, used in the run and the parallel baseline
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem `path` lies on, from /proc/mounts (the longest mount prefix)."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                _dev, point, fstype = line.split()[:3]
+                point = point.replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fstype
+    except OSError:
+        pass
+    return kind
+
+
+def _transfer(fd: int, view: memoryview, offset: int, write: bool) -> None:
+    done = 0
+    while done < view.nbytes:
+        part = view[done:]
+        n = os.pwritev(fd, [part], offset + done) if write else os.preadv(fd, [part], offset + done)
+        if n <= 0:
+            raise OSError("short O_DIRECT transfer")
+        done += n
+
+
+def _populated(size: int) -> mmap.mmap:
+    """Page-aligned memory, faulted in up front (as the L1 arena is), so that no timed transfer
+    pays page faults."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def prefill(path: Path, size: int) -> None:
+    """Create the slab file and write zeros over all of it, untimed: every block is then written
+    once, as in a slab that has run a while, so that no timed write (the slab's or the raw
+    baseline's) pays the filesystem's conversion of preallocated, unwritten extents. The adapter
+    formats a file whose first block is zeros."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    zeros = _populated(8 << 20)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        for offset in range(0, size, len(zeros)):
+            _transfer(fd, memoryview(zeros)[: min(len(zeros), size - offset)], offset, write=True)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_pass(fd: int, views: list[memoryview], offsets: list[int], threads: int, write: bool) -> float:
+    """Seconds to move every view to/from its offset, `threads` transfers at a time (one per
+    chunk), with one fdatasync after writes."""
+    start = time.perf_counter()
+    if threads == 1:
+        for view, offset in zip(views, offsets, strict=True):
+            _transfer(fd, view, offset, write)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda i: _transfer(fd, views[i], offsets[i], write), range(len(views))))
+    if write:
+        os.fdatasync(fd)
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True, slots=True)
+class RawFigures:
+    """Seconds per pass: one stream, and `threads` streams at once; whether the bytes came back."""
+
+    write_s: float
+    read_s: float
+    write_parallel_s: float
+    read_parallel_s: float
+    intact: bool
+
+
+def raw_direct(path: Path, payloads: list[bytes], offset: int, stride: int, threads: int) -> RawFigures:
+    """The payloads written at offset + i * stride with O_DIRECT, one pwrite each from aligned
+    memory, then read back the same way into aligned memory: first one at a time (sequential),
+    then `threads` at a time (as many as the slab adapter's I/O threads)."""
+    size = len(payloads[0])
+    aligned = slabformat.round_up(size)
+    source, target = _populated(aligned * len(payloads)), _populated(aligned * len(payloads))
+    for i, data in enumerate(payloads):
+        source[i * aligned : i * aligned + size] = data
+    sources = [memoryview(source)[i * aligned : (i + 1) * aligned] for i in range(len(payloads))]
+    targets = [memoryview(target)[i * aligned : (i + 1) * aligned] for i in range(len(payloads))]
+    offsets = [offset + i * stride for i in range(len(payloads))]
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+    try:
+        write_s = _raw_pass(fd, sources, offsets, 1, write=True)
+        read_s = _raw_pass(fd, targets, offsets, 1, write=False)
+        intact = all(bytes(target[i * aligned : i * aligned + size]) == p for i, p in enumerate(payloads))
+        write_parallel_s = _raw_pass(fd, sources, offsets, threads, write=True)
+        read_parallel_s = _raw_pass(fd, targets, offsets, threads, write=False)
+    finally:
+        os.close(fd)
+    intact = intact and all(
+        bytes(target[i * aligned : i * aligned + size]) == p for i, p in enumerate(payloads)
+    )
+    return RawFigures(write_s, read_s, write_parallel_s, read_parallel_s, intact)
+
+
+async def adapter_only(
+    config: dict[str, Any], payloads: list[bytes], checkpoint: Path
+) -> tuple[float, float, bool]:
+    """The slab adapter alone, on the file the controllers used: every payload stored in one batch
+    (encoded beforehand, untimed), then loaded back in one load_into batch into aligned memory;
+    seconds of each and whether every byte came back. What the adapter adds to the raw I/O, without
+    the controllers' pipeline and checksums."""
+    from storage import codec
+    from storage.config import SlabAdapterConfig
+    from storage.slab import SlabAdapter
+
+    cfg = SlabAdapterConfig.model_validate(config)
+    size = len(payloads[0])
+    source, target = (
+        _populated(slabformat.round_up(size) * len(payloads)),
+        _populated(slabformat.round_up(size) * len(payloads)),
+    )
+    stride = slabformat.round_up(size)
+    blobs = []
+    for i, data in enumerate(payloads):
+        source[i * stride : i * stride + size] = data
+        view = memoryview(source)[i * stride : i * stride + size]
+        blobs.append((f"bench-{i}", codec.encode(f"bench-{i}", bytes(8), view, codec.CodecOptions())))
+    executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvdepot-bench-slab")
+    slab = SlabAdapter(cfg, checkpoint.parent / "unused", checkpoint, executor, owns_executor=True)
+    try:
+        await slab.start()
+        start = time.perf_counter()
+        stored = await slab.store(blobs)
+        store_s = time.perf_counter() - start
+        outs = [memoryview(target)[i * stride : i * stride + size] for i in range(len(payloads))]
+        start = time.perf_counter()
+        loaded = await slab.load_into([k for k, _ in blobs], outs)
+        load_s = time.perf_counter() - start
+    finally:
+        await slab.close()
+    ok = all(r.ok for r in stored) and all(r.ok and r.in_place for r in loaded)
+    ok = ok and all(bytes(out) == data for out, data in zip(outs, payloads, strict=True))
+    return store_s, load_s, ok
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from app.bench.l2 import _layout, _through_controllers
+
+    layout = _layout(args)
+    chunks = args.requests * args.chunks_per_request
+    slot = slabformat.payload_offset(1024) + slabformat.round_up(layout.chunk_bytes)
+    slab_file = workdir / "slab-run" / "data" / "slab"
+    slab_config = {"type": "slab", "name": "slab", "paths": [str(slab_file)], "slot_bytes": slot,
+                   "size_bytes": slabformat.ALIGN + chunks * slot, "io_threads": SLAB_IO_THREADS}  # fmt: skip
+    prefill(slab_file, slab_config["size_bytes"])
+    slab = await _through_controllers(args, workdir / "slab-run", slab_config)
+    alone = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index")
+    raw = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS)
+    raw_write_s = min(raw.write_s, raw.write_parallel_s)
+    raw_read_s = min(raw.read_s, raw.read_parallel_s)
+    disk_dir = workdir / "disk-run"
+    disk_config = {"type": "disk", "name": "disk", "paths": [str(disk_dir / "data" / "l2")],
+                   "capacity_gb": 64, "o_direct": True}  # fmt: skip
+    disk = await _through_controllers(
+        argparse.Namespace(**(vars(args) | {"cold": False})), disk_dir, disk_config
+    )
+    total = chunks * layout.chunk_bytes
+    return {
+        "adapter": "slab",
+        "filesystem": filesystem_of(workdir),
+        "store_gbps": _gbps(total, slab["store_s"]),
+        "load_gbps": _gbps(total, slab["load_s"]),
+        "raw_write_gbps": _gbps(total, raw_write_s),
+        "raw_read_gbps": _gbps(total, raw_read_s),
+        "raw_sequential": {"write_gbps": _gbps(total, raw.write_s), "read_gbps": _gbps(total, raw.read_s)},
+        "raw_parallel": {
+            "write_gbps": _gbps(total, raw.write_parallel_s),
+            "read_gbps": _gbps(total, raw.read_parallel_s),
+            "threads": SLAB_IO_THREADS,
+        },
+        "store_vs_raw": round(raw_write_s / slab["store_s"], 3),
+        "load_vs_raw": round(raw_read_s / slab["load_s"], 3),
+        "adapter_only": {
+            "store_gbps": _gbps(total, alone[0]),
+            "load_gbps": _gbps(total, alone[1]),
+            "store_vs_raw": round(raw_write_s / alone[0], 3),
+            "load_vs_raw": round(raw_read_s / alone[1], 3),
+            "ok": alone[2],
+        },
+        "disk_store_gbps": _gbps(total, disk["store_s"]),
+        "disk_load_gbps": _gbps(total, disk["load_s"]),
+        "store_vs_disk": round(disk["store_s"] / slab["store_s"], 3),
+        "load_vs_disk": round(disk["load_s"] / slab["load_s"], 3),
+        "chunks": chunks,
+        "chunk_bytes": layout.chunk_bytes,
+        "slot_bytes": slot,
+        "written": slab["written"],
+        "hit_chunks": slab["hit_chunks"],
+        "ok": slab["ok"],
+        "raw_ok": raw.intact,
+        "disk_ok": disk["ok"],
+    }
+
+
+def run_slab(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure (see the module docstring) in a fresh directory under args.dir, removed afterwards."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvdepot-bench-slab-", dir=args.dir))
+    try:
+        return asyncio.run(_both(args, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
