@@ -70,11 +70,14 @@ class SlabAdapterConfig(BaseModel):
         description="Slab files or block devices, keys sharded over them; empty = <data_dir>/l2-slab.",
     )
     size_bytes: int = Field(
-        8 << 30, ge=1 << 16, le=1 << 50, description="Size of each slab file (a block device: its own size)."
+        8 << 30,
+        ge=3 * SLAB_ALIGN,
+        le=1 << 50,
+        description="Size of each slab file (a block device: its own size).",
     )
     slot_bytes: int = Field(
         16 << 20,
-        ge=64 << 10,
+        ge=2 * SLAB_ALIGN,
         le=1 << 30,
         description="Bytes per slot, a multiple of 4096: one chunk's blob plus 4 KiB of headers.",
     )

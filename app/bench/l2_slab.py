@@ -191,16 +191,16 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     layout = _layout(args)
     chunks = args.requests * args.chunks_per_request
     slot = slabformat.payload_offset(1024) + slabformat.round_up(layout.chunk_bytes)
-    slab_file = workdir / "slab-run" / "data" / "slab"
+    slab_file = workdir / "s" / "data" / "slab"
     slab_config = {"type": "slab", "name": "slab", "paths": [str(slab_file)], "slot_bytes": slot,
                    "size_bytes": slabformat.ALIGN + chunks * slot, "io_threads": SLAB_IO_THREADS}  # fmt: skip
     prefill(slab_file, slab_config["size_bytes"])
-    slab = await _through_controllers(args, workdir / "slab-run", slab_config)
+    slab = await _through_controllers(args, workdir / "s", slab_config)
     alone = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index")
     raw = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS)
     raw_write_s = min(raw.write_s, raw.write_parallel_s)
     raw_read_s = min(raw.read_s, raw.read_parallel_s)
-    disk_dir = workdir / "disk-run"
+    disk_dir = workdir / "d"
     disk_config = {"type": "disk", "name": "disk", "paths": [str(disk_dir / "data" / "l2")],
                    "capacity_gb": 64, "o_direct": True}  # fmt: skip
     disk = await _through_controllers(
@@ -246,7 +246,7 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def run_slab(args: argparse.Namespace) -> dict[str, Any]:
     """Measure (see the module docstring) in a fresh directory under args.dir, removed afterwards."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvdepot-bench-slab-", dir=args.dir))
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-slab-", dir=args.dir))
     try:
         return asyncio.run(_both(args, workdir))
     finally:
