@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -151,8 +152,8 @@ class SlabAdapter(AdapterCore[SlotRef]):
         self._next_generation = 1
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()
-        self._dirty = False
         self._last_checkpoint = clock()
+        self._checkpointing: concurrent.futures.Future[None] | None = None
 
     def keys_lru(self) -> list[str]:
         """Keys from least to most recently used."""
@@ -229,10 +230,16 @@ class SlabAdapter(AdapterCore[SlotRef]):
         )
         log.info("slab_l2_started", adapter=self.name, paths=self.paths, **asdict(self.startup))
 
-    async def _close(self) -> None:
+    async def wait_io(self) -> None:
+        """Wait until no file operation (a checkpoint included) is running."""
         running = [asyncio.wrap_future(job) for job in list(self._jobs)]
         if running:
-            await asyncio.wait(running, timeout=CLOSE_WAIT_S)
+            await asyncio.wait(running)
+
+    async def _close(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await self.wait_io()
         if self._started and self._files:
             try:
                 await asyncio.wrap_future(
@@ -266,13 +273,13 @@ class SlabAdapter(AdapterCore[SlotRef]):
 
     def _changed(self) -> None:
         """The index or its order changed: checkpoint it when the last one is old enough."""
-        self._dirty = True
         now = self._clock()
         if now - self._last_checkpoint < self.config.checkpoint_s or self._closed:
             return
-        self._dirty = False
+        if self._checkpointing is not None and not self._checkpointing.done():
+            return  # one at a time: they share the temp file; the next change writes this one's
         self._last_checkpoint = now
-        job = self._submit(save_checkpoint, self.checkpoint_path, self._snapshot())
+        job = self._checkpointing = self._submit(save_checkpoint, self.checkpoint_path, self._snapshot())
         job.add_done_callback(self._checkpoint_done)
 
     def _checkpoint_done(self, job: concurrent.futures.Future[None]) -> None:

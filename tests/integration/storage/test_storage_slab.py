@@ -4,9 +4,11 @@ and files it must refuse."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -86,13 +88,18 @@ def flip(path: Path, at: int) -> None:
 async def make_slab(tmp_path: Path) -> AsyncIterator[MakeSlab]:
     made: list[SlabAdapter] = []
 
-    def make(**fields: Any) -> SlabAdapter:
+    def make(clock: Callable[[], float] = time.monotonic, **fields: Any) -> SlabAdapter:
         fields = {"paths": [tmp_path / "slab0"], "size_bytes": 4 * KiB + 16 * SLOT, "slot_bytes": SLOT,
                   "fsync": "never", "io_threads": 2, **fields}  # fmt: skip
         config = SlabAdapterConfig.model_validate(fields)
         executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="test-slab-io")
         adapter = SlabAdapter(
-            config, tmp_path / "default.slab", tmp_path / "slab.index", executor, owns_executor=True
+            config,
+            tmp_path / "default.slab",
+            tmp_path / "slab.index",
+            executor,
+            owns_executor=True,
+            clock=clock,
         )
         made.append(adapter)
         return adapter
@@ -372,3 +379,23 @@ async def test_evict_salt_and_accounting_hook(make_slab: MakeSlab) -> None:
     assert sorted(slab.keys_lru()) == ["t1:2", "t2:0"]
     assert await served(slab, "t1:0") is None
     assert slab.usage().bytes_used == 2 * size
+
+
+async def test_the_index_is_checkpointed_periodically_not_only_at_close(
+    make_slab: MakeSlab, tmp_path: Path
+) -> None:
+    now = [0.0]
+    slab = make_slab(clock=lambda: now[0], checkpoint_s=10)
+    index = tmp_path / "slab.index"
+    await slab.store([("a", blob("a"))])
+    assert not index.exists() and slab.checkpoints == 0  # too soon after start
+    now[0] = 11.0
+    await slab.store([("b", blob("b"))])
+    await slab.wait_io()  # the checkpoint is written in the executor
+    assert slab.checkpoints == 1
+    assert [e[0] for e in json.loads(index.read_bytes())["entries"]] == ["a", "b"]
+    now[0] = 12.0
+    await slab.store([("c", blob("c"))])  # within checkpoint_s of the last one: not written
+    await slab.close()  # but at close it is
+    assert slab.checkpoints == 2
+    assert [e[0] for e in json.loads(index.read_bytes())["entries"]] == ["a", "b", "c"]
