@@ -2,12 +2,10 @@
 one blob per slot, written and read with O_DIRECT: no file per chunk, no filesystem metadata on the
 hot path.
 
-State (event loop only): the index key -> slot (file, slot, generation, blob header length) in
-least-recently-used order (`_held`, which reports every change to the owner's accounting,
-storage/holdings.py), each file's free slots, the slots being read (a slot freed meanwhile waits
-for its readers: `_draining`), the number of slots being written, the next generation, the store
-in flight per key, and when the index was last checkpointed. Every file operation runs in the I/O
-executor passed in (storage/slabfile.py, storage/slabindex.py); the loop never touches a file.
+State (event loop only): the index key -> SlotRef in least-recently-used order (`_held`, which
+reports every change to the owner's accounting, storage/holdings.py), the free, read and written
+slots (storage/slabslots.py), the next generation, the store in flight per key, the checkpoint
+schedule. Every file operation runs in the I/O executor passed in; the loop never touches a file.
 
 Placement: a key's digest picks its file (keys are sharded over config.paths); a write takes a
 free slot of that file, evicting that file's least recently used blobs when it has none, and the
@@ -49,10 +47,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,58 +64,22 @@ from storage.config import SlabAdapterConfig
 from storage.diskio import Placed
 from storage.inflight import CLOSE_WAIT_S, gather_all, settled
 from storage.slabfile import SlabFile, SlotReadError
-from storage.slabindex import Checkpoint, SlotEntry, load_checkpoint, merge, save_checkpoint
+from storage.slabindex import (
+    Checkpoint,
+    Checkpointer,
+    SlabStartup,
+    SlotEntry,
+    default_capacity,
+    load_checkpoint,
+    merge,
+    save_checkpoint,
+    scanned,
+)
+from storage.slabslots import SlotRef, SlotSpace, SlotWrite, StaleSlot, read_blob, write_blob
 
 log = structlog.get_logger("kvdepot.storage.slab")
 
 T = TypeVar("T")
-
-
-class StaleSlot(Exception):
-    """The slot no longer holds what the index says (rewritten, zeroed or torn)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    file: int
-    slot: int
-    generation: int
-    head_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class SlabStartup:
-    """What start() found."""
-
-    files: int
-    slots: int
-    blobs: int
-    bytes: int
-    empty_slots: int
-    invalid_slots: int
-    superseded: int
-    checkpoint_used: bool
-    stale_checkpoint_entries: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Write:
-    index: int
-    key: str
-    blob: EncodedBlob
-    file: int
-    slot: int
-    generation: int
-
-
-def default_capacity(config: SlabAdapterConfig) -> int:
-    """The capacity before start: config.capacity_gb, else every slot of the configured files."""
-    if config.capacity_gb is not None:
-        return int(config.capacity_gb * (1 << 30))
-    return (
-        max(1, len(config.paths)) * fmt.slot_count(config.size_bytes, config.slot_bytes) * config.slot_bytes
-    )
 
 
 class SlabAdapter(AdapterCore[SlotRef]):
@@ -139,21 +100,21 @@ class SlabAdapter(AdapterCore[SlotRef]):
         self.paths = [str(p) for p in config.paths] or [str(default_path)]
         self.checkpoint_path = str(checkpoint_path)
         self.startup: SlabStartup | None = None
-        self.checkpoints = 0
         self._executor = executor
         self._owns_executor = owns_executor
         self._clock = clock
         self._files: list[SlabFile] = []
-        self._free: list[deque[int]] = []
-        self._readers: dict[tuple[int, int], int] = {}
-        self._draining: set[tuple[int, int]] = set()
-        self._writing = 0
+        self._space = SlotSpace()
         self._total_slots = 0
         self._next_generation = 1
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()
-        self._last_checkpoint = clock()
-        self._checkpointing: concurrent.futures.Future[None] | None = None
+        self._checkpointer = Checkpointer(config.checkpoint_s, clock, config.name)
+
+    @property
+    def checkpoints(self) -> int:
+        """Checkpoints written since start."""
+        return self._checkpointer.written
 
     def keys_lru(self) -> list[str]:
         """Keys from least to most recently used."""
@@ -192,42 +153,24 @@ class SlabAdapter(AdapterCore[SlotRef]):
         except BaseException:
             self._close_files()
             raise
-        found = [
-            SlotEntry(
-                s.key, f.file_id.hex(), s.slot, s.header.generation, s.header.blob_len, s.header.blob_head_len
-            )
-            for f, scan in zip(self._files, scans, strict=True)
-            for s in scan.slots
-        ]
-        merged = merge(found, checkpoint)
+        merged = merge(scanned([f.file_id.hex() for f in self._files], scans), checkpoint)
         number = {f.file_id.hex(): i for i, f in enumerate(self._files)}
         used: set[tuple[int, int]] = set()
         for entry in merged.entries:
             ref = SlotRef(number[entry.file_id], entry.slot, entry.generation, entry.head_len)
             self._held.put(entry.key, ref, entry.blob_len)
             used.add((ref.file, ref.slot))
-        self._free = [
-            deque(s for s in range(f.slots) if (i, s) not in used) for i, f in enumerate(self._files)
-        ]
+        self._space.reset([f.slots for f in self._files], used)
         self._total_slots = sum(f.slots for f in self._files)
         if cfg.capacity_gb is None:
             self._capacity = self._total_slots * cfg.slot_bytes
         self._next_generation = merged.next_generation
         self._evict_to(self._budget())
-        invalid = sum(scan.invalid for scan in scans)
-        self._stats.integrity_failures += invalid
-        self.startup = SlabStartup(
-            files=len(self._files),
-            slots=self._total_slots,
-            blobs=len(self._held),
-            bytes=self._held.bytes,
-            empty_slots=sum(scan.empty for scan in scans),
-            invalid_slots=invalid,
-            superseded=len(merged.superseded),
-            checkpoint_used=checkpoint is not None,
-            stale_checkpoint_entries=merged.stale,
-            seconds=time.perf_counter() - started,
-        )
+        self.startup = SlabStartup.found(
+            scans, merged, checkpoint_used=checkpoint is not None, blobs=len(self._held),
+            nbytes=self._held.bytes, started=started,
+        )  # fmt: skip
+        self._stats.integrity_failures += self.startup.invalid_slots
         log.info("slab_l2_started", adapter=self.name, paths=self.paths, **asdict(self.startup))
 
     async def wait_io(self) -> None:
@@ -245,7 +188,7 @@ class SlabAdapter(AdapterCore[SlotRef]):
                 await asyncio.wrap_future(
                     self._executor.submit(save_checkpoint, self.checkpoint_path, self._snapshot())
                 )
-                self.checkpoints += 1
+                self._checkpointer.written += 1
             except Exception as exc:
                 log.warning("slab_checkpoint_failed", adapter=self.name, error=repr(exc))
         if self._jobs:  # a descriptor in use may not be closed: its number could be reused
@@ -273,45 +216,24 @@ class SlabAdapter(AdapterCore[SlotRef]):
 
     def _changed(self) -> None:
         """The index or its order changed: checkpoint it when the last one is old enough."""
-        now = self._clock()
-        if now - self._last_checkpoint < self.config.checkpoint_s or self._closed:
-            return
-        if self._checkpointing is not None and not self._checkpointing.done():
-            return  # one at a time: they share the temp file; the next change writes this one's
-        self._last_checkpoint = now
-        job = self._checkpointing = self._submit(save_checkpoint, self.checkpoint_path, self._snapshot())
-        job.add_done_callback(self._checkpoint_done)
-
-    def _checkpoint_done(self, job: concurrent.futures.Future[None]) -> None:
-        if job.cancelled():
-            return
-        exc = job.exception()
-        if exc is None:
-            self.checkpoints += 1
-        else:
-            log.warning("slab_checkpoint_failed", adapter=self.name, error=repr(exc))
+        if not self._closed:
+            self._checkpointer.due(
+                lambda: self._submit(save_checkpoint, self.checkpoint_path, self._snapshot())
+            )
 
     # --- slots ---------------------------------------------------------------------------------
 
     def _budget(self) -> int:
         return min(self._total_slots, self._capacity // self.config.slot_bytes)
 
-    def _release(self, ref: SlotRef) -> None:
-        """The slot holds nothing the index needs: free, or once its readers are done."""
-        place = (ref.file, ref.slot)
-        if self._readers.get(place):
-            self._draining.add(place)
-        else:
-            self._free[ref.file].append(ref.slot)
-
     def _evict(self, key: str) -> None:
         held = self._held.pop(key, evicted=True)
         assert held is not None
         self._count_eviction(held.size)
-        self._release(held.value)
+        self._space.release(held.value)
 
     def _evict_to(self, slots: int) -> None:
-        while len(self._held) + self._writing > slots and len(self._held):
+        while len(self._held) + self._space.writing > slots and len(self._held):
             self._evict(next(iter(self._held)))
 
     def _oldest_in(self, file: int) -> str | None:
@@ -323,16 +245,14 @@ class SlabAdapter(AdapterCore[SlotRef]):
 
     def _take_slot(self, file: int) -> int | None:
         self._evict_to(self._budget() - 1)
-        if len(self._held) + self._writing >= self._budget():
+        if len(self._held) + self._space.writing >= self._budget():
             return None
-        free = self._free[file]
-        while not free:
+        while not self._space.has_free(file):
             oldest = self._oldest_in(file)
             if oldest is None:
                 return None
             self._evict(oldest)
-        self._writing += 1
-        return free.popleft()
+        return self._space.take(file)
 
     # --- operations ----------------------------------------------------------------------------
 
@@ -363,7 +283,7 @@ class SlabAdapter(AdapterCore[SlotRef]):
     async def _write_batch(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
         slot_bytes = self.config.slot_bytes
         results: list[OpResult] = [OpResult.error("store interrupted")] * len(items)
-        plan: list[_Write] = []
+        plan: list[tuple[int, SlotWrite]] = []
         for i, (key, blob) in enumerate(items):
             if fmt.slot_need(len(blob.header), blob.payload.nbytes) > slot_bytes:
                 results[i] = OpResult.error(
@@ -376,47 +296,42 @@ class SlabAdapter(AdapterCore[SlotRef]):
             if slot is None:
                 results[i] = OpResult(Status.NO_SPACE, "no free slot: every slot is being written or read")
                 continue
-            plan.append(_Write(i, key, blob, file, slot, self._next_generation))
+            ref = SlotRef(file, slot, self._next_generation, len(blob.header))
+            plan.append((i, SlotWrite(key, blob, ref)))
             self._next_generation += 1
         outcomes: list[BaseException | None] = []
         try:
             outcomes = list(
-                await asyncio.gather(*(self._io(self._write_one, w) for w in plan), return_exceptions=True)
+                await asyncio.gather(
+                    *(self._io(write_blob, self._files[w.ref.file], w) for _, w in plan),
+                    return_exceptions=True,
+                )
             )
             if self.config.fsync == "always":
-                touched = sorted({w.file for w, exc in zip(plan, outcomes, strict=True) if exc is None})
+                touched = sorted(
+                    {w.ref.file for (_, w), exc in zip(plan, outcomes, strict=True) if exc is None}
+                )
                 synced = await asyncio.gather(
                     *(self._io(self._files[f].sync) for f in touched), return_exceptions=True
                 )
                 failed = {f: exc for f, exc in zip(touched, synced, strict=True) if exc is not None}
                 outcomes = [
-                    exc if exc is not None else failed.get(w.file)
-                    for w, exc in zip(plan, outcomes, strict=True)
+                    exc if exc is not None else failed.get(w.ref.file)
+                    for (_, w), exc in zip(plan, outcomes, strict=True)
                 ]
         finally:
             outcomes += [asyncio.CancelledError()] * (len(plan) - len(outcomes))
-            for w, exc in zip(plan, outcomes, strict=True):
-                self._writing -= 1
-                ref = SlotRef(w.file, w.slot, w.generation, len(w.blob.header))
+            for (i, w), exc in zip(plan, outcomes, strict=True):
+                self._space.written()
                 if exc is not None:
-                    self._release(ref)
-                    results[w.index] = OpResult.error(f"write failed: {exc!r}")
+                    self._space.release(w.ref)
+                    results[i] = OpResult.error(f"write failed: {exc!r}")
                     continue
-                previous = self._held.put(w.key, ref, w.blob.nbytes)
+                previous = self._held.put(w.key, w.ref, w.blob.nbytes)
                 if previous is not None:
-                    self._release(previous.value)
-                results[w.index] = OK
+                    self._space.release(previous.value)
+                results[i] = OK
         return results
-
-    def _write_one(self, w: _Write) -> None:
-        file = self._files[w.file]
-        head_len = len(w.blob.header)
-        checksum = blob_header.read_header(w.blob.header).payload_checksum
-        slot_head = fmt.pack_slot(
-            generation=w.generation, blob_len=w.blob.nbytes, blob_head_len=head_len,
-            digest=fmt.key_digest(w.key), payload_checksum=checksum, file_id=file.file_id, slot=w.slot,
-        )  # fmt: skip
-        file.write_slot(w.slot, slot_head + w.blob.header, blob_header.as_bytes_view(w.blob.payload))
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
         return [OK if key in self._held else MISS for key in keys]
@@ -440,55 +355,22 @@ class SlabAdapter(AdapterCore[SlotRef]):
             return LoadResult.too_long(f"slab blob of {held.size} bytes, a blob for this chunk has at most "
                                        f"{blob_header.header_size(key) + out.nbytes}")  # fmt: skip
         self._held.touch(key)
-        place = (ref.file, ref.slot)
-        self._readers[place] = self._readers.get(place, 0) + 1
+        self._space.reading(ref)
         try:
-            data = await self._io(self._read, key, ref, held.size, out)
+            data = await self._io(read_blob, self._files[ref.file], key, ref, held.size, out)
         except StaleSlot as exc:
             self._stats.integrity_failures += 1
             log.warning("slab_l2_stale_slot", adapter=self.name, error=str(exc))
             if self._held.discard(key, held):
-                self._release(ref)
+                self._space.release(ref)
             return LoadResult(Status.MISS)
         except (OSError, SlotReadError) as exc:
             return LoadResult.error(f"read failed: {exc!r}")
         finally:
-            left = self._readers.pop(place) - 1
-            if left:
-                self._readers[place] = left
-            elif place in self._draining:
-                self._draining.discard(place)
-                self._free[ref.file].append(ref.slot)
+            self._space.read_done(ref)
         if isinstance(data, Placed):
             return LoadResult.placed(data.header)
         return LoadResult.hit(data)
-
-    def _read(self, key: str, ref: SlotRef, size: int, out: memoryview | None) -> Placed | bytes | memoryview:
-        """In an executor thread: the slot's blob, or its payload in out (Placed)."""
-        file = self._files[ref.file]
-        area = fmt.payload_offset(ref.head_len)
-        payload_len = size - ref.head_len
-        if out is None or payload_len != out.nbytes:
-            head, blob = file.read_blob(ref.slot, area, ref.head_len, payload_len)
-            self._check_head(head, file, key, ref, size)
-            return blob
-        head = file.read_into(ref.slot, area, out)
-        self._check_head(head, file, key, ref, size)
-        blob_head = head[fmt.SLOT_HEADER_SIZE : fmt.SLOT_HEADER_SIZE + ref.head_len]
-        if blob_header.fits_in_place(blob_head, out.nbytes):
-            return Placed(blob_head)
-        return blob_head + bytes(out)
-
-    @staticmethod
-    def _check_head(head: bytes, file: SlabFile, key: str, ref: SlotRef, size: int) -> None:
-        found = fmt.parse_slot(head, file.file_id, ref.slot)
-        if found is None:
-            raise StaleSlot(f"{file.path} slot {ref.slot}: no valid slot header")
-        if (found.generation, found.blob_len, found.blob_head_len) != (ref.generation, size, ref.head_len):
-            raise StaleSlot(f"{file.path} slot {ref.slot}: holds generation {found.generation}, "
-                            f"the index says {ref.generation}")  # fmt: skip
-        if found.digest != fmt.key_digest(key):
-            raise StaleSlot(f"{file.path} slot {ref.slot}: holds another key")
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
         results: list[OpResult] = []
@@ -517,7 +399,7 @@ class SlabAdapter(AdapterCore[SlotRef]):
                 )
         finally:
             for ref in refs:
-                self._release(ref)
+                self._space.release(ref)
 
     async def _capacity_changed(self, capacity_bytes: int) -> None:
         if self._started and not self.closed:

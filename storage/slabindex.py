@@ -13,18 +13,29 @@ recency order (slots it does not name follow in generation order).
 
 Primitives in call order:
   load_checkpoint(path, slot_bytes) -> Checkpoint | None    None: absent, unreadable, or another format
+  scanned(file_ids, scans) -> found                         what the slots' heads say
   merge(found, checkpoint) -> Merged                        the index at start, oldest first
+  Checkpointer.due(submit)                                  after a change: is a checkpoint due?
   save_checkpoint(path, checkpoint)
+
+Also here: SlabStartup (what the adapter's start found) and default_capacity(config).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import structlog
+
+from storage import slabformat as fmt
+from storage.config import SlabAdapterConfig
+from storage.slabfile import ScanResult
 
 log = structlog.get_logger("kvdepot.storage.slab")
 
@@ -117,6 +128,15 @@ def save_checkpoint(path: str, checkpoint: Checkpoint) -> None:
         os.close(dir_fd)
 
 
+def scanned(file_ids: list[str], scans: list[ScanResult]) -> list[SlotEntry]:
+    """The valid slots the scans of the files (ids in hex, in the same order) found, as entries."""
+    return [
+        SlotEntry(s.key, file_id, s.slot, s.header.generation, s.header.blob_len, s.header.blob_head_len)
+        for file_id, scan in zip(file_ids, scans, strict=True)
+        for s in scan.slots
+    ]
+
+
 def merge(found: list[SlotEntry], checkpoint: Checkpoint | None) -> Merged:
     """The index from what the scan found in the slots, ordered by the checkpoint where it agrees."""
     newest: dict[str, SlotEntry] = {}
@@ -145,3 +165,78 @@ def merge(found: list[SlotEntry], checkpoint: Checkpoint | None) -> Merged:
             placed.add(hint.key)
     rest = sorted((e for e in newest.values() if e.key not in placed), key=lambda e: e.generation)
     return Merged(ordered + rest, superseded, stale, next_generation)
+
+
+@dataclass(frozen=True, slots=True)
+class SlabStartup:
+    """What the adapter's start() found."""
+
+    files: int
+    slots: int
+    blobs: int
+    bytes: int
+    empty_slots: int
+    invalid_slots: int
+    superseded: int
+    checkpoint_used: bool
+    stale_checkpoint_entries: int
+    seconds: float
+
+    @classmethod
+    def found(
+        cls, scans: list[ScanResult], merged: Merged, *, checkpoint_used: bool, blobs: int, nbytes: int,
+        started: float,
+    ) -> SlabStartup:  # fmt: skip
+        """The report of a start that began at `started` (time.perf_counter) and holds `blobs`."""
+        return cls(
+            files=len(scans),
+            slots=sum(scan.empty + scan.invalid + len(scan.slots) for scan in scans),
+            blobs=blobs,
+            bytes=nbytes,
+            empty_slots=sum(scan.empty for scan in scans),
+            invalid_slots=sum(scan.invalid for scan in scans),
+            superseded=len(merged.superseded),
+            checkpoint_used=checkpoint_used,
+            stale_checkpoint_entries=merged.stale,
+            seconds=time.perf_counter() - started,
+        )
+
+
+def default_capacity(config: SlabAdapterConfig) -> int:
+    """The capacity before start: config.capacity_gb, else every slot of the configured files."""
+    if config.capacity_gb is not None:
+        return int(config.capacity_gb * (1 << 30))
+    return (
+        max(1, len(config.paths)) * fmt.slot_count(config.size_bytes, config.slot_bytes) * config.slot_bytes
+    )
+
+
+class Checkpointer:
+    """When to write a checkpoint (event loop only): after a change, at most every `interval_s`,
+    one at a time (they share the temp file; a change meanwhile is written by the next one)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float], name: str) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._name = name
+        self._last = clock()
+        self._job: concurrent.futures.Future[None] | None = None
+        self.written = 0
+
+    def due(self, submit: Callable[[], concurrent.futures.Future[None]]) -> None:
+        """Call `submit` (which starts a checkpoint write) when one is due."""
+        now = self._clock()
+        if now - self._last < self._interval_s or (self._job is not None and not self._job.done()):
+            return
+        self._last = now
+        self._job = submit()
+        self._job.add_done_callback(self._done)
+
+    def _done(self, job: concurrent.futures.Future[None]) -> None:
+        if job.cancelled():
+            return
+        exc = job.exception()
+        if exc is None:
+            self.written += 1
+        else:
+            log.warning("slab_checkpoint_failed", adapter=self._name, error=repr(exc))
