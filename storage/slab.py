@@ -11,7 +11,8 @@ Placement: a key's digest picks its file (keys are sharded over config.paths); a
 free slot of that file, evicting that file's least recently used blobs when it has none, and the
 least recently used of all while the slots in use reach the capacity. Each write gets a new
 generation; the index moves to the new slot once the write (and, with fsync "always", the
-fdatasync of its batch) is done, and the old slot is freed.
+fdatasync of its batch) is done, and the old slot is zeroed, then freed (so that a later delete
+cannot bring the older generation back after a crash).
 
 Primitives in call order:
   start()          per path: open, or create, preallocate and format (storage/slabfile.py; a
@@ -46,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -160,7 +162,10 @@ class SlabAdapter(AdapterCore[SlotRef]):
             ref = SlotRef(number[entry.file_id], entry.slot, entry.generation, entry.head_len)
             self._held.put(entry.key, ref, entry.blob_len)
             used.add((ref.file, ref.slot))
+        older = [SlotRef(number[e.file_id], e.slot, e.generation, e.head_len) for e in merged.superseded]
+        used.update((ref.file, ref.slot) for ref in older)
         self._space.reset([f.slots for f in self._files], used)
+        self._zero_later(older)  # older generations of indexed keys: free once zeroed
         self._total_slots = sum(f.slots for f in self._files)
         if cfg.capacity_gb is None:
             self._capacity = self._total_slots * cfg.slot_bytes
@@ -328,8 +333,8 @@ class SlabAdapter(AdapterCore[SlotRef]):
                     results[i] = OpResult.error(f"write failed: {exc!r}")
                     continue
                 previous = self._held.put(w.key, w.ref, w.blob.nbytes)
-                if previous is not None:
-                    self._space.release(previous.value)
+                if previous is not None:  # zeroed: a later delete must not bring this one back
+                    self._zero_later([previous.value])
                 results[i] = OK
         return results
 
@@ -400,6 +405,21 @@ class SlabAdapter(AdapterCore[SlotRef]):
         finally:
             for ref in refs:
                 self._space.release(ref)
+
+    def _zero_later(self, refs: list[SlotRef]) -> None:
+        """As _zero without waiting: each slot is freed once its head is zeroed (or failed to be)."""
+        for ref in refs:
+            try:
+                job = asyncio.wrap_future(self._submit(self._files[ref.file].invalidate, ref.slot))
+            except RuntimeError:  # the executor is shut down: the adapter is closing
+                self._space.release(ref)
+                continue
+            job.add_done_callback(functools.partial(self._zeroed, ref))
+
+    def _zeroed(self, ref: SlotRef, fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("slab_l2_zero_failed", adapter=self.name, error=repr(fut.exception()))
+        self._space.release(ref)
 
     async def _capacity_changed(self, capacity_bytes: int) -> None:
         if self._started and not self.closed:

@@ -76,6 +76,12 @@ def patch(path: Path, at: int, data: bytes) -> None:
         f.write(data)
 
 
+def read_at(path: Path, at: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(at)
+        return f.read(length)
+
+
 def flip(path: Path, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -247,15 +253,22 @@ async def test_without_a_checkpoint_the_scan_alone_rebuilds_in_write_order(
     slab = make_slab()
     for key in ["a", "b", "c"]:
         await slab.store([(key, blob(key))])
-    await slab.store([("a", blob("a"))])  # rewritten: newest
+    where = slab.slot_of("a")
+    assert where is not None
+    older = read_at(tmp_path / "slab0", where[1], SLOT)
+    await slab.store([("a", blob("a"))])  # rewritten: newest; its older slot is zeroed
     await slab.close()
+    assert read_at(tmp_path / "slab0", where[1], 4096) == bytes(4096)
+    patch(tmp_path / "slab0", where[1], older)  # as if the process died before the zeroing
     (tmp_path / "slab.index").unlink()
     again = make_slab()
     await again.start()
     assert again.startup is not None and not again.startup.checkpoint_used
     assert again.keys_lru() == ["b", "c", "a"]
-    assert again.startup.superseded == 1  # a's first slot still holds its older generation
+    assert again.startup.superseded == 1  # a's older generation: not indexed, zeroed now
     assert await served(again, "a") == payload_for("a")
+    await again.wait_io()
+    assert read_at(tmp_path / "slab0", where[1], 4096) == bytes(4096)
 
 
 async def test_a_stale_checkpoint_is_checked_against_the_slots(make_slab: MakeSlab, tmp_path: Path) -> None:
@@ -399,3 +412,19 @@ async def test_the_index_is_checkpointed_periodically_not_only_at_close(
     await slab.close()  # but at close it is
     assert slab.checkpoints == 2
     assert [e[0] for e in json.loads(index.read_bytes())["entries"]] == ["a", "b", "c"]
+
+
+async def test_a_deleted_key_stays_deleted_after_restart_even_when_it_was_rewritten(
+    make_slab: MakeSlab,
+) -> None:
+    slab = make_slab()
+    await slab.store([("k", blob("k", 1000))])
+    await slab.store([("k", blob("k", 2000))])  # the first slot still held k's older generation
+    await slab.store([("other", blob("other"))])
+    await slab.evict_salt("", 1)  # the oldest entry: k
+    await slab.delete(["other"])
+    await slab.close()
+    again = make_slab()
+    await again.start()
+    assert again.keys_lru() == []
+    assert await served(again, "k", 2000) is None and await served(again, "k", 1000) is None
