@@ -40,6 +40,7 @@ import xxhash
 
 from app.errors import IntegrityError
 from storage import blob_header
+from storage.blob_header import Buffer
 
 ALIGN = 4096
 SUPER_MAGIC = b"KVDSLAB1"
@@ -92,7 +93,7 @@ def pack_super(slot_bytes: int, slots: int, file_bytes: int, file_id: bytes) -> 
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def parse_super(block: bytes | memoryview) -> Superblock:
+def parse_super(block: Buffer) -> Superblock:
     """The superblock at the start of `block`; SlabFormatError when it is not a valid one."""
     view = memoryview(block)
     if bytes(view[:8]) != SUPER_MAGIC:
@@ -130,7 +131,7 @@ def pack_slot(
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def parse_slot(area: bytes | memoryview, file_id: bytes, slot: int) -> SlotHeader | None:
+def parse_slot(area: Buffer, file_id: bytes, slot: int) -> SlotHeader | None:
     """The slot header at the start of `area` when it is valid for slot `slot` of the file
     `file_id`; None for anything else (empty, torn, foreign, moved)."""
     view = memoryview(area)
@@ -146,7 +147,7 @@ def parse_slot(area: bytes | memoryview, file_id: bytes, slot: int) -> SlotHeade
     return SlotHeader(generation, blob_len, head_len, bytes(digest), bytes(checksum))
 
 
-def slot_blob(area: bytes | memoryview, header: SlotHeader) -> tuple[str, bytes] | None:
+def slot_blob(area: Buffer, header: SlotHeader) -> tuple[str, bytes] | None:
     """The key and blob header bytes behind a valid slot header, when the blob header parses and
     agrees with it (digest of its key, lengths, payload checksum); None otherwise. `area` holds at
     least payload_offset(header.blob_head_len) bytes of the slot."""
