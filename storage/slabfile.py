@@ -11,7 +11,8 @@ Primitives in call order:
                       existing one: its superblock checked. A block device: its own size, formatted
                       when its first block is all zeros. ConfigError, naming the path, for a file that
                       is foreign, damaged, of another size or slot size, in use, or on a filesystem
-                      without O_DIRECT
+                      without O_DIRECT; one without a superblock is formatted only when its first and
+                      last MiB are zeros
   scan()              every slot's head read and checked -> ScanResult
   write_slot(slot, head, payload)
                       head (slot header + blob header) and payload in one positioned write; the
@@ -45,6 +46,7 @@ from storage import slabformat as fmt
 from storage.slabformat import ALIGN, SlabFormatError, SlotHeader, round_up
 
 BOUNCE_BYTES = 8 << 20
+BLANK_CHECK_BYTES = 1 << 20  # a file or device is formatted only when both ends are this blank
 HEAD_BYTES = 80 << 10  # the largest head area: both headers with the longest key, rounded up
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _ZERO_BLOCK = bytes(ALIGN)
@@ -101,6 +103,19 @@ def _transfer_all(call: str, fd: int, views: Sequence[memoryview], offset: int) 
             pending.pop(0)
         if pending and n:
             pending[0] = pending[0][n:]
+
+
+def _blank_ends(fd: int, size: int) -> bool:
+    """Whether the first and the last BLANK_CHECK_BYTES are zeros: where filesystems, partition
+    tables and volume labels keep their signatures (btrfs at 64 KiB, a GPT copy at the end)."""
+    span = min(BLANK_CHECK_BYTES, size // ALIGN * ALIGN)
+    buf = aligned_buffer(span)
+    zeros = bytes(span)
+    for offset in sorted({0, (size - span) // ALIGN * ALIGN}):
+        _transfer_all("read", fd, [memoryview(buf)[:span]], offset)
+        if buf[:span] != zeros:
+            return False
+    return True
 
 
 def _open_direct(path: str, flags: int, mode: int = 0o600) -> int:
@@ -169,9 +184,14 @@ class SlabFile:
             size = size_bytes
         first = aligned_buffer(ALIGN)
         _transfer_all("read", fd, [memoryview(first)], 0)
-        if bytes(first) == _ZERO_BLOCK:  # fresh: never formatted
+        if bytes(first) == _ZERO_BLOCK:  # fresh (never formatted), when its ends are blank too
             if not device and size != size_bytes:
                 raise ConfigError(f"slab {path} is {size} bytes; size_bytes says {size_bytes}")
+            if not _blank_ends(fd, size):
+                raise ConfigError(
+                    f"slab {path}: not a kvdepot slab, and not blank (data in its first or last MiB); "
+                    "refusing to overwrite it (zero it, e.g. blkdiscard, or name another path)"
+                )
             superblock = cls._format(path, fd, size, slot_bytes, created)
         else:
             try:

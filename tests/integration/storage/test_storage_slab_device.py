@@ -78,17 +78,23 @@ async def test_a_block_device_is_formatted_used_and_reopened(
     await again.close()
 
 
-async def test_a_device_with_other_data_is_refused(loop_device: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("at", [0, 64 << 10, 4096 + 12 * SLOT - 512])
+async def test_a_device_with_other_data_is_refused(
+    loop_device: tuple[Path, Path], tmp_path: Path, at: int
+) -> None:
+    """Data at the start (most signatures), at 64 KiB (btrfs: the first 4 KiB are zeros) or at
+    the end (a GPT copy): never formatted over."""
     device, backing = loop_device
-    data = random.Random(0).randbytes(8192)
+    data = random.Random(at).randbytes(512)
     fd = os.open(device, os.O_WRONLY)
     try:
-        os.pwrite(fd, data, 0)
+        os.pwrite(fd, data, at)
         os.fsync(fd)
     finally:
         os.close(fd)
+    before = backing.read_bytes()
     slab = slab_on(device, tmp_path)
     with pytest.raises(ConfigError, match="not a kvdepot slab"):
         await slab.start()
     await slab.close()
-    assert backing.read_bytes()[:8192] == data
+    assert backing.read_bytes() == before
