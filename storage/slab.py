@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from app.errors import ConfigError
 from storage import blob_header
 from storage import slabformat as fmt
 from storage.base import MISS, OK, LoadResult, OpResult, Status
@@ -152,6 +153,9 @@ class SlabAdapter(AdapterCore[SlotRef]):
                 self._files.append(await self._io(SlabFile.open, path, cfg.size_bytes, cfg.slot_bytes))
             scans = await gather_all(self._io(f.scan) for f in self._files)
             checkpoint = await self._io(load_checkpoint, self.checkpoint_path, cfg.slot_bytes)
+        except ConfigError as exc:
+            self._close_files()
+            raise ConfigError(f"l2.adapters[{self.name}]: {exc}") from None
         except BaseException:
             self._close_files()
             raise

@@ -19,7 +19,9 @@ from tests.integration.dp_client import chunk_data, client, request_tokens
 from tests.integration.l2_helpers import request_keys
 from tests.integration.test_l2_crash import CHUNKS, SEEDS, served
 from tests.integration.test_l2_reconfig import TOKEN, Workload
+from tests.integration.test_serve_process import assert_refused, run_serve
 
+ROOT = Path(__file__).resolve().parents[2]  # the sidecar runs from here: this tree's code
 SLOT = 68 << 10  # a 64 KiB chunk and 4 KiB of headers
 SLAB = {"type": "slab", "name": "slab", "slot_bytes": SLOT, "size_bytes": 4096 + 400 * SLOT}
 ENV = {
@@ -167,3 +169,33 @@ def test_attach_resize_and_detach_a_slab_under_load(sidecar_factory: StartSideca
     assert work.failures == []
     assert (data_dir / "slabs" / "a").stat().st_size == 4096 + 400 * SLOT
     assert (data_dir / "l2-slab.index").is_file(), "detaching checkpoints the index"
+
+
+def test_a_foreign_or_wrongly_sized_slab_stops_the_start_with_one_line(
+    sidecar_factory: StartSidecar, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "d"
+    data_dir.mkdir()
+    foreign = data_dir / "precious"
+    foreign.write_bytes(b"precious" * 100_000)
+    config = tmp_path / "kvdepot.toml"
+    config.write_text(
+        f'[[l2.adapters]]\ntype = "slab"\nname = "s"\npaths = ["{foreign}"]\n'
+        f"slot_bytes = {SLOT}\nsize_bytes = {4096 + 40 * SLOT}\n"
+    )
+    args = ("--config", str(config), "--data-dir", str(data_dir), "--http-port", "0", "--l1-size-gb", "0.01")
+    line = assert_refused(run_serve(ROOT, *args), "l2.adapters[s]", str(foreign), "not a kvdepot slab")
+    assert "refusing to overwrite" in line
+    assert foreign.read_bytes() == b"precious" * 100_000
+
+    foreign.unlink()
+    config.write_text(config.read_text().replace(str(foreign), str(data_dir / "slab")))
+    sidecar_factory("--config", str(config), data_dir=data_dir, l1_size_gb=0.01).stop()  # creates it
+    assert (data_dir / "slab").stat().st_size == 4096 + 40 * SLOT
+    config.write_text(config.read_text().replace(f"size_bytes = {4096 + 40 * SLOT}", "size_bytes = 8192000"))
+    assert_refused(run_serve(ROOT, *args), "l2.adapters[s]", "size_bytes says 8192000")
+    config.write_text(
+        config.read_text().replace(f'paths = ["{data_dir / "slab"}"]', f'paths = ["{tmp_path}/far"]')
+    )
+    assert_refused(run_serve(ROOT, *args), "l2.adapters[s]", "l2.allowed_roots")
+    assert not (tmp_path / "far").exists()
