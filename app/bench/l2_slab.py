@@ -14,7 +14,8 @@ baselines measured in the same run on the same bytes:
 Both adapters keep their files under the run's data dir (l2.allowed_roots defaults to it). The slab
 file is written with zeros before anything is timed (`prefill`). `adapter_only`: the slab adapter
 called directly on the same file and bytes (no controllers, no checksums: what the adapter itself
-costs against raw). The file is formatted
+costs against raw), in ROUNDS rounds each right after a raw pass of four streams, the median of the
+rounds' ratios. The file is formatted
 first; the raw passes write over its slots, never its superblock. Order: raw (before), slab,
 adapter_only, raw (after), disk. Prints one JSON object:
 GB/s of each, the ratios, the filesystem of --dir, and whether every chunk came back byte for byte
@@ -29,6 +30,7 @@ import mmap
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +41,7 @@ from typing import Any
 from storage import slabformat
 
 SLAB_IO_THREADS = 4  # the slab adapter's default io_threads, used in the run and the parallel baseline
+ROUNDS = 3  # of the adapter alone, each after a raw pass
 
 
 def filesystem_of(path: Path) -> str:
@@ -172,45 +175,68 @@ async def formatted(config: dict[str, Any], checkpoint: Path) -> None:
         await slab.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round of the adapter alone and the raw I/O right before it, seconds each."""
+
+    raw_write_s: float
+    raw_read_s: float
+    store_s: float
+    load_s: float
+
+
 async def adapter_only(
-    config: dict[str, Any], payloads: list[bytes], checkpoint: Path
-) -> tuple[float, float, bool]:
-    """The slab adapter alone, on the file the controllers used: every payload stored in one batch
-    (encoded beforehand, untimed), then loaded back in one load_into batch into aligned memory;
-    seconds of each and whether every byte came back. What the adapter adds to the raw I/O, without
-    the controllers' pipeline and checksums."""
+    config: dict[str, Any], payloads: list[bytes], checkpoint: Path, rounds: int
+) -> tuple[list[Round], bool]:
+    """The slab adapter alone, on the file the controllers used, `rounds` times, each right after
+    a raw pass over the same slots from the same memory (`threads` streams, as many as the
+    adapter's I/O threads), so that each ratio compares neighbours in time: every payload stored
+    in one batch (encoded beforehand, untimed), then loaded back in one load_into batch into
+    aligned memory. What the adapter adds to the raw I/O, without the controllers' pipeline and
+    checksums. Also whether every byte came back, every round."""
     from storage import codec
     from storage.config import SlabAdapterConfig
     from storage.slab import SlabAdapter
 
     cfg = SlabAdapterConfig.model_validate(config)
-    size = len(payloads[0])
-    source, target = (
-        _populated(slabformat.round_up(size) * len(payloads)),
-        _populated(slabformat.round_up(size) * len(payloads)),
-    )
+    size, count = len(payloads[0]), len(payloads)
     stride = slabformat.round_up(size)
-    blobs = []
+    source, target = _populated(stride * count), _populated(stride * count)
     for i, data in enumerate(payloads):
         source[i * stride : i * stride + size] = data
-        view = memoryview(source)[i * stride : i * stride + size]
-        blobs.append((f"bench-{i}", codec.encode(f"bench-{i}", bytes(8), view, codec.CodecOptions())))
+    sources = [memoryview(source)[i * stride : i * stride + size] for i in range(count)]
+    outs = [memoryview(target)[i * stride : i * stride + size] for i in range(count)]
+    raw_views = [memoryview(source)[i * stride : (i + 1) * stride] for i in range(count)]
+    raw_outs = [memoryview(target)[i * stride : (i + 1) * stride] for i in range(count)]
+    offsets = [slabformat.ALIGN + i * cfg.slot_bytes for i in range(count)]
     executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvdepot-bench-slab")
     slab = SlabAdapter(cfg, checkpoint.parent / "unused", checkpoint, executor, owns_executor=True)
+    found: list[Round] = []
+    ok = True
+    fd = os.open(cfg.paths[0], os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
     try:
         await slab.start()
-        start = time.perf_counter()
-        stored = await slab.store(blobs)
-        store_s = time.perf_counter() - start
-        outs = [memoryview(target)[i * stride : i * stride + size] for i in range(len(payloads))]
-        start = time.perf_counter()
-        loaded = await slab.load_into([k for k, _ in blobs], outs)
-        load_s = time.perf_counter() - start
+        for r in range(rounds):
+            raw_write_s = _raw_pass(fd, raw_views, offsets, cfg.io_threads, write=True)
+            raw_read_s = _raw_pass(fd, raw_outs, offsets, cfg.io_threads, write=False)
+            keys = [f"bench-{r}-{i}" for i in range(count)]
+            blobs = [
+                (k, codec.encode(k, bytes(8), v, codec.CodecOptions()))
+                for k, v in zip(keys, sources, strict=True)
+            ]
+            start = time.perf_counter()
+            stored = await slab.store(blobs)
+            store_s = time.perf_counter() - start
+            start = time.perf_counter()
+            loaded = await slab.load_into(keys, outs)
+            load_s = time.perf_counter() - start
+            found.append(Round(raw_write_s, raw_read_s, store_s, load_s))
+            ok = ok and all(x.ok for x in stored) and all(x.ok and x.in_place for x in loaded)
+            ok = ok and all(bytes(out) == data for out, data in zip(outs, payloads, strict=True))
     finally:
+        os.close(fd)
         await slab.close()
-    ok = all(r.ok for r in stored) and all(r.ok and r.in_place for r in loaded)
-    ok = ok and all(bytes(out) == data for out, data in zip(outs, payloads, strict=True))
-    return store_s, load_s, ok
+    return found, ok
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -234,7 +260,7 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         SLAB_IO_THREADS,
     )  # fmt: skip
     slab = await _through_controllers(args, workdir / "s", slab_config)
-    alone = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index")
+    rounds, alone_ok = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index", ROUNDS)
     after = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS)
     raw_write_s = (before.best_write_s + after.best_write_s) / 2
     raw_read_s = (before.best_read_s + after.best_read_s) / 2
@@ -257,11 +283,18 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "store_vs_raw": round(raw_write_s / slab["store_s"], 3),
         "load_vs_raw": round(raw_read_s / slab["load_s"], 3),
         "adapter_only": {
-            "store_gbps": _gbps(total, alone[0]),
-            "load_gbps": _gbps(total, alone[1]),
-            "store_vs_raw": round(raw_write_s / alone[0], 3),
-            "load_vs_raw": round(raw_read_s / alone[1], 3),
-            "ok": alone[2],
+            "store_vs_raw": round(statistics.median(r.raw_write_s / r.store_s for r in rounds), 3),
+            "load_vs_raw": round(statistics.median(r.raw_read_s / r.load_s for r in rounds), 3),
+            "rounds": [
+                {
+                    "store_gbps": _gbps(total, r.store_s),
+                    "load_gbps": _gbps(total, r.load_s),
+                    "raw_write_gbps": _gbps(total, r.raw_write_s),
+                    "raw_read_gbps": _gbps(total, r.raw_read_s),
+                }
+                for r in rounds
+            ],
+            "ok": alone_ok,
         },
         "disk_store_gbps": _gbps(total, disk["store_s"]),
         "disk_load_gbps": _gbps(total, disk["load_s"]),
