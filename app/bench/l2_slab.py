@@ -15,7 +15,7 @@ Both adapters keep their files under the run's data dir (l2.allowed_roots defaul
 file is written with zeros before anything is timed (`prefill`). `adapter_only`: the slab adapter
 called directly on the same file and bytes (no controllers, no checksums: what the adapter itself
 costs against raw), in ROUNDS rounds each right after a raw pass of four streams, the median of the
-rounds' ratios. The file is formatted
+rounds' ratios. Every timed phase starts after `settle` (sync and a SETTLE_S pause). The file is formatted
 first; the raw passes write over its slots, never its superblock. Order: raw (before), slab,
 adapter_only, raw (after), disk. Prints one JSON object:
 GB/s of each, the ratios, the filesystem of --dir, and whether every chunk came back byte for byte
@@ -42,6 +42,7 @@ from storage import slabformat
 
 SLAB_IO_THREADS = 4  # the slab adapter's default io_threads, used in the run and the parallel baseline
 ROUNDS = 3  # of the adapter alone, each after a raw pass
+SETTLE_S = 3.0  # pause before each timed phase
 
 
 def filesystem_of(path: Path) -> str:
@@ -92,6 +93,13 @@ def prefill(path: Path, size: int) -> None:
         os.fdatasync(fd)
     finally:
         os.close(fd)
+
+
+def settle() -> None:
+    """Before each timed phase: the previous phases' writes flushed (sync) and a pause, so that a
+    device still busy with them (a virtual disk's host cache) does not slow the next phase."""
+    os.sync()
+    time.sleep(SETTLE_S)
 
 
 def _raw_pass(fd: int, views: list[memoryview], offsets: list[int], threads: int, write: bool) -> float:
@@ -148,9 +156,11 @@ def raw_direct(path: Path, payloads: list[bytes], offset: int, stride: int, thre
     offsets = [offset + i * stride for i in range(len(payloads))]
     fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
     try:
+        settle()
         write_s = _raw_pass(fd, sources, offsets, 1, write=True)
         read_s = _raw_pass(fd, targets, offsets, 1, write=False)
         intact = all(bytes(target[i * aligned : i * aligned + size]) == p for i, p in enumerate(payloads))
+        settle()
         write_parallel_s = _raw_pass(fd, sources, offsets, threads, write=True)
         read_parallel_s = _raw_pass(fd, targets, offsets, threads, write=False)
     finally:
@@ -217,6 +227,7 @@ async def adapter_only(
     try:
         await slab.start()
         for r in range(rounds):
+            settle()
             raw_write_s = _raw_pass(fd, raw_views, offsets, cfg.io_threads, write=True)
             raw_read_s = _raw_pass(fd, raw_outs, offsets, cfg.io_threads, write=False)
             keys = [f"bench-{r}-{i}" for i in range(count)]
@@ -224,6 +235,7 @@ async def adapter_only(
                 (k, codec.encode(k, bytes(8), v, codec.CodecOptions()))
                 for k, v in zip(keys, sources, strict=True)
             ]
+            settle()
             start = time.perf_counter()
             stored = await slab.store(blobs)
             store_s = time.perf_counter() - start
@@ -259,6 +271,7 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         slab_file, [rng.randbytes(layout.chunk_bytes) for _ in range(chunks)], slabformat.ALIGN, slot,
         SLAB_IO_THREADS,
     )  # fmt: skip
+    settle()
     slab = await _through_controllers(args, workdir / "s", slab_config)
     rounds, alone_ok = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index", ROUNDS)
     after = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS)
@@ -267,6 +280,7 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     disk_dir = workdir / "d"
     disk_config = {"type": "disk", "name": "disk", "paths": [str(disk_dir / "data" / "l2")],
                    "capacity_gb": 64, "o_direct": True}  # fmt: skip
+    settle()
     disk = await _through_controllers(
         argparse.Namespace(**(vars(args) | {"cold": False})), disk_dir, disk_config
     )
