@@ -20,7 +20,7 @@ from storage.base import Status
 from storage.codec import CodecOptions
 from storage.config import SlabAdapterConfig
 from storage.slab import SlabAdapter
-from tests.integration.storage.test_storage_slab import aligned, payload_for
+from tests.integration.storage.slab_helpers import aligned, payload_for
 
 pytestmark = pytest.mark.anyio
 
