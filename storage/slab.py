@@ -15,31 +15,26 @@ fdatasync of its batch) is done, and the old slot is zeroed, then freed (so that
 cannot bring the older generation back after a crash).
 
 Primitives in call order:
-  start()          per path: open, or create, preallocate and format (storage/slabfile.py; a
-                   foreign, damaged or wrongly sized file is refused with ConfigError); scan every
-                   slot's head; merge with the checkpoint (storage/slabindex.py): the newest valid
-                   generation of each key wins, in the checkpoint's recency order where it agrees.
-                   `startup` reports what was found
-  store(items)     per blob: a slot (or ERROR: larger than a slot; NO_SPACE: no slot can be had),
-                   both headers and the payload in one O_DIRECT write straight from the caller's
-                   memory, one fdatasync per file per batch (config.fsync), then the index. A
-                   store of a key already being written waits for that write and shares its result
+  start()          open (or create, preallocate, format) each path, scan every slot's head, merge
+                   with the checkpoint (newest valid generation per key); ConfigError, naming the
+                   adapter and path, for a foreign, damaged or wrongly sized file. `startup` reports
+  store(items)     a slot each (ERROR: larger than a slot; NO_SPACE: none to be had), headers and
+                   payload in one O_DIRECT write from the caller's memory, one fdatasync per file
+                   per batch (config.fsync), then the index. A store of a key being written waits
+                   for that write and shares its result
   contains(keys)   the index alone
-  load(keys)       the whole blob (recency refreshed); the slot's header must still name the key
-                   at the indexed generation and length, else a MISS (counted, forgotten)
-  load_into(keys, outs)
-                   as load, but a raw blob of the right size has its payload read straight into
-                   out (when out is aligned; else through a bounce buffer); a blob longer than any
-                   for out is refused unread. A cancelled load_into waits for its reads to finish
-  delete(keys)     index entries dropped, their slots' heads zeroed (durable), slots freed
+  load(keys) / load_into(keys, outs)
+                   the slot's header must name the key at the indexed generation and lengths (else
+                   a MISS, counted, forgotten); load_into reads a raw payload straight into out
+                   (aligned; else through a bounce buffer), refuses unread a blob longer than any
+                   for out, and never returns while its reads may still write into out
+  delete(keys) / evict_salt(salt, nbytes)
+                   entries dropped, their slots' heads zeroed (durable), then freed
   set_capacity(n)  evicts down to n // slot_bytes slots
-  evict_salt(salt, nbytes)
-                   the tenant's least recently used entries dropped and zeroed, enough for nbytes
   close()          waits (bounded) for I/O in flight, checkpoints the index, closes the files
 
-Checkpoints are written at most every config.checkpoint_s, after an operation that changed the
-index or its order, and at close. Capacity evictions do not zero their slots (they are rewritten
-soon): after a crash such a blob may come back, with its own bytes.
+Checkpoints: at most every config.checkpoint_s after a change, and at close. Capacity evictions
+do not zero their slots (rewritten soon): after a crash such a blob may come back, with its bytes.
 """
 
 from __future__ import annotations
@@ -60,6 +55,7 @@ import structlog
 from app.errors import ConfigError
 from storage import blob_header
 from storage import slabformat as fmt
+from storage import slabindex as index
 from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -67,18 +63,7 @@ from storage.config import SlabAdapterConfig
 from storage.diskio import Placed
 from storage.inflight import CLOSE_WAIT_S, gather_all, settled
 from storage.slabfile import SlabFile, SlotReadError
-from storage.slabindex import (
-    Checkpoint,
-    Checkpointer,
-    SlabStartup,
-    SlotEntry,
-    default_capacity,
-    load_checkpoint,
-    merge,
-    save_checkpoint,
-    scanned,
-)
-from storage.slabslots import SlotRef, SlotSpace, SlotWrite, StaleSlot, read_blob, write_blob
+from storage.slabslots import SlotRef, SlotSpace, SlotWrite, StaleSlot, read_blob, write_and_sync
 
 log = structlog.get_logger("kvdepot.storage.slab")
 
@@ -98,11 +83,11 @@ class SlabAdapter(AdapterCore[SlotRef]):
         owns_executor: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(config.name, default_capacity(config))
+        super().__init__(config.name, index.default_capacity(config))
         self.config = config
         self.paths = [str(p) for p in config.paths] or [str(default_path)]
         self.checkpoint_path = str(checkpoint_path)
-        self.startup: SlabStartup | None = None
+        self.startup: index.SlabStartup | None = None
         self._executor = executor
         self._owns_executor = owns_executor
         self._clock = clock
@@ -112,7 +97,7 @@ class SlabAdapter(AdapterCore[SlotRef]):
         self._next_generation = 1
         self._writes: dict[str, asyncio.Future[OpResult]] = {}
         self._jobs: set[concurrent.futures.Future[Any]] = set()
-        self._checkpointer = Checkpointer(config.checkpoint_s, clock, config.name)
+        self._checkpointer = index.Checkpointer(config.checkpoint_s, clock, config.name)
 
     @property
     def checkpoints(self) -> int:
@@ -152,14 +137,14 @@ class SlabAdapter(AdapterCore[SlotRef]):
             for path in self.paths:
                 self._files.append(await self._io(SlabFile.open, path, cfg.size_bytes, cfg.slot_bytes))
             scans = await gather_all(self._io(f.scan) for f in self._files)
-            checkpoint = await self._io(load_checkpoint, self.checkpoint_path, cfg.slot_bytes)
+            checkpoint = await self._io(index.load_checkpoint, self.checkpoint_path, cfg.slot_bytes)
         except ConfigError as exc:
             self._close_files()
             raise ConfigError(f"l2.adapters[{self.name}]: {exc}") from None
         except BaseException:
             self._close_files()
             raise
-        merged = merge(scanned([f.file_id.hex() for f in self._files], scans), checkpoint)
+        merged = index.merge(index.scanned([f.file_id.hex() for f in self._files], scans), checkpoint)
         number = {f.file_id.hex(): i for i, f in enumerate(self._files)}
         used: set[tuple[int, int]] = set()
         for entry in merged.entries:
@@ -175,7 +160,7 @@ class SlabAdapter(AdapterCore[SlotRef]):
             self._capacity = self._total_slots * cfg.slot_bytes
         self._next_generation = merged.next_generation
         self._evict_to(self._budget())
-        self.startup = SlabStartup.found(
+        self.startup = index.SlabStartup.found(
             scans, merged, checkpoint_used=checkpoint is not None, blobs=len(self._held),
             nbytes=self._held.bytes, started=started,
         )  # fmt: skip
@@ -195,7 +180,7 @@ class SlabAdapter(AdapterCore[SlotRef]):
         if self._started and self._files:
             try:
                 await asyncio.wrap_future(
-                    self._executor.submit(save_checkpoint, self.checkpoint_path, self._snapshot())
+                    self._executor.submit(index.save_checkpoint, self.checkpoint_path, self._snapshot())
                 )
                 self._checkpointer.written += 1
             except Exception as exc:
@@ -213,21 +198,21 @@ class SlabAdapter(AdapterCore[SlotRef]):
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    def _snapshot(self) -> Checkpoint:
+    def _snapshot(self) -> index.Checkpoint:
         entries = []
         for key in self._held:
             held = self._held.entry(key)
             assert held is not None
             ref = held.value
             file_id = self._files[ref.file].file_id.hex()
-            entries.append(SlotEntry(key, file_id, ref.slot, ref.generation, held.size, ref.head_len))
-        return Checkpoint(self.config.slot_bytes, self._next_generation, entries)
+            entries.append(index.SlotEntry(key, file_id, ref.slot, ref.generation, held.size, ref.head_len))
+        return index.Checkpoint(self.config.slot_bytes, self._next_generation, entries)
 
     def _changed(self) -> None:
         """The index or its order changed: checkpoint it when the last one is old enough."""
         if not self._closed:
             self._checkpointer.due(
-                lambda: self._submit(save_checkpoint, self.checkpoint_path, self._snapshot())
+                lambda: self._submit(index.save_checkpoint, self.checkpoint_path, self._snapshot())
             )
 
     # --- slots ---------------------------------------------------------------------------------
@@ -310,24 +295,10 @@ class SlabAdapter(AdapterCore[SlotRef]):
             self._next_generation += 1
         outcomes: list[BaseException | None] = []
         try:
-            outcomes = list(
-                await asyncio.gather(
-                    *(self._io(write_blob, self._files[w.ref.file], w) for _, w in plan),
-                    return_exceptions=True,
-                )
+            writes = [w for _, w in plan]
+            outcomes = await write_and_sync(
+                self._io, self._files, writes, fsync=self.config.fsync == "always"
             )
-            if self.config.fsync == "always":
-                touched = sorted(
-                    {w.ref.file for (_, w), exc in zip(plan, outcomes, strict=True) if exc is None}
-                )
-                synced = await asyncio.gather(
-                    *(self._io(self._files[f].sync) for f in touched), return_exceptions=True
-                )
-                failed = {f: exc for f, exc in zip(touched, synced, strict=True) if exc is not None}
-                outcomes = [
-                    exc if exc is not None else failed.get(w.ref.file)
-                    for (_, w), exc in zip(plan, outcomes, strict=True)
-                ]
         finally:
             outcomes += [asyncio.CancelledError()] * (len(plan) - len(outcomes))
             for (i, w), exc in zip(plan, outcomes, strict=True):
@@ -396,22 +367,12 @@ class SlabAdapter(AdapterCore[SlotRef]):
         return results
 
     async def _zero(self, refs: list[SlotRef]) -> None:
-        """Zero the slots' heads (so they stay empty after a crash), then free them."""
-        try:
-            done = await asyncio.gather(
-                *(self._io(self._files[r.file].invalidate, r.slot) for r in refs), return_exceptions=True
-            )
-            failed = [exc for exc in done if exc is not None]
-            if failed:
-                log.warning(
-                    "slab_l2_zero_failed", adapter=self.name, error=repr(failed[0]), count=len(failed)
-                )
-        finally:
-            for ref in refs:
-                self._space.release(ref)
+        """Zero the slots' heads (so they stay empty after a crash); each is freed once zeroed."""
+        await asyncio.gather(*(asyncio.shield(job) for job in self._zero_later(refs)), return_exceptions=True)
 
-    def _zero_later(self, refs: list[SlotRef]) -> None:
+    def _zero_later(self, refs: list[SlotRef]) -> list[asyncio.Future[None]]:
         """As _zero without waiting: each slot is freed once its head is zeroed (or failed to be)."""
+        jobs = []
         for ref in refs:
             try:
                 job = asyncio.wrap_future(self._submit(self._files[ref.file].invalidate, ref.slot))
@@ -419,6 +380,8 @@ class SlabAdapter(AdapterCore[SlotRef]):
                 self._space.release(ref)
                 continue
             job.add_done_callback(functools.partial(self._zeroed, ref))
+            jobs.append(job)
+        return jobs
 
     def _zeroed(self, ref: SlotRef, fut: asyncio.Future[None]) -> None:
         if not fut.cancelled() and fut.exception() is not None:

@@ -13,6 +13,7 @@ Primitives in call order:
   written()                                 that write ended (indexed or released)
   reading(ref) / read_done(ref)             a read of the slot starts / ends
   release(ref)                              the index no longer needs the slot
+  write_and_sync(io, files, writes, fsync)  the writes of a batch, then one fdatasync per file
   write_blob(file, w)                       (executor) both headers and the payload, one write
   read_blob(file, key, ref, size, out)      (executor) Placed(header) or the whole blob; StaleSlot
                                             when the slot's header does not name `key` at the
@@ -21,8 +22,11 @@ Primitives in call order:
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from storage import blob_header
 from storage import slabformat as fmt
@@ -107,6 +111,25 @@ def write_blob(file: SlabFile, w: SlotWrite) -> None:
         digest=fmt.key_digest(w.key), payload_checksum=checksum, file_id=file.file_id, slot=w.ref.slot,
     )  # fmt: skip
     file.write_slot(w.ref.slot, slot_head + w.blob.header, blob_header.as_bytes_view(w.blob.payload))
+
+
+async def write_and_sync(
+    io: Callable[..., Awaitable[Any]], files: list[SlabFile], writes: list[SlotWrite], *, fsync: bool
+) -> list[BaseException | None]:
+    """Each write's outcome, run through `io` (the adapter's executor): None when written (and,
+    with `fsync`, its file synced: one fdatasync per file after all its writes), else why not."""
+    outcomes: list[BaseException | None] = list(
+        await asyncio.gather(*(io(write_blob, files[w.ref.file], w) for w in writes), return_exceptions=True)
+    )
+    if fsync:
+        touched = sorted({w.ref.file for w, exc in zip(writes, outcomes, strict=True) if exc is None})
+        synced = await asyncio.gather(*(io(files[f].sync) for f in touched), return_exceptions=True)
+        failed = {f: exc for f, exc in zip(touched, synced, strict=True) if isinstance(exc, BaseException)}
+        outcomes = [
+            exc if exc is not None else failed.get(w.ref.file)
+            for w, exc in zip(writes, outcomes, strict=True)
+        ]
+    return outcomes
 
 
 def read_blob(
