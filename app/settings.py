@@ -39,6 +39,7 @@ from storage.config import (
     DiskAdapterConfig,
     MockAdapterConfig,
     RedisAdapterConfig,
+    SlabAdapterConfig,
 )
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "MockAdapterConfig",
     "RedisAdapterConfig",
     "Settings",
+    "SlabAdapterConfig",
     "TenantSettings",
 ]
 
@@ -242,7 +244,7 @@ class L2Settings(BaseModel):
     allowed_roots: list[Path] = Field(
         default_factory=list,
         max_length=64,
-        description="Directories a disk adapter's paths must lie under (after symlinks and ..); "
+        description="Directories a disk or slab adapter's paths must lie under (after symlinks and ..); "
         "empty = the data dir.",
     )
     lz4: bool = Field(False, description="Compress blobs with lz4.")

@@ -44,7 +44,7 @@ from engine.l2.tiers import RemoveMode, Tier
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import Quota, check_salt
 from engine.tenants.registry import QuotaRegistry
-from storage.config import AdapterConfig, DiskAdapterConfig
+from storage.config import AdapterConfig, DiskAdapterConfig, SlabAdapterConfig
 
 log = structlog.get_logger("kvdepot.admin")
 
@@ -113,9 +113,10 @@ class Administration:
         return adapter(tier)
 
     def _check_paths(self, config: AdapterConfig) -> None:
-        """A disk adapter's directories must lie under an allowed root once symlinks and `..` are
-        resolved: the sidecar creates and deletes files there."""
-        if self.allowed_roots is None or not isinstance(config, DiskAdapterConfig):
+        """A disk adapter's directories, and a slab adapter's files or devices, must lie under an
+        allowed root once symlinks and `..` are resolved: the sidecar creates, writes and deletes
+        there."""
+        if self.allowed_roots is None or not isinstance(config, DiskAdapterConfig | SlabAdapterConfig):
             return
         for path in config.paths:
             resolved = path.resolve()

@@ -14,6 +14,11 @@ holdings       what an adapter holds (key -> value, size) in recency order per t
 disk           local-disk adapter: crash-safe files, index rebuilt from headers at start
 diskio         its blob files: atomic writes, reads (buffered or O_DIRECT), removal
 diskdirs       its directories: layout, the lock, the scan at start
+slab           slab-file adapter: fixed slots in preallocated files or block devices, O_DIRECT
+slabformat     its superblock and slot header: pack, parse, check
+slabfile       one slab file's blocking I/O: open/format/refuse, scan, slot reads and writes
+slabslots      its free/read/written slots, and the per-slot work of its executor threads
+slabindex      its index checkpoint (atomic), the merge with the scan at start, the schedule
 redis_adapter  Redis/Valkey adapter: pipelined single-key commands, timeouts, reconnects
 redis_lane     its bulk lane: large values over blocking sockets in its executor, into L1 in place
 redis_read     how the lane reads one value: one GET, or GETRANGE pieces in a sliding window

@@ -211,7 +211,7 @@ class L2Adapter(Protocol):
 
     @property
     def kind(self) -> str:
-        """The adapter kind: disk, redis or mock."""
+        """The adapter kind: disk, slab, redis or mock."""
         ...
 
     @property

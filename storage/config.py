@@ -1,13 +1,14 @@
 """Adapter configs: what each L2 adapter can be told, defined beside the adapters that read it.
 
-Role: one frozen pydantic model per adapter kind (disk, redis, mock) and `AdapterConfig`, their
+Role: one frozen pydantic model per adapter kind (disk, slab, redis, mock) and `AdapterConfig`, their
 union discriminated by `type`. app/settings.py composes them into `L2Settings`; the HTTP control
 plane parses `POST /l2/adapters` bodies with the same union. Every field is documented and bounded;
 unknown keys are errors.
 
 State: none (immutable models). Imports nothing else from the package.
 
-Primitives: DiskAdapterConfig / RedisAdapterConfig / MockAdapterConfig, validated as AdapterConfig
+Primitives: DiskAdapterConfig / SlabAdapterConfig / RedisAdapterConfig / MockAdapterConfig, validated
+as AdapterConfig
 (pydantic picks the model by `type`); AdapterName checks a name (never `l1`).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -48,6 +49,59 @@ class DiskAdapterConfig(BaseModel):
     authenticate: bool = Field(
         False, description="Sign blobs with the deployment key and load only signed ones (files are 0600)."
     )
+
+
+SLAB_ALIGN = 4096
+"""Slab files are read and written with O_DIRECT in units of this many bytes."""
+
+
+class SlabAdapterConfig(BaseModel):
+    """Slab-file L2: preallocated files (or raw block devices) cut into fixed slots, one chunk per
+    slot, O_DIRECT I/O, a slot index checkpointed beside the data dir and checked against the slots'
+    own headers at start."""
+
+    model_config = _FROZEN
+
+    type: Literal["slab"] = "slab"
+    name: AdapterName = "slab"
+    paths: list[Path] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Slab files or block devices, keys sharded over them; empty = <data_dir>/l2-slab.",
+    )
+    size_bytes: int = Field(
+        8 << 30,
+        ge=3 * SLAB_ALIGN,
+        le=1 << 50,
+        description="Size of each slab file (a block device: its own size).",
+    )
+    slot_bytes: int = Field(
+        16 << 20,
+        ge=2 * SLAB_ALIGN,
+        le=1 << 30,
+        description="Bytes per slot, a multiple of 4096: one chunk's blob plus 4 KiB of headers.",
+    )
+    capacity_gb: float | None = Field(
+        None, gt=0, le=1 << 20, description="Bytes of slots in use at most (LRU eviction); None = all slots."
+    )
+    fsync: Literal["always", "never"] = Field("always", description="fdatasync each batch of slot writes.")
+    io_threads: int = Field(4, ge=1, le=64, description="Threads of this adapter's I/O executor.")
+    checkpoint_s: float = Field(
+        30.0, gt=0, le=86_400, description="Least time between two checkpoints of the slot index."
+    )
+    authenticate: bool = Field(
+        False, description="Sign blobs with the deployment key and load only signed ones."
+    )
+
+    @model_validator(mode="after")
+    def _aligned(self) -> SlabAdapterConfig:
+        if self.slot_bytes % SLAB_ALIGN:
+            raise ValueError(f"slot_bytes must be a multiple of {SLAB_ALIGN}")
+        if self.size_bytes % SLAB_ALIGN:
+            raise ValueError(f"size_bytes must be a multiple of {SLAB_ALIGN}")
+        if self.size_bytes < SLAB_ALIGN + self.slot_bytes:
+            raise ValueError("size_bytes must hold at least one slot (and the 4 KiB superblock)")
+        return self
 
 
 class RedisAdapterConfig(BaseModel):
@@ -95,5 +149,6 @@ class MockAdapterConfig(BaseModel):
 
 
 AdapterConfig = Annotated[
-    DiskAdapterConfig | RedisAdapterConfig | MockAdapterConfig, Field(discriminator="type")
+    DiskAdapterConfig | SlabAdapterConfig | RedisAdapterConfig | MockAdapterConfig,
+    Field(discriminator="type"),
 ]

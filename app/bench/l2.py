@@ -1,6 +1,6 @@
-"""`kvdepot bench l2 --adapter disk|redis|mock`: write-behind and prefetch through the controllers,
-against a plain baseline of the same bytes at the same concurrency, measured in the same run.
-Prints one JSON object.
+"""`kvdepot bench l2 --adapter disk|slab|redis|mock`: write-behind and prefetch through the
+controllers, against a plain baseline of the same bytes at the same concurrency, measured in the
+same run. Prints one JSON object. (slab: app/bench/l2_slab.py, with baselines of its own.)
 
 The sidecar's own wiring is built in-process (no data plane traffic): chunks are reserved and
 filled in L1, committed (which queues them for write-behind), and the store figure is the time
@@ -74,7 +74,7 @@ from storage.factory import io_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapter", choices=["disk", "redis", "mock"], default="disk")
+    p.add_argument("--adapter", choices=["disk", "slab", "redis", "mock"], default="disk")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--chunks-per-request", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
@@ -373,6 +373,12 @@ def _result(args: argparse.Namespace, got: _Run, threads: int) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.adapter == "slab":  # its own baselines (raw O_DIRECT, the disk adapter): app/bench/l2_slab.py
+        from app.bench.l2_slab import run_slab
+
+        slab = run_slab(args)
+        print(json.dumps(slab))
+        return 0 if slab["ok"] and slab["disk_ok"] else 1
     workdir = Path(tempfile.mkdtemp(prefix="kvdepot-bench-l2-", dir=args.dir))
     prefix = f"kvdepot-bench-{uuid.uuid4().hex[:8]}:"
     url = args.redis_url

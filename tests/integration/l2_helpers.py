@@ -13,6 +13,7 @@ import redis
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from kvdepot_connector.protocol import encode_tokens
 from storage import blob_header
+from storage import slabformat as fmt
 from storage.diskdirs import BLOB_SUFFIX
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, request_tokens
 
@@ -43,6 +44,23 @@ def blob_files(l2_dir: Path) -> dict[str, Path]:
         if len(data) == header.total_len:
             found[header.key] = path
     return found
+
+
+def slab_blobs(path: Path) -> dict[str, int]:
+    """key -> blob bytes, for every key whose newest slot in the slab file `path` has valid
+    headers: what a restarted slab adapter would index (payloads are not checked here)."""
+    data = memoryview(path.read_bytes())
+    sb = fmt.parse_super(data[:4096])
+    newest: dict[str, tuple[int, int]] = {}
+    for slot in range(sb.slots):
+        area = data[4096 + slot * sb.slot_bytes : 4096 + (slot + 1) * sb.slot_bytes]
+        header = fmt.parse_slot(area, sb.file_id, slot)
+        found = None if header is None else fmt.slot_blob(area, header)
+        if header is None or found is None:
+            continue
+        if found[0] not in newest or newest[found[0]][0] < header.generation:
+            newest[found[0]] = (header.generation, header.blob_len)
+    return {key: size for key, (_, size) in newest.items()}
 
 
 def free_port() -> int:

@@ -32,6 +32,7 @@ def redis_prefix() -> Iterator[str]:
 def adapter_env(kind: str, redis_prefix: str) -> dict[str, str]:
     configs = {
         "disk": {"type": "disk", "name": "disk"},
+        "slab": {"type": "slab", "name": "slab", "slot_bytes": 68 << 10, "size_bytes": 4096 + 64 * 69632},
         "redis": {"type": "redis", "name": "redis", "url": REDIS_URL, "key_prefix": redis_prefix},
         "mock": {"type": "mock", "name": "mock", "capacity_gb": 0.1},
     }
@@ -42,7 +43,7 @@ def adapter_env(kind: str, redis_prefix: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("kind", ["disk", "redis", "mock"])
+@pytest.mark.parametrize("kind", ["disk", "slab", "redis", "mock"])
 def test_evicted_chunks_come_back_from_l2_byte_identical(
     sidecar_factory: StartSidecar, redis_prefix: str, kind: str
 ) -> None:

@@ -23,12 +23,12 @@ from app.bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import client
-from tests.integration.l2_helpers import blob_files
+from tests.integration.l2_helpers import blob_files, slab_blobs
 from tests.integration.tenant_traffic import CHUNK_BYTES, content, http, read, store
 from tests.integration.waiting import wait_for
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-NAMES = {"disk": "disk", "redis": "shared", "mock": "mem"}
+NAMES = {"disk": "disk", "slab": "slab", "redis": "shared", "mock": "mem"}
 SALTS = ["", "a", "z", "c/d"]
 A_LIMIT = 5 * CHUNK_BYTES + 1000  # five blobs (a header of a few hundred bytes each), not six
 CD_LIMIT = 9 * CHUNK_BYTES + 2000
@@ -46,6 +46,8 @@ def redis_prefix() -> Iterator[str]:
 def adapter_config(kind: str, redis_prefix: str) -> dict[str, Any]:
     configs: dict[str, dict[str, Any]] = {
         "disk": {"type": "disk", "name": "disk", "fsync": "never"},
+        "slab": {"type": "slab", "name": "slab", "fsync": "never", "slot_bytes": 68 << 10,
+                 "size_bytes": 4096 + 400 * (68 << 10)},
         "redis": {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": redis_prefix,
                   "bulk_min_kib": 32},
         "mock": {"type": "mock", "name": "mem", "capacity_gb": 0.1},
@@ -64,6 +66,8 @@ def backend_truth(kind: str, data_dir: Path, redis_prefix: str) -> dict[str, tup
     sizes: dict[str, int] = {}
     if kind == "disk":
         sizes = {key: path.stat().st_size for key, path in blob_files(data_dir / "l2-disk").items()}
+    elif kind == "slab":
+        sizes = slab_blobs(data_dir / "l2-slab")
     elif kind == "redis":
         with redis.Redis.from_url(REDIS_URL) as r:
             for name in r.scan_iter(match=redis_prefix + "*"):
@@ -78,7 +82,7 @@ def backend_truth(kind: str, data_dir: Path, redis_prefix: str) -> dict[str, tup
     return truth
 
 
-@pytest.mark.parametrize("kind", ["disk", "redis", "mock"])
+@pytest.mark.parametrize("kind", ["disk", "slab", "redis", "mock"])
 def test_random_tenants_reading_from_l2_never_see_each_others_bytes_and_quotas_hold(
     sidecar_factory: StartSidecar, redis_prefix: str, tmp_path: Path, kind: str
 ) -> None:

@@ -8,7 +8,13 @@ import pytest
 from app.settings import L2Settings
 from storage import codec
 from storage.codec import CodecOptions
-from storage.config import AdapterConfig, DiskAdapterConfig, MockAdapterConfig, RedisAdapterConfig
+from storage.config import (
+    AdapterConfig,
+    DiskAdapterConfig,
+    MockAdapterConfig,
+    RedisAdapterConfig,
+    SlabAdapterConfig,
+)
 from storage.factory import build_adapter
 
 pytestmark = pytest.mark.anyio
@@ -22,6 +28,8 @@ async def test_every_kind_is_built_started_used_and_closed(tmp_path: Path) -> No
     configs: list[AdapterConfig] = [
         DiskAdapterConfig(fsync="never", io_threads=2),
         DiskAdapterConfig(name="scratch", fsync="never"),
+        SlabAdapterConfig(size_bytes=4096 + 8 * (64 << 10), slot_bytes=64 << 10, io_threads=2),
+        SlabAdapterConfig(name="fast", size_bytes=4096 + 8 * (64 << 10), slot_bytes=64 << 10, fsync="never"),
         RedisAdapterConfig(key_prefix="kvdepot-test-factory:"),
         MockAdapterConfig(),
     ]
@@ -37,6 +45,9 @@ async def test_every_kind_is_built_started_used_and_closed(tmp_path: Path) -> No
         assert adapter.health().state == "down"
     assert (tmp_path / "l2-disk").is_dir()
     assert (tmp_path / "l2-disk-scratch").is_dir()
+    for name in ("l2-slab", "l2-slab-fast"):  # one file each, its index checkpointed at close beside it
+        assert (tmp_path / name).stat().st_size == 4096 + 8 * (64 << 10)
+        assert (tmp_path / f"{name}.index").is_file()
 
 
 async def test_close_releases_the_executor(tmp_path: Path) -> None:
