@@ -257,7 +257,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from app.bench.l2 import _layout, _through_controllers
+    from app.bench.l2 import _layout
 
     layout = _layout(args)
     chunks = args.requests * args.chunks_per_request
@@ -273,7 +273,7 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         SLAB_IO_THREADS,
     )  # fmt: skip
     settle()
-    slab = await _through_controllers(args, workdir / "s", slab_config)
+    slab = await _controllers(args, workdir / "s", slab_config)
     rounds, alone_ok = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index", ROUNDS)
     after = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS)
     raw_write_s = (before.best_write_s + after.best_write_s) / 2
@@ -282,9 +282,7 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     disk_config = {"type": "disk", "name": "disk", "paths": [str(disk_dir / "data" / "l2")],
                    "capacity_gb": 64, "o_direct": True}  # fmt: skip
     settle()
-    disk = await _through_controllers(
-        argparse.Namespace(**(vars(args) | {"cold": False})), disk_dir, disk_config
-    )
+    disk = await _controllers(args, disk_dir, disk_config)
     total = chunks * layout.chunk_bytes
     return {
         "adapter": "slab",
@@ -333,3 +331,38 @@ def run_slab(args: argparse.Namespace) -> dict[str, Any]:
         return asyncio.run(_both(args, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _controllers(args: argparse.Namespace, workdir: Path, adapter: dict[str, Any]) -> dict[str, Any]:
+    """The adapter's store (write-behind until idle) and load (prefetch into an emptied L1) through
+    the sidecar's own controllers, built in this process; no baseline phases in between (the slab
+    bench measures its baselines around this call). Loads are cold for both O_DIRECT tiers."""
+    import gc
+
+    from app.bench.l2 import _fill, _layout, _settings, _time_load, _time_store, _wait_ready
+    from app.main import Service
+
+    layout = _layout(args)
+    service = Service(_settings(args, workdir, adapter, layout))
+    service.build()
+    runner = asyncio.get_running_loop().create_task(service.run())
+    try:
+        await _wait_ready(service)
+        engine = service.engine
+        assert engine is not None
+        eid = engine.register("bench-model", layout).engine_id
+        requests = _fill(engine, eid, args)
+        gc.collect()
+        gc.freeze()
+        store_s, written = await _time_store(engine, eid, requests)
+        load = await _time_load(engine, eid, requests, "load")
+        n_chunks = sum(len(r.payloads) for r in requests)
+        return {
+            "store_s": store_s, "load_s": load.seconds, "written": written, "hit_chunks": load.hit_chunks,
+            "ok": written == n_chunks and load.hit_chunks == n_chunks and load.identical,
+            "payloads": [p for req in requests for p in req.payloads],
+        }  # fmt: skip
+    finally:
+        gc.unfreeze()
+        service.request_stop()
+        await runner
