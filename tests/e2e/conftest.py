@@ -7,12 +7,20 @@ import pytest
 
 from tests.e2e.harness import VLLM_PYTHON, build_model
 
+# A real vLLM per test, often two or three side by side, on two cores: on a CPU without bfloat16
+# support (AVX2 only) a 4096-token bfloat16 prefill alone takes tens of seconds, so the suite-wide
+# 300 s would fail tests that are merely slow. A hang still fails, later.
+E2E_TIMEOUT_S = 1800
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/e2e/" in str(item.fspath):
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.slow)
+            mark = item.get_closest_marker("timeout")
+            if mark is None or (mark.args and mark.args[0] < E2E_TIMEOUT_S):
+                item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S), append=False)
 
 
 @pytest.fixture(scope="session")
