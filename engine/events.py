@@ -1,0 +1,183 @@
+"""EventBus: what happens in the cache, published from the hot path without blocking it.
+
+The engine publishes an `Event` (a small frozen record with its wall-clock timestamp) at every
+observable change: a chunk stored in or removed from a tier, a tier cleared, a lookup answered, an
+error, and a START/END pair around every data-plane operation and every L2 load/store. Publishing
+appends the record to a bounded deque and returns: no await, no lock, no I/O, no allocation beyond
+the record. A supervised dispatcher task (`run`) drains the deque in batches and hands each batch to
+the subscribers registered at wiring time (the KV-event publisher first; metrics, logs and tracing
+can follow).
+
+Full queue: the NEWEST record is dropped and counted (`dropped`, exported as
+`kvdepot_events_dropped_total`): what is queued keeps its order, and a consumer that needs the
+complete holding resyncs from the inventory. `enabled=False` makes `publish` a no-op (one attribute
+test), so a sidecar without subscribers pays nothing.
+
+Subscribers: `subscribe(callback)` before `run` starts; a callback gets a list of events in publish
+order, runs on the loop and must not block (a slow consumer buffers or drops in its own bounded
+queue). A callback that raises is logged and counted (`subscriber_errors`) and stays subscribed: one
+bad subscriber never stops the others or the bus.
+
+State (event loop only): the deque, its bound, the counters, a wake-up event for the dispatcher.
+
+Primitives in call order: EventBus(capacity, enabled) -> subscribe(cb)... -> run() (a task) ->
+publish(event)... -> flush() (tests, shutdown) -> stop().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.keys import ObjectKey
+
+log = logging.getLogger("kvdepot.events")
+
+#: the tier name of L1 in events (L2 tiers use their adapter's name: "disk", "redis", ...)
+L1_TIER = "L1"
+
+
+class Kind(enum.IntEnum):
+    STORED = 1
+    """A chunk became readable in `tier` (L1: committed; L2: written behind or loaded)."""
+    REMOVED = 2
+    """A chunk left `tier` (`reason`: evicted, deleted, purged, corrupt, expired)."""
+    CLEARED = 3
+    """Every chunk left `tier` ("" = every tier)."""
+    LOOKUP = 4
+    """A lookup answered: `detail` = hit tokens."""
+    ERROR = 5
+    """An operation failed: `op`, `reason` = the error code."""
+    START = 6
+    """An operation began: `op`, `request_id`; ends with the END of the same `span`."""
+    END = 7
+    """An operation ended: `op`, `span`, `reason` = "ok" or the error code, `detail` = chunks."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: Kind
+    ts_ns: int
+    """time.time_ns() when published."""
+    tier: str = ""
+    key: ObjectKey | None = None
+    op: str = ""
+    request_id: str = ""
+    span: int = 0
+    """Pairs a START with its END (unique per bus)."""
+    reason: str = ""
+    detail: int = 0
+    tokens: bytes = b""
+    """STORED in L1 from a store: the chunk's tokens (uint32 little-endian, the wire format)."""
+    parent: bytes = b""
+    """STORED in L1 from a store: the chunk hash of the chunk before it (b"" for the first chunk)."""
+    extra: bytes = b""
+    """STORED in L1 from a store: the chunk's extra key (b"" when its KV depends on tokens alone)."""
+    lora_name: str = ""
+    """STORED in L1 from a store: the LoRA adapter's name when the client said it."""
+
+
+Subscriber = Callable[[list[Event]], object]
+
+
+class EventBus:
+    def __init__(self, *, capacity: int = 65536, enabled: bool = True, batch: int = 1024) -> None:
+        if capacity <= 0 or batch <= 0:
+            raise ValueError("capacity and batch must be positive")
+        self.capacity = capacity
+        self.enabled = enabled
+        self.batch = batch
+        self.published = 0
+        self.dropped = 0
+        self.delivered = 0
+        self.subscriber_errors = 0
+        self._queue: deque[Event] = deque()
+        self._subscribers: list[Subscriber] = []
+        self._wake = asyncio.Event()
+        self._spans = 0
+        self._stopped = False
+
+    # -- publishing (hot path) ------------------------------------------------------------------
+
+    def publish(self, event: Event) -> None:
+        """Queue `event`; drop it (counted) when the queue is full. Never blocks, never raises."""
+        if not self.enabled:
+            return
+        if len(self._queue) >= self.capacity:
+            self.dropped += 1
+            return
+        self._queue.append(event)
+        self.published += 1
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def emit(self, kind: Kind, **fields: object) -> None:
+        """Build and publish an event stamped now (a no-op, nothing built, when disabled)."""
+        if not self.enabled:
+            return
+        self.publish(Event(kind, time.time_ns(), **fields))  # type: ignore[arg-type]
+
+    def start(self, op: str, request_id: str = "") -> int:
+        """Publish the START of `op` and answer its span id (0 when disabled: `end` ignores it)."""
+        if not self.enabled:
+            return 0
+        self._spans += 1
+        span = self._spans
+        self.publish(Event(Kind.START, time.time_ns(), op=op, request_id=request_id, span=span))
+        return span
+
+    def end(self, span: int, op: str, request_id: str = "", *, reason: str = "ok", detail: int = 0) -> None:
+        if not self.enabled or span == 0:
+            return
+        ts = time.time_ns()
+        rid = request_id
+        self.publish(Event(Kind.END, ts, op=op, request_id=rid, span=span, reason=reason, detail=detail))
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    # -- delivery (the dispatcher task) --------------------------------------------------------
+
+    def subscribe(self, callback: Subscriber) -> None:
+        self._subscribers.append(callback)
+
+    def _deliver_batch(self) -> int:
+        count = min(self.batch, len(self._queue))
+        events = [self._queue.popleft() for _ in range(count)]
+        for callback in self._subscribers:
+            try:
+                callback(events)
+            except Exception:
+                self.subscriber_errors += 1
+                log.exception("an event subscriber failed on %d events", count)
+        self.delivered += count
+        return count
+
+    def drain(self) -> int:
+        """Hand what is queued to the subscribers, `batch` events at a time; answer how many."""
+        n = 0
+        while self._queue:
+            n += self._deliver_batch()
+        return n
+
+    async def run(self) -> None:
+        """Deliver until stopped; yields to the loop between batches so a burst never starves it."""
+        while not self._stopped:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and not self._stopped:
+                self._deliver_batch()
+                await asyncio.sleep(0)
+
+    def flush(self) -> int:
+        """Deliver what is queued now (tests; shutdown before the subscribers close)."""
+        return self.drain()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
