@@ -325,7 +325,7 @@ class DataPlaneServer:
     def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(
             m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id,
-            extras=m.extra_keys, prompt_tokens=m.prompt_tokens,
+            extras=m.extra_keys, prompt_tokens=m.prompt_tokens, lora_name=m.lora_name,
         )  # fmt: skip
         return p.StoreReply(
             id=m.id,
@@ -423,7 +423,7 @@ class DataPlaneServer:
         out = await self._transfers().save(
             m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
             first_chunk=m.first_chunk, block_ids=m.block_ids, extras=m.extra_keys,
-            prompt_tokens=m.prompt_tokens,
+            prompt_tokens=m.prompt_tokens, lora_name=m.lora_name,
         )  # fmt: skip
         return p.SaveReply(id=m.id, stored=out.stored, existing=out.existing, refused=out.refused)
 
