@@ -5,13 +5,15 @@ One JSON object:
   chunks each, through an engine wired as the sidecar wires it (arena, L1 with LRU eviction once
   full, no L2), with the bus enabled (its dispatcher running as a task with a subscriber that
   counts, as in the sidecar) and disabled. Per cycle p50 and p99 (µs), and the total wall time of
-  all cycles including the dispatcher's share of the loop. Rounds alternate the two engines, so
-  the machine's noise falls on both. `ratio_*` = enabled / disabled: the baseline is the same
+  all cycles including the dispatcher's share of the loop. Rounds alternate the engines, so the
+  machine's noise falls on all. `ratio_*` = enabled / disabled: the baseline is the same
   engine with publishing off, measured in the same run.
 - `flood`: a bus of `--capacity` with no dispatcher draining it is sent `--flood` events: every
   publish's latency (max, p99, ns), then `queued` (must equal the capacity), `dropped` (must equal
-  flood - capacity), and the same cycles run against an engine whose bus is full (every event it
-  publishes is dropped): their p50 against the disabled engine's (`full_queue_ratio_p50`).
+  flood - capacity), the same loop's maximum around a call that does nothing (`baseline_max_ns`:
+  what a shared machine's preemptions alone put in a maximum), and the same cycles run against an
+  engine whose bus is full (every event it publishes is dropped): their p50 against the disabled
+  engine's (`full_queue_ratio_p50`).
 `ok`: the flood's figures are exact.
 """
 
@@ -105,8 +107,14 @@ def _figures(samples: list[int], total_ns: int) -> dict[str, float]:
     }
 
 
+def _noop(_kind: Kind, **_fields: object) -> None:
+    return None
+
+
 def _flood(n: int, capacity: int) -> dict[str, Any]:
-    """`n` events into a bus of `capacity` that nobody drains: every publish timed."""
+    """`n` events into a bus of `capacity` that nobody drains: every publish timed; then the same
+    loop timing a call that does nothing (`baseline_max_ns`: what the machine's scheduling alone
+    puts into a maximum)."""
     bus = EventBus(capacity=capacity)
     worst = 0
     lat: list[int] = []
@@ -117,7 +125,13 @@ def _flood(n: int, capacity: int) -> dict[str, Any]:
         lat.append(took)
         worst = max(worst, took)
     lat.sort()
+    base = 0
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        _noop(Kind.LOOKUP, op="flood", detail=i)
+        base = max(base, time.perf_counter_ns() - t0)
     return {
+        "baseline_max_ns": base,
         "attempted": n, "capacity": capacity, "published": bus.published, "queued": bus.pending(),
         "dropped": bus.dropped, "expected_dropped": max(n - capacity, 0), "max_publish_ns": worst,
         "p99_publish_ns": lat[min(n - 1, n * 99 // 100)] if n else 0,
