@@ -15,6 +15,15 @@ import redis
 PORTS = (7101, 7102, 7103)
 
 
+def answers() -> bool:
+    """Whether the cluster's first node answers (a test that did not start it may clean up)."""
+    try:
+        with redis.Redis(host="127.0.0.1", port=PORTS[0], socket_timeout=2) as c:
+            return bool(c.ping())
+    except redis.RedisError:
+        return False
+
+
 def client(port: int) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
 
