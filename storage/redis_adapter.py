@@ -216,6 +216,7 @@ class RedisAdapter(AdapterCore[None]):
     # --- operations ----------------------------------------------------------------------------
 
     async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
+        await self.router.start()
         on_lane = [i for i, (key, blob) in enumerate(items) if self._on_lane(key, blob.nbytes)]
 
         async def lane_call(i: int) -> OpResult:
@@ -253,6 +254,7 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
+        await self.router.start()
         results: list[OpResult] = []
         for key, reply in zip(keys, await self._each(keys, lambda pipe, _, k: pipe.exists(k)), strict=True):
             if isinstance(reply, Exception):
@@ -265,6 +267,7 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
+        await self.router.start()
         results: list[LoadResult] = []
         for key, reply in zip(keys, await self._each(keys, lambda pipe, _, k: pipe.get(k)), strict=True):
             if isinstance(reply, Exception):
@@ -277,6 +280,7 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        await self.router.start()
         head_lens = [blob_header.header_size(key) for key in keys]
         on_lane = [i for i, out in enumerate(outs) if self._on_lane(keys[i], head_lens[i] + out.nbytes)]
 
@@ -317,6 +321,7 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
+        await self.router.start()
         results: list[OpResult] = []
         for key, reply in zip(keys, await self._each(keys, _unlink), strict=True):
             if isinstance(reply, Exception):
@@ -330,6 +335,7 @@ class RedisAdapter(AdapterCore[None]):
         victims = [(key, self._held.entry(key)) for key in self._held.oldest(salt, nbytes)]
         if not victims:
             return 0
+        await self.router.start()
         replies = await self._each([key for key, _ in victims], _unlink)
         freed = 0
         for (key, held), reply in zip(victims, replies, strict=True):
@@ -341,9 +347,6 @@ class RedisAdapter(AdapterCore[None]):
                 freed += held.size
                 self._count_eviction(held.size)
         return freed
-
-    async def _start(self) -> None:
-        await self.router.start()
 
     async def _close(self) -> None:
         try:

@@ -113,6 +113,7 @@ class RedisRouter:
         self._refresh: asyncio.Task[None] | None = None
         self._refreshed_at = 0.0
         self._started = False
+        self._starting = asyncio.Lock()
         # The first seed: the only node of a single Redis, one of the cluster's otherwise.
         self.first = RedisNode(self._seeds[0], config, lane=lanes)
 
@@ -127,9 +128,16 @@ class RedisRouter:
     # --- start ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Decide the mode (config.cluster) and, in cluster mode, read the slot map."""
+        """Decide the mode (config.cluster) and, in cluster mode, read the slot map. Called by
+        every batch (at once once done): a Redis that does not answer when the adapter is added
+        fails batches (BackendError), never the sidecar's start; the next batch asks again."""
         if self._started:
             return
+        async with self._starting:
+            if not self._started:
+                await self._start()
+
+    async def _start(self) -> None:
         if self.config.cluster is False:
             self._started = True
             return

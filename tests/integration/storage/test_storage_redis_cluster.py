@@ -198,3 +198,17 @@ async def test_a_frozen_node_costs_only_its_slots_within_the_timeout(make_cluste
     # Thawed: the node's keys are hits again at once (fresh connections; nothing was marked dead).
     with anyio.fail_after(20):
         assert set((await load_all()).values()) == {Status.OK}
+
+
+async def test_no_seed_answering_fails_batches_not_the_start(make_cluster: MakeRedis) -> None:
+    """Added while no seed answers (the sidecar starting before Redis): the adapter starts and its
+    batches are errors (each asks the seeds again); with one seed answering it works."""
+    dead = free_port()
+    down = make_cluster(url=f"redis://127.0.0.1:{dead},127.0.0.1:{free_port()}/0")
+    await down.start()
+    (result,) = await down.store([("k", blob("k", SMALL))])
+    assert result.status is Status.ERROR
+    assert "no seed node answered" in (down.health().last_error or "")
+    up = make_cluster(url=f"redis://127.0.0.1:{dead},127.0.0.1:7103/0")
+    await up.start()
+    assert (await up.store([("k", blob("k", SMALL))]))[0].ok
