@@ -20,7 +20,7 @@ the first node that answers, at most one at a time, at most every REFRESH_MIN_S)
 
 Primitives in call order: RedisRouter(config, lanes=...), start(), pipeline(keys, command) (redis-py,
 replies per key: a BackendError object for a key whose node failed), lane_for(key), moved(redirect),
-refresh_soon(), close().
+refresh_soon(), refreshed(), close().
 """
 
 from __future__ import annotations
@@ -278,6 +278,11 @@ class RedisRouter:
             return
         self._refreshed_at = time.monotonic()
         self._refresh = asyncio.get_running_loop().create_task(self._refresh_map())
+
+    async def refreshed(self) -> None:
+        """Wait for the refresh in flight, if any (the map is the cluster's as of then)."""
+        if self._refresh is not None:
+            await asyncio.shield(self._refresh)
 
     async def _refresh_map(self) -> None:
         """CLUSTER SLOTS from the first node that answers within timeout_s (the seeds last)."""

@@ -21,6 +21,7 @@ from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
 from storage.config import RedisAdapterConfig
 from storage.redis_adapter import RedisAdapter
+from storage.redis_cluster import Node
 from tests.integration import cluster_nodes as nodes
 from tests.integration.storage.redis_servers import MakeRedis, free_port
 
@@ -212,3 +213,23 @@ async def test_no_seed_answering_fails_batches_not_the_start(make_cluster: MakeR
     up = make_cluster(url=f"redis://127.0.0.1:{dead},127.0.0.1:7103/0")
     await up.start()
     assert (await up.store([("k", blob("k", SMALL))]))[0].ok
+
+
+async def test_a_moved_reply_refreshes_the_whole_map(make_cluster: MakeRedis) -> None:
+    """Two slots resharded at once: a MOVED for one makes the adapter read the whole map again,
+    so the other is routed right before any command for it was redirected."""
+    adapter = make_cluster()
+    first, second = keys_on(adapter, 7101, 2, tag="m")
+    s1, s2 = key_slot(adapter.redis_key(first)), key_slot(adapter.redis_key(second))
+    if s1 == s2:
+        pytest.skip("both keys on one slot")
+    assert all(r.ok for r in await adapter.store([(k, blob(k, SMALL)) for k in (first, second)]))
+    with nodes.slot_moved_back(s1), nodes.slot_moved_back(s2):
+        nodes.move_slot(s1, 7101, 7103)
+        nodes.move_slot(s2, 7101, 7103)
+        assert await round_trip(adapter, [first], SMALL) == [Status.OK]  # MOVED
+        await adapter.router.refreshed()
+        slot_map = adapter.router.slot_map
+        assert slot_map is not None
+        assert slot_map.owner(s2) == Node("127.0.0.1", 7103)
+        assert await round_trip(adapter, [second], SMALL) == [Status.OK]
