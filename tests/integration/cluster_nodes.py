@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 
 import redis
@@ -113,6 +115,45 @@ def frozen(port: int) -> Iterator[None]:
         yield
     finally:
         os.kill(node_pid, signal.SIGCONT)
+
+
+def _config(port: int, name: str) -> str:
+    with client(port) as c:
+        return str(c.config_get(name)[name])
+
+
+@contextlib.contextmanager
+def killed(port: int) -> Iterator[None]:
+    """The node SIGKILLed (connections refused) until the block ends; then started again from its
+    nodes file, so it rejoins the cluster with its slots (and no keys: nothing is persisted)."""
+    node_pid = pid(port)
+    conf, workdir, logfile = (_config(port, n) for n in ("cluster-config-file", "dir", "logfile"))
+    os.kill(node_pid, signal.SIGKILL)
+    try:
+        yield
+    finally:
+        subprocess.run(
+            ["redis-server", "--port", str(port), "--cluster-enabled", "yes", "--cluster-config-file", conf,
+             "--daemonize", "yes", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", workdir, "--logfile", logfile, "--cluster-require-full-coverage", "no"],
+            check=True, timeout=30,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not _cluster_ok():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster node on {port} did not rejoin")
+            time.sleep(0.1)
+
+
+def _cluster_ok() -> bool:
+    try:
+        for port in PORTS:
+            with client(port) as c:
+                if c.cluster("info")["cluster_state"] != "ok":  # type: ignore[no-untyped-call]
+                    return False
+        return True
+    except redis.RedisError:
+        return False
 
 
 def delete_prefix(prefix: str) -> None:

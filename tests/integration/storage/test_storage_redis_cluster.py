@@ -233,3 +233,21 @@ async def test_a_moved_reply_refreshes_the_whole_map(make_cluster: MakeRedis) ->
         assert slot_map is not None
         assert slot_map.owner(s2) == Node("127.0.0.1", 7103)
         assert await round_trip(adapter, [second], SMALL) == [Status.OK]
+
+
+async def test_a_killed_node_costs_only_its_slots_and_is_used_again_once_back(
+    make_cluster: MakeRedis,
+) -> None:
+    adapter = make_cluster(timeout_s=0.5)
+    by_port = {port: keys_on(adapter, port, 2, tag=f"d{port}-") for port in nodes.PORTS}
+    everything = [k for keys in by_port.values() for k in keys]
+    assert all(r.ok for r in await adapter.store([(k, blob(k, LARGE)) for k in everything]))
+    with nodes.killed(7103):
+        with anyio.fail_after(20):
+            statuses = dict(zip(everything, await round_trip(adapter, everything, LARGE), strict=True))
+        for port, keys in by_port.items():
+            assert [statuses[k] for k in keys] == [Status.ERROR if port == 7103 else Status.OK] * 2, port
+    # Back, empty (nothing persisted): its keys are misses, and it takes writes again.
+    assert await round_trip(adapter, by_port[7103], LARGE) == [Status.MISS] * 2
+    assert all(r.ok for r in await adapter.store([(k, blob(k, LARGE)) for k in by_port[7103]]))
+    assert await round_trip(adapter, everything, LARGE) == [Status.OK] * len(everything)
