@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -111,7 +112,17 @@ class RedisAdapterConfig(BaseModel):
 
     type: Literal["redis"] = "redis"
     name: AdapterName = "redis"
-    url: str = Field("redis://127.0.0.1:6379/0", max_length=1024, description="redis:// or rediss:// URL.")
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        max_length=1024,
+        description="redis:// or rediss:// URL; a Redis Cluster may list several seed nodes "
+        "(redis://h1:p1,h2:p2/0).",
+    )
+    cluster: bool | Literal["auto"] = Field(
+        "auto",
+        description="Redis Cluster mode (slot-aware routing): true, false, or auto (asks the first "
+        "seed that answers for INFO cluster). Cluster mode needs database 0.",
+    )
     key_prefix: str = Field("kvdepot:", max_length=128, description="Namespace of every key.")
     ttl_s: int | None = Field(None, ge=1, le=10 * 365 * 86400, description="Expiry of stored blobs.")
     timeout_s: float = Field(2.0, gt=0, le=300, description="Socket timeout of one command.")
@@ -129,6 +140,19 @@ class RedisAdapterConfig(BaseModel):
         description="Sign blobs with the deployment key (l2.auth_keys or <data_dir>/l2.key) and load "
         "only blobs signed with it: other writers to the Redis cannot plant KV.",
     )
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> RedisAdapterConfig:
+        parts = urlsplit(self.url)
+        seeds = parts.netloc.rpartition("@")[2].split(",")
+        if len(seeds) > 1 and self.cluster is False:
+            raise ValueError("several seed nodes in url need cluster mode (cluster: true or auto)")
+        if len(seeds) > 1 and parts.scheme not in ("redis", "rediss"):
+            raise ValueError("seed nodes are listed in redis:// or rediss:// URLs only")
+        db = parts.path.strip("/") or "0"
+        if self.cluster is True and db != "0":
+            raise ValueError(f"Redis Cluster has database 0 only; url selects {db!r}")
+        return self
 
 
 class MockAdapterConfig(BaseModel):

@@ -1,15 +1,20 @@
 """RedisAdapter: Redis or Valkey as a shared L2. Control commands and small values go through
 redis.asyncio (hiredis parser); large values through the bulk lane (storage/redis_lane.py).
 
-State (event loop only): one redis-py connection pool (max_connections) and a semaphore that keeps
-batches from ever asking it for more connections than it has; the bulk lane (its own pool of at
-most max_connections blocking connections, used only by the executor's threads); what this
+State (event loop only): the router (storage/redis_router.py): per Redis node a redis-py
+connection pool (max_connections) with a semaphore that keeps batches from ever asking it for more
+connections than it has, and a bulk lane (its own pool of at most max_connections blocking
+connections, used only by the executor's threads); in a Redis Cluster, the slot map. What this
 adapter wrote: key -> size in write order (`_held`, which reports every change to the owner's
 accounting), for `usage()`, the tenant ledger and evict_salt.
 
 Keys are `key_prefix + serialized key`. Only single-key commands are sent (SET, EXISTS, GET,
 GETRANGE, UNLINK on redis-py; SET, STRLEN and GETRANGE on the lane), so the same commands work
-against Redis Cluster, where keys of one batch live in different slots.
+against Redis Cluster, where keys of one batch live in different slots: a batch is one pipeline per
+node, each lane command goes to its key's node's lane. A MOVED reply moves the slot and the command
+is sent once more to its new node (both paths); an ASK reply is followed with ASKING by redis-py
+(a lane command that gets one is sent again through redis-py). A cluster node that is down or frozen
+turns only its slots' keys into ERROR (misses) within timeout_s; the other nodes answer.
 
 Bounded reads: load_into never receives more than header + len(out) + 1 bytes of a value (a
 GETRANGE of that many on redis-py, storage/redis_read.py on the lane), so a huge value planted
@@ -32,7 +37,8 @@ and the batch retried once (all commands are idempotent), a timeout is not retri
 each command by timeout_s of no progress (and timeout_s + its bytes at 64 MB/s overall), retries a
 connection that died while idle once, and after a failure fails the rest of the batch at once. A
 Redis that is down, unreachable or frozen therefore turns a batch into ERROR results within about
-`timeout_s` (at once when the connection is refused) and health into "down"; the next batch that
+`timeout_s` (at once when the connection is refused) and health into "down" (a cluster node:
+"degraded", its keys ERROR, the slot map read again); the next batch that
 succeeds after Redis comes back turns health back to "ok" through "degraded". An error reply for one
 command (e.g. OOM when Redis is out of memory: NO_SPACE) affects only that key. A cancelled batch
 (close(), a caller's deadline) shuts its lane sockets down and returns only once the lane's threads
@@ -59,14 +65,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
-from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from app.errors import BackendError
 from storage import blob_header, redis_read
@@ -75,15 +78,16 @@ from storage.codec import EncodedBlob
 from storage.common import AdapterCore
 from storage.config import RedisAdapterConfig
 from storage.inflight import gather_all, settled
+from storage.redis_cluster import parse_redirect
 from storage.redis_lane import LaneCancelled, LaneDown, LaneJob, RespLane
-from storage.resp import target_from_url
+from storage.redis_router import RedisRouter
 
 JOIN_INLINE_BYTES = 256 * 1024
 
 R = TypeVar("R", OpResult, LoadResult)
 
 
-def _unlink(pipe: Pipeline, key: bytes) -> object:
+def _unlink(pipe: Pipeline, _: int, key: bytes) -> object:
     return pipe.unlink(key)
 
 
@@ -102,67 +106,75 @@ class RedisAdapter(AdapterCore[None]):
         self._prefix = config.key_prefix.encode("utf-8")
         self._executor = executor
         self._owns_executor = owns_executor
-        self._pool: ConnectionPool = ConnectionPool.from_url(
-            config.url,
-            max_connections=config.max_connections,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), retries=1, supported_errors=(RedisConnectionError,)),
-        )
-        self._client = Redis(connection_pool=self._pool)
-        self._slots = asyncio.Semaphore(config.max_connections)
-        target = target_from_url(config.url)
-        self.lane: RespLane | None = None
-        if executor is not None and target is not None and config.bulk_min_kib is not None:
-            self.lane = RespLane(target, max_connections=config.max_connections, timeout_s=config.timeout_s)
+        lanes = executor is not None and config.bulk_min_kib is not None
+        self.router = RedisRouter(config, lanes=lanes)
         self._bulk_min = (config.bulk_min_kib or 0) * 1024
+
+    @property
+    def lane(self) -> RespLane | None:
+        """The bulk lane of the URL's (first) node."""
+        return self.router.first.lane
 
     def redis_key(self, key: str) -> bytes:
         return self._prefix + key.encode("utf-8")
 
-    def _on_lane(self, nbytes: int) -> bool:
-        return self.lane is not None and nbytes >= self._bulk_min
+    def _on_lane(self, key: str, nbytes: int) -> bool:
+        return nbytes >= self._bulk_min and self.router.lane_for(self.redis_key(key)) is not None
 
     # --- plumbing ------------------------------------------------------------------------------
 
-    async def _run(self, build: Callable[[Pipeline], object]) -> list[Any]:
-        """One non-transactional pipeline; per-command error replies come back as exceptions."""
-        async with self._slots:
-            try:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    build(pipe)
-                    return list(await pipe.execute(raise_on_error=False))
-            except (RedisError, OSError) as exc:
-                raise BackendError(f"redis {self.config.name}: {type(exc).__name__}: {exc}") from exc
-
-    async def _each(self, keys: list[str], command: Callable[[Pipeline, bytes], object]) -> list[Any]:
-        """`command` for each key (given its Redis key), as one pipeline."""
-
-        def build(pipe: Pipeline) -> None:
-            for key in keys:
-                command(pipe, self.redis_key(key))
-
-        return await self._run(build)
+    async def _each(self, keys: list[str], command: Callable[[Pipeline, int, bytes], object]) -> list[Any]:
+        """`command(pipe, i, redis key)` for each key, one pipeline per node (storage/redis_router.py);
+        per-command error replies come back as exceptions. A node that failed: its keys' replies
+        are BackendError objects, or, when every key was lost with it, BackendError is raised."""
+        rkeys = [self.redis_key(key) for key in keys]
+        replies = await self.router.pipeline(rkeys, lambda pipe, i: command(pipe, i, rkeys[i]))
+        lost = [r for r in replies if isinstance(r, BackendError)]
+        if lost and len(lost) == len(replies):
+            raise lost[0]
+        return replies
 
     async def _join(self, blob: EncodedBlob) -> bytes:
         if self._executor is None or blob.nbytes < JOIN_INLINE_BYTES:
             return blob.to_bytes()
         return await asyncio.get_running_loop().run_in_executor(self._executor, blob.to_bytes)
 
-    async def _lane_call(self, error: Callable[[str], R], fn: Callable[..., R], *args: Any) -> R:
-        """One lane command in the executor. LaneDown becomes an ERROR result (health "down");
-        a cancellation goes through only once the thread is done with the caller's buffers."""
-        lane = self.lane
-        assert lane is not None
+    async def _lane_call(
+        self, error: Callable[[str], R], key: str, fn: Callable[..., R], *args: Any
+    ) -> R | None:
+        """One lane command (`fn(lane, job, redis key, *args)`) in the executor, on the lane of the
+        key's node. LaneDown becomes an ERROR result (health "down" for a single Redis; in a
+        cluster the node's keys fail and the slot map is read again); a cancellation goes
+        through only once the thread is done with the caller's buffers. A MOVED reply sends the
+        command once more to the slot's new node; None: an ASK reply (the caller sends it through
+        redis-py, which follows ASK)."""
         assert self._executor is not None
-        job = LaneJob(lane.epoch)
-        try:
-            return await settled(self._executor.submit(fn, job, *args), interrupt=lambda: lane.cancel(job))
-        except LaneDown as exc:
-            self._backend_down(str(exc))
-            return error(str(exc))
-        except LaneCancelled:  # the lane closed under a command that was not itself cancelled
-            return error("redis bulk lane closed")
+        rkey = self.redis_key(key)
+        for attempt in (0, 1):
+            lane = self.router.lane_for(rkey)
+            if lane is None:
+                return error(f"redis {self.config.name}: no node serves this key")
+            job = LaneJob(lane.epoch)
+            try:
+                result = await settled(
+                    self._executor.submit(fn, lane, job, rkey, *args), interrupt=partial(lane.cancel, job)
+                )
+            except LaneDown as exc:
+                if self.router.cluster:
+                    self.router.refresh_soon()
+                else:
+                    self._backend_down(str(exc))
+                return error(str(exc))
+            except LaneCancelled:  # the lane closed under a command that was not itself cancelled
+                return error("redis bulk lane closed")
+            redirect = parse_redirect(result.message) if result.status is Status.ERROR else None
+            if redirect is None or attempt == 1:
+                return result
+            if redirect.ask:
+                self.router.refresh_soon()
+                return None
+            self.router.moved(redirect)
+        raise AssertionError("unreachable")
 
     async def _split(
         self,
@@ -204,14 +216,14 @@ class RedisAdapter(AdapterCore[None]):
     # --- operations ----------------------------------------------------------------------------
 
     async def _store(self, items: list[tuple[str, EncodedBlob]]) -> list[OpResult]:
-        on_lane = [i for i, (_, blob) in enumerate(items) if self._on_lane(blob.nbytes)]
+        await self.router.start()
+        on_lane = [i for i, (key, blob) in enumerate(items) if self._on_lane(key, blob.nbytes)]
 
         async def lane_call(i: int) -> OpResult:
-            assert self.lane is not None
             key, blob = items[i]
-            return await self._lane_call(
-                OpResult.error, self.lane.set, self.redis_key(key), blob.segments, self.config.ttl_s
-            )
+            ttl = self.config.ttl_s
+            result = await self._lane_call(OpResult.error, key, RespLane.set, blob.segments, ttl)
+            return result if result is not None else (await self._store_pipelined([items[i]]))[0]
 
         async def pipelined(indices: list[int]) -> list[OpResult]:
             return await self._store_pipelined([items[i] for i in indices])
@@ -226,12 +238,11 @@ class RedisAdapter(AdapterCore[None]):
         values = [await self._join(blob) for _, blob in items]
         ttl = self.config.ttl_s
 
-        def build(pipe: Pipeline) -> None:
-            for (key, _), value in zip(items, values, strict=True):
-                pipe.set(self.redis_key(key), value, ex=ttl)
+        def command(pipe: Pipeline, i: int, rkey: bytes) -> object:
+            return pipe.set(rkey, values[i], ex=ttl)
 
         results: list[OpResult] = []
-        for reply in await self._run(build):
+        for reply in await self._each([key for key, _ in items], command):
             if isinstance(reply, OutOfMemoryError):
                 results.append(OpResult(Status.NO_SPACE, f"redis out of memory: {reply}"))
             elif isinstance(reply, ResponseError):
@@ -243,8 +254,9 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _contains(self, keys: list[str]) -> list[OpResult]:
+        await self.router.start()
         results: list[OpResult] = []
-        for key, reply in zip(keys, await self._each(keys, lambda pipe, k: pipe.exists(k)), strict=True):
+        for key, reply in zip(keys, await self._each(keys, lambda pipe, _, k: pipe.exists(k)), strict=True):
             if isinstance(reply, Exception):
                 results.append(OpResult.error(f"redis: {reply}"))
             elif reply:
@@ -255,8 +267,9 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load(self, keys: list[str]) -> list[LoadResult]:
+        await self.router.start()
         results: list[LoadResult] = []
-        for key, reply in zip(keys, await self._each(keys, lambda pipe, k: pipe.get(k)), strict=True):
+        for key, reply in zip(keys, await self._each(keys, lambda pipe, _, k: pipe.get(k)), strict=True):
             if isinstance(reply, Exception):
                 results.append(LoadResult.error(f"redis: {reply}"))
             elif reply is None:
@@ -267,14 +280,15 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _load_into(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
+        await self.router.start()
         head_lens = [blob_header.header_size(key) for key in keys]
-        on_lane = [i for i, out in enumerate(outs) if self._on_lane(head_lens[i] + out.nbytes)]
+        on_lane = [i for i, out in enumerate(outs) if self._on_lane(keys[i], head_lens[i] + out.nbytes)]
 
         async def lane_call(i: int) -> LoadResult:
-            assert self.lane is not None
-            result = await self._lane_call(
-                LoadResult.error, self.lane.get_into, self.redis_key(keys[i]), head_lens[i], outs[i]
-            )
+            get_into = RespLane.get_into
+            result = await self._lane_call(LoadResult.error, keys[i], get_into, head_lens[i], outs[i])
+            if result is None:  # ASK: through redis-py
+                return (await self._load_upto([keys[i]], [head_lens[i] + outs[i].nbytes]))[0]
             if result.status is Status.MISS:
                 self._forget(keys[i])
             return result
@@ -290,12 +304,11 @@ class RedisAdapter(AdapterCore[None]):
         """Each key's value when it is at most its limit long (GETRANGE of limit + 1 bytes: a
         longer value shows as such without being sent whole), whole, as from load."""
 
-        def build(pipe: Pipeline) -> None:
-            for key, limit in zip(keys, limits, strict=True):
-                pipe.getrange(self.redis_key(key), 0, limit)
+        def command(pipe: Pipeline, i: int, rkey: bytes) -> object:
+            return pipe.getrange(rkey, 0, limits[i])
 
         results: list[LoadResult] = []
-        for key, limit, reply in zip(keys, limits, await self._run(build), strict=True):
+        for key, limit, reply in zip(keys, limits, await self._each(keys, command), strict=True):
             if isinstance(reply, Exception):
                 results.append(LoadResult.error(f"redis: {reply}"))
             elif not reply:  # no such key: GETRANGE answers an empty string
@@ -308,6 +321,7 @@ class RedisAdapter(AdapterCore[None]):
         return results
 
     async def _delete(self, keys: list[str]) -> list[OpResult]:
+        await self.router.start()
         results: list[OpResult] = []
         for key, reply in zip(keys, await self._each(keys, _unlink), strict=True):
             if isinstance(reply, Exception):
@@ -321,6 +335,7 @@ class RedisAdapter(AdapterCore[None]):
         victims = [(key, self._held.entry(key)) for key in self._held.oldest(salt, nbytes)]
         if not victims:
             return 0
+        await self.router.start()
         replies = await self._each([key for key, _ in victims], _unlink)
         freed = 0
         for (key, held), reply in zip(victims, replies, strict=True):
@@ -335,10 +350,7 @@ class RedisAdapter(AdapterCore[None]):
 
     async def _close(self) -> None:
         try:
-            if self.lane is not None:
-                self.lane.close()  # closes sockets only: never blocks
-            await self._client.aclose()
-            await self._pool.aclose()
+            await self.router.close()
         finally:
             if self._owns_executor and self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)

@@ -17,6 +17,8 @@ tests/e2e/setup_vllm.sh
 if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 fi
+# ... and a 3-node Redis Cluster on 7101-7103 (the cluster variants of the L2 tests).
+tests/redis_cluster.sh
 
 echo "== ruff"
 .venv/bin/ruff check .

@@ -14,7 +14,9 @@ apply (their bytes live in memory), and `load_cold` says so.
 Baselines (app/bench/l2_baselines.py), on the same bytes, with as many threads as the adapter has
 I/O threads (`threads`, storage.factory.io_threads: disk `io_threads`, redis the bulk lane's):
   disk   open + write + fsync + close per chunk file; open + read of each file, page-cache and cold
-  redis  plain redis-py clients, one connection per thread: SET of each chunk, then GET of each
+  redis  plain redis-py clients, one connection per thread: SET of each chunk, then GET of each;
+         against a Redis Cluster (--redis-url naming any node, or a seed list) redis-py
+         RedisCluster clients, one per thread, each command sent to its key's node
   mock   one thread: each chunk copied into fresh memory, then into preallocated shared memory
 Each baseline phase runs right after the adapter's phase of the same kind (the sidecar idles
 meanwhile), so that the two sides of a ratio see the machine in about the same state.
@@ -32,7 +34,8 @@ necessarily on the critical path: checks of different chunks run in parallel).
 Besides the figures: `written` (chunks written behind), each load's `hit_chunks` (chunks
 prefetched back), `verified` (the adapter's and the baseline's bytes came back intact), which say
 what went wrong when `ok` is false, and for redis `redis_cpu_s`: the CPU seconds the Redis
-server's main thread spent in each phase (INFO cpu; other clients of a shared Redis included),
+server's main thread spent in each phase (INFO cpu; other clients of a shared Redis included;
+summed over the primaries of a cluster),
 which tells the server's share of the time from the client's.
 """
 
@@ -57,10 +60,11 @@ from app.bench.l2_baselines import (
     DiskBaseline,
     MemoryBaseline,
     RedisBaseline,
-    cpu_seconds,
     drop_cached,
     gbps,
+    is_cluster,
     mac_cost,
+    server_cpu_seconds,
 )
 from app.logs import configure_logging
 from app.main import Service
@@ -71,6 +75,7 @@ from engine.keys import KVLayout
 from engine.results import SlotStatus, StoreSlot
 from kvdepot_connector.protocol import encode_tokens
 from storage.factory import io_threads
+from storage.redis_cluster import Node, node_url, seed_urls
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,10 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _redis_cpu(url: str) -> float:
-    import redis.asyncio
-
-    async with redis.asyncio.Redis.from_url(url) as r:
-        return cpu_seconds(await r.info("cpu"))
+    """The server's CPU seconds (every primary of a Redis Cluster), read off the loop."""
+    return await asyncio.to_thread(server_cpu_seconds, url)
 
 
 @dataclass
@@ -318,8 +321,16 @@ def _adapter(args: argparse.Namespace, workdir: Path, prefix: str) -> dict[str, 
 _BASELINES = {
     "disk": "{n} threads: open + write + fsync + close per chunk file; open + read per file",
     "redis": "{n} redis-py connections, one per thread: SET / GET per chunk",
+    "redis-cluster": "{n} redis-py RedisCluster clients, one per thread: SET / GET per chunk, each "
+    "to its key's node",
     "mock": "one thread: a copy of each chunk into fresh memory; copied back into shared memory",
 }
+def _baseline_kind(args: argparse.Namespace) -> str:
+    if args.adapter == "redis" and is_cluster(seed_urls(args.redis_url)[0]):
+        return "redis-cluster"
+    return str(args.adapter)
+
+
 _READS = {
     "disk": ("page cache: the files just written", "device: every file dropped from the page cache "
              "(posix_fadvise DONTNEED) after fsync, the adapter's and the baseline's"),
@@ -336,11 +347,20 @@ def _load_figures(total: int, reads: str, load: _Load | None, base_s: float | No
 
 
 def _drop_redis_keys(url: str, prefix: str) -> None:
+    """The run's keys, deleted from the Redis (from every primary of a Redis Cluster)."""
     import redis
 
-    with redis.Redis.from_url(url) as r:
-        for key in r.scan_iter(match=prefix + "*"):
-            r.unlink(key)
+    seed = seed_urls(url)[0]
+    if not is_cluster(seed):
+        with redis.Redis.from_url(seed) as r:
+            for key in r.scan_iter(match=prefix + "*"):
+                r.unlink(key)
+        return
+    with redis.RedisCluster.from_url(seed) as rc:
+        for node in rc.get_primaries():
+            with redis.Redis.from_url(node_url(seed, Node(node.host, int(node.port)))) as r:
+                for key in r.scan_iter(match=prefix + "*"):
+                    r.unlink(key)
 
 
 def _result(args: argparse.Namespace, got: _Run, threads: int) -> dict[str, Any]:
@@ -354,7 +374,7 @@ def _result(args: argparse.Namespace, got: _Run, threads: int) -> dict[str, Any]
     result: dict[str, Any] = {
         "adapter": args.adapter,
         "threads": threads or None,
-        "baseline": _BASELINES[args.adapter].format(n=threads),
+        "baseline": _BASELINES[_baseline_kind(args)].format(n=threads),
         "store_gbps": gbps(total, got.store_s),
         "baseline_store_gbps": gbps(total, base["store"]),
         "store_vs_baseline": round(base["store"] / got.store_s, 3),

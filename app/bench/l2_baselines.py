@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from storage.redis_cluster import seed_urls
+
 
 def drop_cached(root: Path) -> None:
     """Evict every file under `root` from the page cache (its pages are clean: written and
@@ -143,6 +145,26 @@ class DiskBaseline(Baseline):
         _free(self._mem, self._outs)
 
 
+def is_cluster(url: str) -> bool:
+    """Whether the Redis at `url` (one node's URL) is a Redis Cluster node (INFO cluster)."""
+    import redis
+
+    with redis.Redis.from_url(url, socket_timeout=10) as r:
+        return bool(r.info("cluster").get("cluster_enabled"))
+
+
+def server_cpu_seconds(url: str) -> float:
+    """cpu_seconds of the Redis at `url`, summed over every primary of a Redis Cluster."""
+    import redis
+
+    seed = seed_urls(url)[0]
+    if not is_cluster(seed):
+        with redis.Redis.from_url(seed, socket_timeout=10) as r:
+            return cpu_seconds(r.info("cpu"))
+    with redis.RedisCluster.from_url(seed, socket_timeout=10) as rc:
+        return sum(cpu_seconds(rc.info("cpu", target_nodes=node)) for node in rc.get_primaries())
+
+
 def cpu_seconds(info: dict[str, Any]) -> float:
     """The Redis main thread's CPU seconds (background threads, e.g. lazy frees, apart)."""
     main = ("used_cpu_sys_main_thread", "used_cpu_user_main_thread")
@@ -153,7 +175,9 @@ def cpu_seconds(info: dict[str, Any]) -> float:
 class RedisBaseline(Baseline):
     """`threads` plain redis-py clients, each with its own connection (made before the clock
     starts, as the adapter's are by its first batch) used by one thread: thread t SETs, then GETs,
-    chunks t, t + N, t + 2N, ... Redis holds values in memory: no cold reads."""
+    chunks t, t + N, t + 2N, ... Redis holds values in memory: no cold reads. Against a Redis
+    Cluster each client is a redis-py RedisCluster (slot-aware: one connection per node, each
+    command sent to its key's node), connected to every node before the clock starts."""
 
     def __init__(self, url: str, chunks: Sequence[bytes], threads: int) -> None:
         import redis
@@ -162,12 +186,20 @@ class RedisBaseline(Baseline):
         self._prefix = f"kvdepot-bench-baseline-{uuid.uuid4().hex[:8]}:"
         # redis-py's 5 s socket timeout is short for a 32 MiB value on a busy machine; a baseline
         # that gives up is no figure (the adapter's lane allows timeout_s + bytes at 64 MB/s).
-        self._clients = [
-            redis.Redis.from_url(url, single_connection_client=True, socket_timeout=120)
+        seed = seed_urls(url)[0]
+        self.cluster = is_cluster(seed)
+        self._clients: list[Any] = [
+            redis.RedisCluster.from_url(seed, socket_timeout=120)
+            if self.cluster
+            else redis.Redis.from_url(seed, single_connection_client=True, socket_timeout=120)
             for _ in range(self.threads)
         ]
         for c in self._clients:
-            c.ping()
+            if self.cluster:  # a connection to every node, as the adapter's first batch makes
+                for node in c.get_primaries():
+                    c.ping(target_nodes=node)
+            else:
+                c.ping()
         self._got: list[object] = [None] * len(chunks)
 
     def _sets(self, t: int) -> None:

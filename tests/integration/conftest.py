@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,3 +28,18 @@ def sidecar_factory(tmp_path: Path) -> Iterator[StartSidecar]:
     yield start
     for sc in started:
         sc.stop()
+
+
+CLUSTER_PORTS = (7101, 7102, 7103)
+CLUSTER_URL = "redis://127.0.0.1:7101/0"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> str:
+    """The URL of the 3-node Redis Cluster on 127.0.0.1:7101-7103, started by tests/redis_cluster.sh
+    when none of its nodes answers (it is left running, like the Redis on 6379)."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server is not installed")
+    script = Path(__file__).resolve().parent.parent / "redis_cluster.sh"
+    subprocess.run([str(script)], check=True, timeout=120)
+    return CLUSTER_URL

@@ -1,23 +1,32 @@
-"""A sidecar SIGKILLed while writing behind to disk: after a restart every chunk whose write had
-completed is served, byte-identical; a corrupted or truncated file is a miss, never wrong bytes."""
+"""A sidecar SIGKILLed while writing behind to disk, to Redis or to a Redis Cluster: after a restart
+every chunk whose write had completed is served, byte-identical; a corrupted or truncated blob is a
+miss, never wrong bytes."""
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import redis
 import torch
+from redis.crc import key_slot
 
+from tests.integration import cluster_nodes
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.l2_helpers import blob_files, request_keys
+from tests.integration.waiting import wait_for
 
 ENV = {
     "KVDEPOT_L1__CHUNK_SIZE": "16",
     "KVDEPOT_L2__ADAPTERS": json.dumps([{"type": "disk", "name": "disk", "fsync": "always"}]),
     "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
 }
+REDIS_URL = "redis://127.0.0.1:6379/0"
 REQUESTS, CHUNKS = 24, 8
 SEEDS = range(100, 100 + REQUESTS)
 
@@ -94,3 +103,80 @@ def test_restart_after_sigkill_serves_completed_writes_and_never_corrupt_ones(
     third = sidecar_factory(data_dir=data_dir, env=ENV, l1_size_gb=0.05)
     assert served(third.url, cut_seed, "cut2") == 5
     assert served(third.url, full[2], "whole") == CHUNKS
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    prefix = f"kvdepot-crash-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    with redis.Redis.from_url(REDIS_URL) as r:
+        for key in r.scan_iter(match=prefix + "*"):
+            r.unlink(key)
+    if cluster_nodes.answers():
+        cluster_nodes.delete_prefix(prefix)
+
+
+def node_of(kind: str, rkey: bytes) -> redis.Redis:
+    """A client of the Redis node that holds `rkey`."""
+    if kind == "redis":
+        return redis.Redis.from_url(REDIS_URL)
+    return cluster_nodes.client(cluster_nodes.owner(key_slot(rkey)))
+
+
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
+def test_restart_after_sigkill_mid_write_behind_to_redis_serves_what_redis_holds(
+    sidecar_factory: StartSidecar,
+    tmp_path: Path,
+    redis_prefix: str,
+    kind: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """SIGKILL while writing behind to Redis (single or Cluster); after a restart (same data dir:
+    same deployment key) exactly the prefixes Redis holds are served, byte-identical; a value
+    with a flipped byte or cut short is a miss (and the flipped one is deleted)."""
+    url = REDIS_URL if kind == "redis" else request.getfixturevalue("redis_cluster")
+    adapter = {"type": "redis", "name": "redis", "url": url, "key_prefix": redis_prefix}
+    env = {**ENV, "KVDEPOT_L2__ADAPTERS": json.dumps([adapter])}
+    data_dir = tmp_path / "data"
+    first = sidecar_factory(data_dir=data_dir, env=env, l1_size_gb=0.05)
+    c = client(first.url)
+    for n, seed in enumerate(SEEDS):
+        toks = request_tokens(seed, CHUNKS)
+        assert (
+            c.store(toks, [chunk_data(seed, i) for i in range(CHUNKS)], request_id=f"w{seed}").stored
+            == CHUNKS
+        )
+        if n == 2:
+            wait_for(lambda: first.get_json("/status")["l2"]["store"]["written"] >= 3 * CHUNKS)
+    c.close()
+    first.kill()
+
+    def held(key: str) -> bool:
+        rkey = (redis_prefix + key).encode()
+        with node_of(kind, rkey) as r:
+            return bool(r.exists(rkey))
+
+    in_redis = {seed: [held(k) for k in request_keys(seed, CHUNKS)] for seed in SEEDS}
+    expected = {seed: [*flags, False].index(False) for seed, flags in in_redis.items()}
+    assert any(expected.values()), "nothing reached Redis before the kill"
+
+    second = sidecar_factory(data_dir=data_dir, env=env, l1_size_gb=0.05)
+    for seed in SEEDS:
+        assert served(second.url, seed, f"r{seed}") == expected[seed]
+
+    full = [seed for seed in SEEDS if expected[seed] == CHUNKS]
+    assert len(full) >= 2, expected
+    flipped = (redis_prefix + request_keys(full[0], CHUNKS)[2]).encode()
+    cut = (redis_prefix + request_keys(full[1], CHUNKS)[5]).encode()
+    with node_of(kind, flipped) as r:
+        value = bytearray(r.get(flipped) or b"")
+        value[-100] ^= 0xFF
+        r.set(flipped, bytes(value))
+    with node_of(kind, cut) as r:
+        r.set(cut, (r.get(cut) or b"")[:-4096])
+    second.stop()
+    third = sidecar_factory(data_dir=data_dir, env=env, l1_size_gb=0.05)  # an empty L1 again
+    assert served(third.url, full[0], "flip") == 2
+    assert served(third.url, full[1], "cut") == 5
+    with node_of(kind, flipped) as r:
+        assert not r.exists(flipped), "a blob that failed its check is deleted"

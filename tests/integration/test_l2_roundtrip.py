@@ -11,7 +11,8 @@ import pytest
 import redis
 import torch
 
-from tests.integration.conftest import StartSidecar
+from tests.integration import cluster_nodes
+from tests.integration.conftest import CLUSTER_URL, StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.waiting import wait_for
 
@@ -27,6 +28,8 @@ def redis_prefix() -> Iterator[str]:
     for k in r.scan_iter(match=prefix + "*"):
         r.unlink(k)
     r.close()
+    if cluster_nodes.answers():
+        cluster_nodes.delete_prefix(prefix)
 
 
 def adapter_env(kind: str, redis_prefix: str) -> dict[str, str]:
@@ -34,6 +37,7 @@ def adapter_env(kind: str, redis_prefix: str) -> dict[str, str]:
         "disk": {"type": "disk", "name": "disk"},
         "slab": {"type": "slab", "name": "slab", "slot_bytes": 68 << 10, "size_bytes": 4096 + 64 * 69632},
         "redis": {"type": "redis", "name": "redis", "url": REDIS_URL, "key_prefix": redis_prefix},
+        "redis-cluster": {"type": "redis", "name": "redis", "url": CLUSTER_URL, "key_prefix": redis_prefix},
         "mock": {"type": "mock", "name": "mock", "capacity_gb": 0.1},
     }
     return {
@@ -43,10 +47,12 @@ def adapter_env(kind: str, redis_prefix: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("kind", ["disk", "slab", "redis", "mock"])
+@pytest.mark.parametrize("kind", ["disk", "slab", "redis", "redis-cluster", "mock"])
 def test_evicted_chunks_come_back_from_l2_byte_identical(
-    sidecar_factory: StartSidecar, redis_prefix: str, kind: str
+    sidecar_factory: StartSidecar, redis_prefix: str, kind: str, request: pytest.FixtureRequest
 ) -> None:
+    if kind == "redis-cluster":
+        request.getfixturevalue("redis_cluster")
     sc = sidecar_factory(env=adapter_env(kind, redis_prefix), l1_size_gb=1 / 1024)
     c = client(sc.url)
     try:

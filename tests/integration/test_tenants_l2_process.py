@@ -21,14 +21,15 @@ import torch
 
 from app.bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
-from tests.integration.conftest import StartSidecar
+from tests.integration import cluster_nodes
+from tests.integration.conftest import CLUSTER_URL, StartSidecar
 from tests.integration.dp_client import client
 from tests.integration.l2_helpers import blob_files, slab_blobs
 from tests.integration.tenant_traffic import CHUNK_BYTES, content, http, read, store
 from tests.integration.waiting import wait_for
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-NAMES = {"disk": "disk", "slab": "slab", "redis": "shared", "mock": "mem"}
+NAMES = {"disk": "disk", "slab": "slab", "redis": "shared", "redis-cluster": "shared", "mock": "mem"}
 SALTS = ["", "a", "z", "c/d"]
 A_LIMIT = 5 * CHUNK_BYTES + 1000  # five blobs (a header of a few hundred bytes each), not six
 CD_LIMIT = 9 * CHUNK_BYTES + 2000
@@ -41,6 +42,8 @@ def redis_prefix() -> Iterator[str]:
     with redis.Redis.from_url(REDIS_URL) as r:
         for key in r.scan_iter(match=prefix + "*"):
             r.unlink(key)
+    if cluster_nodes.answers():
+        cluster_nodes.delete_prefix(prefix)
 
 
 def adapter_config(kind: str, redis_prefix: str) -> dict[str, Any]:
@@ -50,6 +53,8 @@ def adapter_config(kind: str, redis_prefix: str) -> dict[str, Any]:
                  "size_bytes": 4096 + 400 * (68 << 10)},
         "redis": {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": redis_prefix,
                   "bulk_min_kib": 32},
+        "redis-cluster": {"type": "redis", "name": "shared", "url": CLUSTER_URL, "key_prefix": redis_prefix,
+                          "bulk_min_kib": 32},
         "mock": {"type": "mock", "name": "mem", "capacity_gb": 0.1},
     }  # fmt: skip
     return configs[kind]
@@ -72,6 +77,11 @@ def backend_truth(kind: str, data_dir: Path, redis_prefix: str) -> dict[str, tup
         with redis.Redis.from_url(REDIS_URL) as r:
             for name in r.scan_iter(match=redis_prefix + "*"):
                 sizes[name.decode()[len(redis_prefix) :]] = int(r.strlen(name))
+    elif kind == "redis-cluster":  # every node's own keys
+        for port in cluster_nodes.PORTS:
+            with cluster_nodes.client(port) as r:
+                for name in r.scan_iter(match=redis_prefix + "*"):
+                    sizes[name.decode()[len(redis_prefix) :]] = int(r.strlen(name))
     else:
         return None
     truth: dict[str, tuple[int, int]] = {}
@@ -82,10 +92,16 @@ def backend_truth(kind: str, data_dir: Path, redis_prefix: str) -> dict[str, tup
     return truth
 
 
-@pytest.mark.parametrize("kind", ["disk", "slab", "redis", "mock"])
+@pytest.mark.parametrize("kind", ["disk", "slab", "redis", "redis-cluster", "mock"])
 def test_random_tenants_reading_from_l2_never_see_each_others_bytes_and_quotas_hold(
-    sidecar_factory: StartSidecar, redis_prefix: str, tmp_path: Path, kind: str
+    sidecar_factory: StartSidecar,
+    redis_prefix: str,
+    tmp_path: Path,
+    kind: str,
+    request: pytest.FixtureRequest,
 ) -> None:
+    if kind == "redis-cluster":
+        request.getfixturevalue("redis_cluster")
     name = NAMES[kind]
     data_dir = tmp_path / "data"
     env = {
@@ -97,7 +113,7 @@ def test_random_tenants_reading_from_l2_never_see_each_others_bytes_and_quotas_h
     assert http(sc, "PUT", "/quotas/a", {"l2_bytes": A_LIMIT})[0] == 200
     assert http(sc, "PUT", "/quotas/z", {"l2_bytes": 0})[0] == 200
     assert http(sc, "PUT", "/quotas/" + quote("c/d", safe=""), {"l2_bytes": CD_LIMIT})[0] == 200
-    rng = random.Random(7 + len(kind))
+    rng = random.Random(7 + len(kind.removesuffix("-cluster")))  # the same traffic on single and cluster
     c = client(sc.url)
     hits = dict.fromkeys(SALTS, 0)
     try:
