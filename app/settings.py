@@ -47,6 +47,7 @@ __all__ = [
     "AdapterName",
     "DataPlaneSettings",
     "DiskAdapterConfig",
+    "EventSettings",
     "HttpSettings",
     "L1Settings",
     "L2Settings",
@@ -281,6 +282,21 @@ class TenantSettings(BaseModel):
     )
 
 
+class EventSettings(BaseModel):
+    """The event bus (engine/events.py): what happens in the cache, for subscribers (KV events)."""
+
+    model_config = _FROZEN
+
+    enabled: bool = Field(True, description="Publish events; false: publishing is a no-op.")
+    capacity: int = Field(
+        65536, ge=16, le=1 << 24,
+        description="Events queued for the dispatcher; when full the newest are dropped (counted).",
+    )  # fmt: skip
+    linger_ms: float = Field(
+        2.0, ge=0, le=1000, description="After a wake-up the dispatcher waits this long to batch events."
+    )
+
+
 class Settings(BaseSettings):
     """Everything kvdepot can be told. Frozen once built."""
 
@@ -301,6 +317,7 @@ class Settings(BaseSettings):
     tenants: TenantSettings = Field(default_factory=TenantSettings)
     transfers: TransferLimits = Field(default_factory=TransferLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    events: EventSettings = Field(default_factory=EventSettings)
 
     @property
     def data_plane_url(self) -> str:

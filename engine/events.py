@@ -20,7 +20,7 @@ bad subscriber never stops the others or the bus.
 
 State (event loop only): the deque, its bound, the counters, a wake-up event for the dispatcher.
 
-Primitives in call order: EventBus(capacity, enabled) -> subscribe(cb)... -> run() (a task) ->
+Primitives in call order: EventBus(capacity, enabled, linger_s) -> subscribe(cb)... -> run() (a task) ->
 publish(event)... -> flush() (tests, shutdown) -> stop().
 """
 
@@ -86,12 +86,16 @@ Subscriber = Callable[[list[Event]], object]
 
 
 class EventBus:
-    def __init__(self, *, capacity: int = 65536, enabled: bool = True, batch: int = 1024) -> None:
-        if capacity <= 0 or batch <= 0:
-            raise ValueError("capacity and batch must be positive")
+    def __init__(
+        self, *, capacity: int = 65536, enabled: bool = True, batch: int = 1024, linger_s: float = 0.0
+    ) -> None:
+        if capacity <= 0 or batch <= 0 or linger_s < 0:
+            raise ValueError("capacity and batch must be positive, linger_s not negative")
         self.capacity = capacity
         self.enabled = enabled
         self.batch = batch
+        #: after a wake-up the dispatcher waits this long, so one batch carries a burst
+        self.linger_s = linger_s
         self.published = 0
         self.dropped = 0
         self.delivered = 0
@@ -122,21 +126,26 @@ class EventBus:
             return
         self.publish(Event(kind, time.time_ns(), **fields))  # type: ignore[arg-type]
 
-    def start(self, op: str, request_id: str = "") -> int:
+    def start(self, op: str, request_id: str = "", *, tier: str = "") -> int:
         """Publish the START of `op` and answer its span id (0 when disabled: `end` ignores it)."""
         if not self.enabled:
             return 0
         self._spans += 1
         span = self._spans
-        self.publish(Event(Kind.START, time.time_ns(), op=op, request_id=request_id, span=span))
+        self.publish(Event(Kind.START, time.time_ns(), tier=tier, op=op, request_id=request_id, span=span))
         return span
 
-    def end(self, span: int, op: str, request_id: str = "", *, reason: str = "ok", detail: int = 0) -> None:
+    def end(
+        self, span: int, op: str, request_id: str = "", *, tier: str = "", reason: str = "ok", detail: int = 0
+    ) -> None:
         if not self.enabled or span == 0:
             return
-        ts = time.time_ns()
-        rid = request_id
-        self.publish(Event(Kind.END, ts, op=op, request_id=rid, span=span, reason=reason, detail=detail))
+        self.publish(
+            Event(
+                Kind.END, time.time_ns(), tier=tier, op=op, request_id=request_id, span=span, reason=reason,
+                detail=detail,
+            )
+        )  # fmt: skip
 
     def pending(self) -> int:
         return len(self._queue)
@@ -169,6 +178,8 @@ class EventBus:
         """Deliver until stopped; yields to the loop between batches so a burst never starves it."""
         while not self._stopped:
             await self._wake.wait()
+            if self.linger_s:
+                await asyncio.sleep(self.linger_s)
             self._wake.clear()
             while self._queue and not self._stopped:
                 self._deliver_batch()

@@ -227,3 +227,31 @@ def test_an_l2_adapter_may_not_be_named_like_the_memory_tier() -> None:
     message = config_error({"l2.adapters": [{"type": "mock", "name": "l1"}]})
     assert "l2.adapters" in message and "'l1'" in message
     assert load_settings({"l2.adapters": [{"type": "mock", "name": "L1"}]}).l2.adapters[0].name == "L1"
+
+
+# --- events ------------------------------------------------------------------------------------
+
+
+def test_event_defaults() -> None:
+    s = load_settings(None)
+    assert (s.events.enabled, s.events.capacity, s.events.linger_ms) == (True, 65536, 2.0)
+
+
+def test_events_from_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDEPOT_EVENTS__ENABLED", "false")
+    s = load_settings(None, config_file=write_toml(tmp_path, "[events]\ncapacity = 1024\nlinger_ms = 0\n"))
+    assert (s.events.enabled, s.events.capacity, s.events.linger_ms) == (False, 1024, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("events.capacity", 0),
+        ("events.capacity", 1 << 30),
+        ("events.linger_ms", -1),
+        ("events.linger_ms", 1e6),
+    ],
+)
+def test_absurd_event_settings_are_refused(field: str, value: object) -> None:
+    message = config_error({field: value})
+    assert field in message
