@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api.kvevents.config import KvEventsSettings
 from engine.transfer_limits import TransferLimits
 from storage.auth import parse_secret
 from storage.config import (
@@ -49,6 +50,7 @@ __all__ = [
     "DiskAdapterConfig",
     "EventSettings",
     "HttpSettings",
+    "KvEventsSettings",
     "L1Settings",
     "L2Settings",
     "LoggingSettings",
@@ -318,6 +320,7 @@ class Settings(BaseSettings):
     transfers: TransferLimits = Field(default_factory=TransferLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     events: EventSettings = Field(default_factory=EventSettings)
+    kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
 
     @property
     def data_plane_url(self) -> str:
@@ -328,4 +331,6 @@ class Settings(BaseSettings):
         out = self.model_dump(mode="json")
         out["http"]["admin_token"] = "***" if self.http.admin_token else None
         out["data_plane"]["url"] = self.data_plane_url
+        if self.kv_events.curve_secret_key is not None:
+            out["kv_events"]["curve_secret_key"] = "***"
         return out

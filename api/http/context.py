@@ -7,6 +7,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
+from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
 from engine.status import StatusReader
@@ -33,3 +34,5 @@ class ControlContext:
     status: StatusReader
     health: ServiceHealth
     registry: CollectorRegistry
+    inventory: Inventory | None = None
+    """The KV events' resync listing (None when kv_events is off)."""
