@@ -26,6 +26,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from engine.events import EventBus
 from engine.facade import CacheEngine
 from engine.tenants.ledger import OTHER
 from engine.tenants.quota import DEFAULT_TENANT
@@ -70,6 +71,14 @@ CACHE_COUNTERS: tuple[Row, ...] = (
     ("expired_write_leases", "Write reservations reclaimed after their lease.", "expired_reservations"),
     ("l1_quarantine_refusals", "Chunks refused: their instance held its quarantine cap.",
      "quarantine_refused"),
+)
+
+# EventsCollector: the event bus's counters (engine/events.py).
+EVENT_COUNTERS: tuple[Row, ...] = (
+    ("events_published", "Events queued for the subscribers.", "published"),
+    ("events_dropped", "Events dropped because the queue was full (the newest).", "dropped"),
+    ("events_subscriber_errors", "Event subscriber calls that raised (the subscriber stays).",
+     "subscriber_errors"),
 )
 
 # TenantCollector: per (tenant, tier), from the ledger's TierUsage.
@@ -143,6 +152,7 @@ def build_registry(engine: CacheEngine | None = None, tenants_top_n: int = 20) -
         registry.register(EngineCollector(engine))
         registry.register(L2Collector(engine))
         registry.register(TenantCollector(engine, tenants_top_n))
+        registry.register(EventsCollector(engine.events))
     return registry
 
 
@@ -221,6 +231,19 @@ class EngineCollector(Collector):
         for reason in Uncacheable:  # every reason, zeros included: a bounded label set
             uncacheable.add_metric([reason.value], engine.uncacheable.get(reason.value, 0))
         yield uncacheable
+
+
+class EventsCollector(Collector):
+    """The event bus's figures (zero while events are disabled), read when Prometheus scrapes."""
+
+    def __init__(self, events: EventBus) -> None:
+        self.events = events
+
+    def collect(self) -> Iterator[Metric]:
+        yield from single(CounterMetricFamily, EVENT_COUNTERS, self.events)
+        yield GaugeMetricFamily(
+            "kvdepot_events_queue", "Events waiting for the dispatcher.", value=self.events.pending()
+        )
 
 
 class TenantCollector(Collector):

@@ -36,8 +36,17 @@ from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
 from app.settings import Settings
 from app.supervisor import Supervisor
-from app.wiring import build_admin, build_cache, build_engine, build_l2, build_lifeline
+from app.wiring import (
+    build_admin,
+    build_cache,
+    build_engine,
+    build_events,
+    build_l2,
+    build_lifeline,
+    subscribe_events,
+)
 from engine.admin import Administration
+from engine.events import EventBus, Subscriber
 from engine.facade import CacheEngine
 from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
@@ -104,6 +113,8 @@ class Service:
         self.l2: L2Parts | None = None
         self.control: ControlContext | None = None
         self.admin: Administration | None = None
+        #: the one event bus, built at start (app/wiring.build_events); subscribers: event_subscribers
+        self.events: EventBus | None = None
         self._lock: DataDirLock | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
@@ -119,6 +130,8 @@ class Service:
         running = set(self.supervisor.running())
         out = {"l1": "running" if self.arena is not None and not self.arena.closed else "stopped"}
         names = ["dataplane", "lease-reaper", "http"]
+        if self.settings.events.enabled:
+            names.append("events")
         names += [f"l2-store-{i}" for i in range(self.settings.l2.store_concurrency)]
         for name in names:
             out[name] = "failed" if name in failures else ("running" if name in running else "stopped")
@@ -160,7 +173,9 @@ class Service:
             s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate
         )
         store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
-        cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue)
+        # One bus for every component: the cache carries it to the engine and the L2 parts.
+        events = self.events = build_events(s.events)
+        cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue, events=events)
         # Checksums over whole chunks and copies of loaded blobs into the arena run here.
         self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
         data_dir = s.data_dir
@@ -210,7 +225,9 @@ class Service:
             status=StatusReader(self.engine, admin),
             health=self,
             registry=registry,
+            events=events,
         )
+        subscribe_events(events, self.event_subscribers())
         config = uvicorn.Config(
             create_app(self.control),
             log_config=None,
@@ -219,6 +236,12 @@ class Service:
             timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
         )
         self.http_server = _Uvicorn(config)
+
+    def event_subscribers(self) -> list[Subscriber]:
+        """The event bus's subscribers, called once everything is built and before the bus runs
+        (the KV-event publisher joins here). None yet: the bus's own figures are exported as
+        metrics without one."""
+        return []
 
     def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
@@ -290,6 +313,8 @@ class Service:
         # full passes, which otherwise stall the loop for tens of milliseconds now and then.
         gc.collect()
         gc.freeze()
+        if self.events is not None and self.events.enabled:
+            self.supervisor.start("events", self.events.run(), drain=False)
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
@@ -313,6 +338,8 @@ class Service:
             self.http_server.should_exit = True
             await self._shutdown_l2(s.shutdown_timeout_s)
             await self.supervisor.stop(s.shutdown_timeout_s)
+            if self.events is not None:
+                self.events.flush()  # what was published last reaches the subscribers
             self.close()
             log.info("kvdepot_stopped", uptime_s=round(self.uptime_s(), 3))
         return 0

@@ -5,7 +5,9 @@ the service. Each builder takes the settings part it needs and the objects built
 
 Builders in call order:
   build_lifeline(data_dir, regions, sessions)        the lifeline server: one per data-plane session
-  build_cache(l1, capacity, ledger, shedder)         L1: allocator, LRU, watermarks, leases
+  build_events(events)                               the one event bus (engine/events.py)
+  subscribe_events(bus, subscribers)                 its subscribers, before its dispatcher runs
+  build_cache(l1, capacity, ledger, shedder, events) L1: allocator, LRU, watermarks, leases
   build_l2(l2, cache=, queue=, arena=, build=, ...)  tiers, write-behind, prefetch (no adapter yet)
   build_engine(l1, arena=, cache=, l2=)              the data-plane facade
   build_admin(engine, quota_file, executor)          quotas and L2 administration
@@ -22,8 +24,9 @@ from pathlib import Path
 
 from api.dataplane.sessions import Session, SessionTable
 from api.lifeline import Lifeline, LifelineRefused, LifelineServer, SharedRegion
-from app.settings import AdapterConfig, DataPlaneSettings, L1Settings, L2Settings
+from app.settings import AdapterConfig, DataPlaneSettings, EventSettings, L1Settings, L2Settings
 from engine.admin import Administration
+from engine.events import EventBus, Subscriber
 from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
@@ -78,15 +81,28 @@ def build_lifeline(
     )  # fmt: skip
 
 
+def build_events(events: EventSettings) -> EventBus:
+    """The sidecar's one event bus: given to the cache, which the engine and L2 parts share."""
+    return EventBus(capacity=events.capacity, enabled=events.enabled, linger_s=events.linger_ms / 1000)
+
+
+def subscribe_events(bus: EventBus, subscribers: Sequence[Subscriber]) -> None:
+    """Subscribers join the bus here, at wiring time, before its dispatcher runs."""
+    for callback in subscribers:
+        bus.subscribe(callback)
+
+
 def build_cache(
-    l1: L1Settings, capacity: int, ledger: TenantLedger | None = None, shedder: Shedder | None = None
-) -> L1Cache:
+    l1: L1Settings, capacity: int, ledger: TenantLedger | None = None, shedder: Shedder | None = None,
+    events: EventBus | None = None,
+) -> L1Cache:  # fmt: skip
     """An L1 cache over `capacity` bytes of arena, LRU, reporting into `ledger` (a fresh one if None),
-    letting go of chunks queued for write-behind through `shedder` when it has no other room."""
+    letting go of chunks queued for write-behind through `shedder` when it has no other room,
+    publishing on `events` (None: a disabled bus)."""
     return L1Cache(
         ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
         low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
-        quarantine_max_bytes=l1.quarantine_max_bytes,
+        quarantine_max_bytes=l1.quarantine_max_bytes, events=events,
     )  # fmt: skip
 
 
@@ -99,16 +115,17 @@ def build_l2(
     """The L2 machinery (no adapter attached yet): tiers building adapters with `build` and
     reporting into the cache's ledger, write-behind of what `queue` holds (the queue the cache was
     given as its shedder) and prefetch, running codecs in `executor`; blobs of tiers that
-    authenticate are signed and checked with `keys`."""
-    tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger)
+    authenticate are signed and checked with `keys`. They publish on the cache's event bus."""
+    events = cache.events
+    tiers = L2Tiers(build, drain_timeout_s=drain_timeout_s, ledger=cache.ledger, events=events)
     store = StoreController(
         cache=cache, arena=arena, tiers=tiers, queue=queue, policy=l2.store_policy,
         codec_options=functools.partial(codec_options, fp8_values=l2.fp8_values, lz4=l2.lz4),
-        executor=executor, keys=keys,
+        executor=executor, keys=keys, events=events,
     )  # fmt: skip
     prefetch = PrefetchController(
         cache=cache, arena=arena, tiers=tiers, deadline_s=l2.prefetch_deadline_ms / 1000,
-        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock, keys=keys,
+        max_inflight=l2.prefetch_max_inflight, executor=executor, clock=clock, keys=keys, events=events,
     )  # fmt: skip
     return L2Parts(tiers=tiers, store=store, prefetch=prefetch)
 
@@ -122,7 +139,7 @@ def build_engine(
         arena=arena, cache=cache, chunk_size=l1.chunk_size, read_lease_s=l1.read_lease_s, l2=l2, clock=clock,
         max_request_share=l1.max_request_share, max_registrations=dp.max_registrations,
         max_registrations_per_instance=dp.max_registrations_per_instance,
-        registration_idle_s=dp.session_idle_s,
+        registration_idle_s=dp.session_idle_s, events=cache.events,
     )  # fmt: skip
 
 

@@ -56,6 +56,8 @@ from functools import partial
 import structlog
 
 from app.errors import InvalidInput, LeaseExpired, NotFound, NotOwner
+from engine.announce import StoreAnnouncer
+from engine.events import L1_TIER, EventBus, Kind
 from engine.keys import KVLayout, ObjectKey, TokenHasher
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
@@ -84,9 +86,15 @@ class CacheEngine:
         max_registrations: int = 1024,
         max_registrations_per_instance: int = 64,
         registration_idle_s: float = 600.0,
+        events: EventBus | None = None,
     ) -> None:
         self.arena = arena
         self.cache = cache
+        #: the sidecar's one event bus (the cache's: L1 REMOVED is published there)
+        self.events = events if events is not None else cache.events
+        if self.events is not cache.events:
+            raise ValueError("the engine and its L1 cache must publish on the same event bus")
+        self._announcer = StoreAnnouncer(self.events, chunk_size)
         self.tenants: TenantLedger = cache.ledger
         if l2 is not None and l2.tiers.ledger is not None and l2.tiers.ledger is not cache.ledger:
             raise ValueError("the L2 tiers must report into the L1 cache's ledger")
@@ -159,6 +167,11 @@ class CacheEngine:
         self.tenants.note_lookup(salt, hit, n - hit)
         c.hit_tokens += hit * self.chunk_size
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
+        events = self.events
+        if events.enabled:
+            events.emit(
+                Kind.LOOKUP, tier=L1_TIER, op="lookup", request_id=request_id, detail=hit * self.chunk_size
+            )
         return LookupResult(
             hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=n, pending_chunks=pending
         )
@@ -240,12 +253,12 @@ class CacheEngine:
 
     def store(
         self, engine_id: int, request_id: str, tokens: bytes, salt: str, first_chunk: int = 0, *,
-        holder: int = 0, extras: Sequence[bytes] = (), prompt_tokens: int = 0,
+        holder: int = 0, extras: Sequence[bytes] = (), prompt_tokens: int = 0, lora_name: str = "",
     ) -> list[StoreSlot]:  # fmt: skip
         """Reserve slots for full chunks `first_chunk..` of `tokens`. The client copies, then
         commits. `holder`: the client session that copies (0: the sidecar copies itself);
         `prompt_tokens`: the request's prompt length: a chunk that ends after it holds generated
-        tokens (0: every chunk is prompt)."""
+        tokens (0: every chunk is prompt); `lora_name`: the LoRA adapter, for the STORED events."""
         reg = self.registration(engine_id)
         _check_ids(request_id, salt)
         n = self.hasher.full_chunks(tokens)
@@ -261,6 +274,7 @@ class CacheEngine:
         c = self.counters
         c.store_requests += 1
         seen = self.l2 is not None and self.l2.store.policy == "seen_twice"
+        announce = self._announcer if self.events.enabled else None
         # A tenant with an L1 limit: a lowered limit is met now, and the chunks of this store that
         # are present are held until it returns (see the module docstring).
         limited = self.tenants.limit(salt, L1) is not None
@@ -292,6 +306,11 @@ class CacheEngine:
                     )
                     if isinstance(got, L1Object):
                         slots.append(StoreSlot(i, SlotStatus.RESERVED, got.oid, got.offset, got.size))
+                        if announce is not None:
+                            announce.reserved(
+                                got.oid, request_id, tokens, i, hashes=hashes, extras=extras,
+                                lora_name=lora_name,
+                            )  # fmt: skip
                         c.stored_chunks += 1
                         taken += charge
                         continue
@@ -324,6 +343,8 @@ class CacheEngine:
                 out.append(False)
                 continue
             out.append(True)
+            if self.events.enabled:
+                self._announcer.committed(obj)
             if obj.generated:
                 self.counters.decode_chunks_stored += 1
             if store is not None and obj.visible:
@@ -341,6 +362,7 @@ class CacheEngine:
             except NotFound:
                 continue
             self.cache.abort(obj)
+            self._announcer.dropped(oid)
             n += 1
         return n
 
@@ -357,6 +379,8 @@ class CacheEngine:
         """The client session `holder` is gone (its lifeline closed: the process cannot write any
         more): its write reservations are dropped at once. Returns how many."""
         n = self.cache.release_holder(holder)
+        if n and self._announcer:
+            self._announcer.prune(self._reserved)
         self.counters.gone_reservations += n
         return n
 
@@ -374,14 +398,20 @@ class CacheEngine:
     # --- maintenance ---------------------------------------------------------------------------
 
     def clear(self, salt: str | None = None) -> int:
-        """Delete every object (of one tenant when `salt` is given); locked ones go when unlocked."""
-        pred = None if salt is None else (lambda o: o.key.salt == salt)
-        return self.cache.clear(pred)
+        """Delete every object (of one tenant when `salt` is given); locked ones go when unlocked.
+        Events: CLEARED (tier L1) for all; REMOVED "purged" per chunk for one tenant."""
+        if salt is None:
+            n = self.cache.clear(None, reason="")
+            self.events.emit(Kind.CLEARED, tier=L1_TIER, op="clear", detail=n)
+            return n
+        return self.cache.clear(lambda o: o.key.salt == salt, reason="purged")
 
     def reap(self) -> tuple[int, int]:
         """Reclaim expired write reservations and read locks. Returns (reservations, requests)."""
         now = self._clock()
         reservations = self.cache.reap(now)
+        if reservations and self._announcer:
+            self._announcer.prune(self._reserved)
         expired = self._requests.reap(now)
         self.counters.expired_locks += expired
         return reservations, expired
@@ -395,6 +425,9 @@ class CacheEngine:
             except Exception:
                 self.counters.reaper_errors += 1
                 log.exception("lease_reaper_pass_failed", errors=self.counters.reaper_errors)
+
+    def _reserved(self, oid: int) -> bool:
+        return self.cache.owner_of(oid) is not None
 
     def locked_requests(self) -> int:
         """Requests holding read locks now (for /status)."""

@@ -19,7 +19,7 @@ Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
   load(engine, request, first, n, blocks, skip) retrieve the request's locked chunks, copy them
                                                 into the blocks, release -> False if a lease expired
-  save(engine, request, tokens, salt, first, blocks[, prompt_tokens])
+  save(engine, request, tokens, salt, first, blocks[, prompt_tokens, lora_name])
                                                 reserve, copy out of the blocks, commit
   drop(engine)                                  the planes are closed
 L1 memory stays locked (load) or reserved (save) until its copy has completed.
@@ -162,6 +162,7 @@ class KVTransfers:
         block_ids: Sequence[int],
         extras: Sequence[bytes] = (),
         prompt_tokens: int = 0,
+        lora_name: str = "",
     ) -> SaveOutcome:
         planes, fmt = self._registered(engine_id)
         bpc = fmt.blocks_per_chunk
@@ -171,8 +172,9 @@ class KVTransfers:
         )
         self._check_blocks(block_ids, planes)
         slots = self.engine.store(
-            engine_id, request_id, tokens, salt, first_chunk, extras=extras, prompt_tokens=prompt_tokens
-        )
+            engine_id, request_id, tokens, salt, first_chunk, extras=extras, prompt_tokens=prompt_tokens,
+            lora_name=lora_name,
+        )  # fmt: skip
         reserved = [s for s in slots if s.status is SlotStatus.RESERVED]
         if len(block_ids) < len(slots) * bpc:
             self.engine.abort(engine_id, [s.oid for s in reserved])

@@ -58,6 +58,7 @@ from app.errors import (
     Unauthorized,
     UnsupportedVersion,
 )
+from engine.events import Kind
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult, SlotStatus
@@ -88,6 +89,8 @@ class DataPlaneServer:
         lifeline_path: str = "",
     ) -> None:
         self.engine = engine
+        #: START/END around every operation and ERROR for every error reply go to the engine's bus
+        self.events = engine.events
         self.transfers: KVTransfers | None = None
         self._make_transfers = make_transfers
         self._making: asyncio.Task[KVTransfers] | None = None
@@ -149,12 +152,16 @@ class DataPlaneServer:
 
     def handle(self, frame: bytes, peer: bytes = b"") -> bytes | Awaitable[bytes]:
         """The reply to one frame from connection `peer` (its routing id); an awaitable when the
-        answer has to wait (LOOKUP with wait, LOAD_BLOCKS, SAVE_BLOCKS). Latency is observed when
-        the reply is ready, awaited or not."""
+        answer has to wait (LOOKUP with wait, LOAD_BLOCKS, SAVE_BLOCKS). Latency is observed, and
+        the operation's END published, when the reply is ready, awaited or not."""
         start = time.perf_counter()
         op = "malformed"
         rid = -1
         pending: Awaitable[p.Reply] | None = None
+        events = self.events
+        span = 0
+        request_id = ""
+        outcome = "ok"
         try:
             if len(frame) > self.max_frame_bytes:
                 raise InvalidInput(f"frame of {len(frame)} bytes exceeds {self.max_frame_bytes}")
@@ -165,6 +172,9 @@ class DataPlaneServer:
                 raise ProtocolError(str(exc)[:300]) from None
             rid = msg.id
             op = _TAGS[type(msg)]
+            if events.enabled:
+                request_id = getattr(msg, "request_id", "")
+                span = events.start(op, request_id)
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
                 if isinstance(msg, p.Hello):
                     return p.encode(self._hello(msg, peer))
@@ -176,34 +186,49 @@ class DataPlaneServer:
             if isinstance(reply, msgspec.Struct):
                 return p.encode(reply)
             pending = reply
-            return self._finish_later(rid, op, pending, start)
+            return self._finish_later(rid, op, pending, start, span=span, request_id=request_id)
         except Exception as exc:
-            return self._error(rid, op, exc)
+            outcome = _code(exc).value
+            return self._error(rid, op, exc, request_id)
         finally:
-            if pending is None and self.metrics is not None:
-                self.metrics.observe(op, time.perf_counter() - start)
+            if pending is None:
+                if self.metrics is not None:
+                    self.metrics.observe(op, time.perf_counter() - start)
+                if span:
+                    events.end(span, op, request_id, reason=outcome)
 
-    async def _finish_later(self, rid: int, op: str, pending: Awaitable[p.Reply], start: float) -> bytes:
+    async def _finish_later(
+        self, rid: int, op: str, pending: Awaitable[p.Reply], start: float, *, span: int, request_id: str
+    ) -> bytes:
         """The awaited part of a handler, under the same log context, timed from the frame's arrival."""
+        outcome = "ok"
         try:
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
                 return p.encode(await pending)
         except Exception as exc:
-            return self._error(rid, op, exc)
+            outcome = _code(exc).value
+            return self._error(rid, op, exc, request_id)
         finally:
             if self.metrics is not None:
                 self.metrics.observe(op, time.perf_counter() - start)
+            if span:
+                self.events.end(span, op, request_id, reason=outcome)
 
-    def _error(self, rid: int, op: str, exc: Exception) -> bytes:
-        """The one way an error becomes a reply: the class's data-plane code, counted. Anything
-        but a KVDepotError is a bug: logged, answered with `internal`, and the loop goes on."""
+    def _error(self, rid: int, op: str, exc: Exception, request_id: str = "") -> bytes:
+        """The one way an error becomes a reply: the class's data-plane code, counted (and published
+        as an ERROR event). Anything but a KVDepotError is a bug: logged, answered with `internal`,
+        and the loop goes on."""
+        code = _code(exc)
         if isinstance(exc, KVDepotError):
-            code, message, retryable = wire_code(exc), exc.message, exc.retryable
+            message, retryable = exc.message, exc.retryable
         else:
             log.error("dataplane_handler_failed", op=op, exc_info=exc)
-            code, message, retryable = p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:300], False
+            message, retryable = f"{type(exc).__name__}: {exc}"[:300], False
         if self.metrics is not None:
             self.metrics.error(op, code)
+        events = self.events
+        if events.enabled:
+            events.emit(Kind.ERROR, op=op, request_id=request_id, reason=code.value)
         return p.encode(p.ErrorReply(id=rid, code=code.value, message=message, retryable=retryable))
 
     def _tokens(self, data: bytes) -> bytes:
@@ -300,7 +325,7 @@ class DataPlaneServer:
     def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(
             m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id,
-            extras=m.extra_keys, prompt_tokens=m.prompt_tokens,
+            extras=m.extra_keys, prompt_tokens=m.prompt_tokens, lora_name=m.lora_name,
         )  # fmt: skip
         return p.StoreReply(
             id=m.id,
@@ -398,9 +423,13 @@ class DataPlaneServer:
         out = await self._transfers().save(
             m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
             first_chunk=m.first_chunk, block_ids=m.block_ids, extras=m.extra_keys,
-            prompt_tokens=m.prompt_tokens,
+            prompt_tokens=m.prompt_tokens, lora_name=m.lora_name,
         )  # fmt: skip
         return p.SaveReply(id=m.id, stored=out.stored, existing=out.existing, refused=out.refused)
+
+
+def _code(exc: Exception) -> p.ErrorCode:
+    return wire_code(exc) if isinstance(exc, KVDepotError) else p.ErrorCode.INTERNAL
 
 
 def _lookup_reply(rid: int, r: LookupResult) -> p.LookupReply:

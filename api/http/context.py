@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
+from engine.events import EventBus
 from engine.status import StatusReader
 
 
@@ -27,12 +28,14 @@ class ServiceHealth(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ControlContext:
-    """The settings, quota and L2 administration, engine status snapshots, health, metrics."""
+    """The settings, quota and L2 administration, engine status snapshots, health, metrics, and the
+    sidecar's event bus (routes that subscribe or report on it)."""
 
     settings: Settings
     admin: Administration
     status: StatusReader
     health: ServiceHealth
     registry: CollectorRegistry
+    events: EventBus | None = None
     inventory: Inventory | None = None
     """The KV events' resync listing (None when kv_events is off)."""

@@ -124,11 +124,14 @@ class AsyncKVDepotClient(ClientBase):
         cache_salt: str = "",
         first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
+        lora_name: str = "",
     ) -> StoreOutcome:
         """As `KVDepotClient.store`; the copies run in a thread."""
         s = self._session
         reply = await self._call(
-            calls.reserve(tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys)
+            calls.reserve(
+                tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys, lora_name=lora_name
+            )
         )
         try:
             oids = await asyncio.to_thread(s.copy_in, reply, chunks, first_chunk)

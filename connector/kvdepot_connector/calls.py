@@ -125,10 +125,17 @@ def load_blocks(
     )  # fmt: skip
 
 
+def _lora(lora_name: str) -> str:
+    if len(lora_name) > p.MAX_LORA_NAME_LEN:
+        raise ValueError(f"lora_name has {len(lora_name)} characters, at most {p.MAX_LORA_NAME_LEN} allowed")
+    return lora_name
+
+
 def save_blocks(
     tokens: Tokens, request_id: str, block_ids: Sequence[int], cache_salt: str, first_chunk: int, *,
-    extra_keys: Sequence[bytes] = (), prompt_tokens: int = 0,
+    extra_keys: Sequence[bytes] = (), prompt_tokens: int = 0, lora_name: str = "",
 ) -> Call[p.SaveReply]:  # fmt: skip
+    lora = _lora(lora_name)
     data = p.encode_tokens(tokens)
     ids = list(block_ids)
     extras = list(extra_keys)
@@ -136,6 +143,7 @@ def save_blocks(
         lambda i, e: p.SaveBlocks(
             id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt,
             first_chunk=first_chunk, block_ids=ids, extra_keys=extras, prompt_tokens=prompt_tokens,
+            lora_name=lora,
         ),
         p.SaveReply, _same,
     )  # fmt: skip
@@ -143,14 +151,15 @@ def save_blocks(
 
 def reserve(
     tokens: Tokens, request_id: str, cache_salt: str, first_chunk: int, *, extra_keys: Sequence[bytes] = (),
-    prompt_tokens: int = 0,
+    prompt_tokens: int = 0, lora_name: str = "",
 ) -> Call[p.StoreReply]:
+    lora = _lora(lora_name)
     data = p.encode_tokens(tokens)
     extras = list(extra_keys)
     return _call(
         lambda i, e: p.Store(id=i, engine_id=e, request_id=request_id, tokens=data,
                              cache_salt=cache_salt, first_chunk=first_chunk, extra_keys=extras,
-                             prompt_tokens=prompt_tokens),
+                             prompt_tokens=prompt_tokens, lora_name=lora),
         p.StoreReply, _same,
     )  # fmt: skip
 

@@ -206,13 +206,15 @@ class KVDepotClient(ClientBase):
         first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
         prompt_tokens: int = 0,
+        lora_name: str = "",
     ) -> p.SaveReply:
         """The sidecar stores the full chunks `first_chunk..` of `tokens` from `block_ids`.
-        `prompt_tokens`: the prompt's length (chunks past it hold generated tokens; 0: all prompt)."""
+        `prompt_tokens`: the prompt's length (chunks past it hold generated tokens; 0: all prompt);
+        `lora_name`: the LoRA adapter the KV was computed with (for the sidecar's events)."""
         return self._call(
             calls.save_blocks(
                 tokens, request_id, block_ids, cache_salt, first_chunk, extra_keys=extra_keys,
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=prompt_tokens, lora_name=lora_name,
             )
         )
 
@@ -223,14 +225,15 @@ class KVDepotClient(ClientBase):
     def reserve(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
-        prompt_tokens: int = 0,
+        prompt_tokens: int = 0, lora_name: str = "",
     ) -> p.StoreReply:  # fmt: skip
         """Phase one of a store: slots for the full chunks `first_chunk..` of `tokens`.
-        `prompt_tokens`: the prompt's length (chunks past it hold generated tokens; 0: all prompt)."""
+        `prompt_tokens`: the prompt's length (chunks past it hold generated tokens; 0: all prompt);
+        `lora_name`: the LoRA adapter the KV was computed with (for the sidecar's events)."""
         return self._call(
             calls.reserve(
                 tokens, request_id, cache_salt, first_chunk, extra_keys=extra_keys,
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=prompt_tokens, lora_name=lora_name,
             )
         )
 
@@ -251,13 +254,14 @@ class KVDepotClient(ClientBase):
         cache_salt: str = "",
         first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
+        lora_name: str = "",
     ) -> StoreOutcome:
         """Store `chunks` as the full chunks `first_chunk..` of `tokens`: reserve, copy, commit."""
         s = self._session
         with self._lock:
             reply = self.reserve(
                 tokens, request_id=request_id, cache_salt=cache_salt, first_chunk=first_chunk,
-                extra_keys=extra_keys,
+                extra_keys=extra_keys, lora_name=lora_name,
             )  # fmt: skip
             try:
                 oids = s.copy_in(reply, chunks, first_chunk)

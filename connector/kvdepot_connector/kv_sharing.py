@@ -18,7 +18,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvdepot_connector.wire import Count, Dim, EngineId, ExtraKeys, Msg, Name
+from kvdepot_connector.wire import Count, Dim, EngineId, ExtraKeys, LoraName, Msg, Name
 
 
 class TensorHandle(msgspec.Struct, frozen=True):
@@ -80,6 +80,7 @@ class SaveBlocks(Msg, tag="save_blocks"):
     block_ids: BlockIds = msgspec.field(default_factory=list)
     extra_keys: ExtraKeys = msgspec.field(default_factory=list)  # as in protocol.Store
     prompt_tokens: Count = 0
+    lora_name: LoraName = ""  # as in protocol.Store
 
 
 class SaveReply(Msg, tag="save_reply"):

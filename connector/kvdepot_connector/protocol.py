@@ -54,7 +54,7 @@ Requests, in the order a client uses them:
                                             client copied from (`oids`, from RETRIEVE) is still the
                                             same live object (its bytes unchanged); without oids,
                                             only when the request still held its locks
-  Store(engine_id, request_id, tokens, cache_salt, first_chunk, extra_keys, prompt_tokens)
+  Store(engine_id, request_id, tokens, cache_salt, first_chunk, extra_keys, prompt_tokens[, lora_name])
                                          -> StoreReply: per chunk reserved(oid, offset)/exists/
                                             no_space/quota
   Commit(engine_id, oids)                -> CommitReply: per oid True, False = lease expired
@@ -68,7 +68,8 @@ CPU), the sidecar copies itself instead of the client (the messages: `kv_sharing
 
   RegisterKVCache(engine_id, layers)     -> CountReply
   LoadBlocks(engine_id, request_id, chunks, block_ids)   -> ReleaseReply (valid = blocks filled)
-  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids, extra_keys, prompt_tokens)
+  SaveBlocks(engine_id, request_id, tokens, salt, first_chunk, block_ids, extra_keys, prompt_tokens
+             [, lora_name])
                                          -> SaveReply
 
 Any request may instead get an ErrorReply(code, message, retryable). A frame that cannot be
@@ -97,6 +98,7 @@ from kvdepot_connector.wire import (
     INSTANCE_PATTERN,
     MAX_ID_LEN,
     MAX_LIST,
+    MAX_LORA_NAME_LEN,
     PROTOCOL_VERSION,
     TOKEN_BYTES,
     Count,
@@ -107,6 +109,7 @@ from kvdepot_connector.wire import (
     ExtraKeys,
     Id,
     Layout,
+    LoraName,
     Msg,
     Name,
     Oid,
@@ -116,10 +119,12 @@ from kvdepot_connector.wire import (
 
 # the whole wire, including what kv_sharing and wire define: import it from here
 __all__ = [
-    "EXTRA_KEY_BYTES", "INSTANCE_PATTERN", "MAX_ID_LEN", "MAX_LIST", "PROTOCOL_VERSION", "TOKEN_BYTES",
+    "EXTRA_KEY_BYTES", "INSTANCE_PATTERN", "MAX_ID_LEN", "MAX_LIST", "MAX_LORA_NAME_LEN", "PROTOCOL_VERSION",
+    "TOKEN_BYTES",
     "Abort", "BlockIds", "Clear", "Commit", "CommitReply", "Count", "CountReply", "Dim", "EndRequest",
     "EngineId", "ErrorCode", "ErrorReply", "Extent", "ExtraKey", "ExtraKeys", "FreeLookupLocks", "Hello",
-    "HelloReply", "Id", "Layout", "LoadBlocks", "Lookup", "LookupReply", "Name", "Oid", "Ping", "Pong",
+    "HelloReply", "Id", "Layout", "LoadBlocks", "Lookup", "LookupReply", "LoraName", "Name", "Oid", "Ping",
+    "Pong",
     "QueryPrefetch", "Register", "RegisterKVCache", "RegisterReply", "Release", "ReleaseReply", "Reply",
     "Request", "Retrieve", "RetrieveReply", "SaveBlocks", "SaveReply", "Slot", "SlotStatus", "Store",
     "StoreReply", "TensorHandle", "Uncacheable", "encode", "encode_tokens", "reply_decoder",
@@ -183,7 +188,9 @@ class Release(Msg, tag="release"):
 
 class Store(Msg, tag="store"):
     """`prompt_tokens`: the request's prompt length; chunks that end after it contain generated
-    tokens (counted apart by the sidecar); 0 means all prompt."""
+    tokens (counted apart by the sidecar); 0 means all prompt. `lora_name` (optional, bounded):
+    the LoRA adapter the KV was computed with, announced in the sidecar's STORED events (it keys
+    nothing: the extra keys do)."""
 
     engine_id: EngineId
     request_id: Name
@@ -192,6 +199,7 @@ class Store(Msg, tag="store"):
     first_chunk: Count = 0
     extra_keys: ExtraKeys = msgspec.field(default_factory=list)
     prompt_tokens: Count = 0
+    lora_name: LoraName = ""
 
 
 class Commit(Msg, tag="commit"):

@@ -28,6 +28,9 @@ INSTANCE_PATTERN = "^([0-9a-f]{16,128})?$"
 Id = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]
 EngineId = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+MAX_LORA_NAME_LEN = 256
+LoraName = Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_LEN)]
+"""The LoRA adapter a stored chunk's KV was computed with (optional: "" = none or not said)."""
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Oid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]

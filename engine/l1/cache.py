@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from app.errors import LeaseExpired, NotFound
+from engine.events import L1_TIER, EventBus, Kind
 from engine.keys import Namespace, ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
@@ -101,8 +102,11 @@ class L1Cache:
         ledger: TenantLedger | None = None,
         shedder: Shedder | None = None,
         quarantine_max_bytes: int | None = None,
+        events: EventBus | None = None,
     ) -> None:
         self.allocator = allocator
+        #: REMOVED (tier L1) is published here when a committed object leaves (events disabled: none)
+        self.events = events if events is not None else EventBus(enabled=False)
         self.policy = policy
         #: usage per tenant; without one given, a ledger without quotas (everyone shares freely)
         self.ledger = ledger if ledger is not None else TenantLedger()
@@ -116,7 +120,7 @@ class L1Cache:
         self._oids = OidSource()
         self._room = RoomMaker(
             allocator, policy, self.ledger, self.counters, high=int(allocator.capacity * high_watermark),
-            low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._release,
+            low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._evicted,
             let_go=self._let_go,
         )  # fmt: skip
         self.quarantine = Quarantine(
@@ -234,8 +238,10 @@ class L1Cache:
         obj.last_access = now
         self.policy.on_insert(obj)
         self.counters.committed += 1
-        if obj.doomed:
-            self.delete(obj)
+        if obj.doomed:  # cleared while being written: never visible, so nothing to announce
+            obj.apply(Event.DELETE)
+            self.counters.deleted += 1
+            self._release(obj)
         return obj
 
     def abort(self, obj: L1Object) -> None:
@@ -272,6 +278,7 @@ class L1Cache:
     def unlock(self, obj: L1Object) -> None:
         if obj.apply(Event.UNLOCK) is ObjectState.DELETED:
             self.counters.deleted += 1
+            self._removed(obj, "deleted")
             self._release(obj)
 
     # --- pins (copies to L2) -------------------------------------------------------------------
@@ -288,6 +295,7 @@ class L1Cache:
         obj.in_l2 = copied
         if obj.apply(Event.UNPIN) is ObjectState.DELETED:
             self.counters.deleted += 1
+            self._removed(obj, "deleted")
             self._release(obj)
             return True
         return not obj.held
@@ -297,21 +305,24 @@ class L1Cache:
 
     # --- removal -------------------------------------------------------------------------------
 
-    def delete(self, obj: L1Object) -> None:
+    def delete(self, obj: L1Object, reason: str = "deleted") -> None:
         """Delete a ready object now, or doom a held or reserved one (freed on last unlock, unpin
-        or commit)."""
+        or commit). `reason`: what its REMOVED event says ("" : none, the caller announces)."""
         if obj.state is ObjectState.READY and not obj.pins:
             obj.apply(Event.DELETE)
             self.counters.deleted += 1
+            if reason:
+                self._removed(obj, reason)
             self._release(obj)
         else:
             obj.doomed = True
 
-    def clear(self, predicate: Callable[[L1Object], bool] | None = None) -> int:
+    def clear(self, predicate: Callable[[L1Object], bool] | None = None, reason: str = "deleted") -> int:
+        """Delete every object (`predicate`: those it accepts); `reason` as for `delete`."""
         n = 0
         for obj in list(self._objects.values()):
             if predicate is None or predicate(obj):
-                self.delete(obj)
+                self.delete(obj, reason)
                 n += 1
         return n
 
@@ -374,6 +385,15 @@ class L1Cache:
             del chain[key.chunk_hash]
             if not chain:
                 del self._chains[key.namespace, key.salt]
+
+    def _removed(self, obj: L1Object, reason: str) -> None:
+        events = self.events
+        if events.enabled:
+            events.emit(Kind.REMOVED, tier=L1_TIER, key=obj.key, reason=reason)
+
+    def _evicted(self, obj: L1Object) -> None:
+        self._removed(obj, "evicted")
+        self._release(obj)
 
     def _release(self, obj: L1Object) -> None:
         self._forget(obj)

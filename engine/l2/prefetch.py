@@ -22,6 +22,10 @@ so far. A chunk that arrives for a request that moved on is kept as an ordinary 
 (`cache.make_ordinary`). A reservation is busy for I/O (`cache.busy_for_io`: never reaped) while
 threads read or copy into it, and is aborted only after they have finished, so its memory is
 never reused while a thread still writes it. A blob that fails its check is counted and deleted from its tier.
+
+Events: START/END "l2.load" (tier = the adapter) around each load, STORED (tier L1, op "l2.load",
+reason = the tier it came from) when a loaded chunk is committed, REMOVED "corrupt" for a blob that
+failed its check, ERROR "l2.load" for a load that failed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 import structlog
 
 from app.errors import AuthenticationError, IntegrityError, LeaseExpired
+from engine.events import L1_TIER, EventBus, Kind
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
@@ -45,6 +50,7 @@ from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
 from storage import codec
 from storage.auth import BlobKeys
+from storage.base import LoadResult
 
 log = structlog.get_logger("kvdepot.l2.prefetch")
 
@@ -105,10 +111,12 @@ class PrefetchController:
         executor: Executor,
         clock: Callable[[], float],
         keys: BlobKeys | None = None,
+        events: EventBus | None = None,
     ) -> None:
         self.cache = cache
         self.arena = arena
         self.tiers = tiers
+        self.events = events if events is not None else cache.events
         self.deadline_s = deadline_s
         self.counters = PrefetchCounters()
         self._slots = asyncio.Semaphore(max_inflight)
@@ -185,6 +193,8 @@ class PrefetchController:
         finally:
             slot.obj = None
         self._resolve(slot.key, obj)
+        if self.events.enabled:
+            self.events.emit(Kind.STORED, tier=L1_TIER, key=obj.key, op="l2.load", reason=slot.tier.name)
         self.counters.chunks_loaded += 1
         self.counters.bytes_loaded += obj.size
         slot.ready = obj
@@ -251,11 +261,20 @@ class PrefetchController:
             # decode): it must not be reaped, aborted or reused until they are done. load_into
             # returns, even when cancelled, only once its threads are done with `out`.
             with self.cache.busy_for_io(obj):
+                events = self.events
+                span = events.start("l2.load", tier=slot.tier.name) if events.enabled else 0
+                got: LoadResult | None = None
                 with slot.tier.use():
-                    result = (await slot.tier.adapter.load_into([slot.name], [out]))[0]
+                    try:
+                        result = got = (await slot.tier.adapter.load_into([slot.name], [out]))[0]
+                    finally:
+                        if span:
+                            status = "cancelled" if got is None else got.status.value
+                            events.end(span, "l2.load", tier=slot.tier.name, reason=status)
                 if not result.ok or result.data is None:
                     if result.status.value == "error":
                         self.counters.load_errors += 1
+                        events.emit(Kind.ERROR, tier=slot.tier.name, key=obj.key, op="l2.load", reason="load")
                     return False
                 if not _reserved(obj):
                     return False
@@ -283,6 +302,7 @@ class PrefetchController:
                         self.counters.auth_failures += 1
                         stats.auth_failures += 1
                     log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
+                    self.events.emit(Kind.REMOVED, tier=slot.tier.name, key=slot.key, reason="corrupt")
                     self._spawn_delete(slot.tier, slot.name)
                     return False
                 return True

@@ -17,6 +17,9 @@ Primitives in call order:
                            unpin each chunk saying whether it reached L2 (if not, a later commit
                            or hit may queue it again)
 
+Events: START/END "l2.store" (tier = the adapter, END's detail = chunks written) around each
+batch written to a tier, then per chunk STORED (tier = the adapter) or ERROR (op "l2.store").
+
 Tenant quotas in L2 (`l2_bytes`, a limit per adapter; the ledger is `tiers.ledger`, into which
 each adapter reports what it holds). Before a blob of tenant s is written to tier t, with L the
 limit of (s, t), H what s holds there and P the bytes of s being written there by other batches:
@@ -45,6 +48,7 @@ from concurrent.futures import Executor
 
 import structlog
 
+from engine.events import EventBus, Kind
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
@@ -74,10 +78,12 @@ class StoreController:
         codec_options: Callable[[Registration], codec.CodecOptions],
         executor: Executor,
         keys: BlobKeys | None = None,
+        events: EventBus | None = None,
     ) -> None:
         self.cache = cache
         self.arena = arena
         self.tiers = tiers
+        self.events = events if events is not None else cache.events
         self.policy = policy
         self.queue = queue
         self.counters = queue.counters
@@ -216,13 +222,21 @@ class StoreController:
         blobs = await loop.run_in_executor(self._executor, self._encode, batch, sign)
         salts = [item.obj.key.salt for item in batch]
         ok = [False] * len(batch)
+        events = self.events
         for tier in targets:
             admitted, results = await self._store_to(tier, blobs, salts)
             for i, result in zip(admitted, results, strict=True):
                 if result.ok:
                     ok[i] = True
+                    if events.enabled:
+                        events.emit(Kind.STORED, tier=tier.name, key=batch[i].obj.key, op="l2.store")
                 else:
                     self.counters.failed += 1
+                    if events.enabled:
+                        events.emit(
+                            Kind.ERROR, tier=tier.name, key=batch[i].obj.key, op="l2.store",
+                            reason=result.status.value,
+                        )  # fmt: skip
         for blob, written in zip(blobs, ok, strict=True):
             if written:
                 self.counters.written += 1
@@ -241,8 +255,17 @@ class StoreController:
                         admitted.append(i)
                 if not admitted:
                     return [], []
+                events = self.events
+                span = events.start("l2.store", tier=tier.name) if events.enabled else 0
                 start = time.perf_counter()
-                results = await tier.adapter.store([(blobs[i].key, blobs[i]) for i in admitted])
+                results: list[OpResult] | None = None
+                try:
+                    results = await tier.adapter.store([(blobs[i].key, blobs[i]) for i in admitted])
+                finally:
+                    if span:
+                        stored = 0 if results is None else sum(r.ok for r in results)
+                        reason = "cancelled" if results is None else "ok"
+                        events.end(span, "l2.store", tier=tier.name, reason=reason, detail=stored)
                 tier.adapter.latency.observe("store_batch", time.perf_counter() - start)
                 return admitted, results
             finally:

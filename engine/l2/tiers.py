@@ -13,6 +13,9 @@ adapter holds (the disk adapter's start reports the blobs it found; Redis: what 
 and has not seen deleted). When the adapter is detached its hook is unbound first, then the
 ledger forgets the tier, then the adapter closes: a new adapter of the same name starts from zero.
 
+Events: every chunk an adapter reports gone is published as REMOVED (tier = the adapter's name,
+reason "evicted" or "deleted"); a removed adapter as CLEARED of its tier.
+
 Primitives in call order:
   add(config)               build, bind the accounting, start; Conflict on a duplicate name,
                             ConfigError (and nothing attached) when the adapter cannot start
@@ -35,7 +38,8 @@ from typing import Literal
 import structlog
 
 from app.errors import ConfigError, Conflict, NotFound
-from engine.keys import salt_of
+from engine.events import EventBus, Kind
+from engine.keys import ObjectKey, salt_of
 from engine.tenants.ledger import TierAccounting
 from storage.base import HoldingsHook, L2Adapter
 from storage.config import AdapterConfig
@@ -95,8 +99,11 @@ class L2Tiers:
         build: Callable[[AdapterConfig], L2Adapter],
         drain_timeout_s: float = 30.0,
         ledger: TierAccounting | None = None,
+        events: EventBus | None = None,
     ) -> None:
         self._build = build
+        #: REMOVED (tier = adapter name) from the adapters' holdings reports; CLEARED on removal
+        self.events = events if events is not None else EventBus(enabled=False)
         self._tiers: dict[str, Tier] = {}
         self.drain_timeout_s = drain_timeout_s
         self.ledger = ledger
@@ -128,8 +135,8 @@ class L2Tiers:
             raise _cannot_start(config, exc) from None
         tier = Tier(adapter, config)
         self._tiers[config.name] = tier  # reserve the name before awaiting
-        if self.ledger is not None:
-            adapter.bind_accounting(salt_of, self._hook(config.name, self.ledger))
+        if self.ledger is not None or self.events.enabled:
+            adapter.bind_accounting(salt_of, self._hook(config.name, self.ledger, self.events))
         try:
             await adapter.start()
         except BaseException as exc:
@@ -158,6 +165,7 @@ class L2Tiers:
         self._tiers.pop(name, None)
         self._forget(tier.adapter)
         await tier.adapter.close()
+        self.events.emit(Kind.CLEARED, tier=name, op="l2.remove")
         log.info("l2_adapter_removed", name=name, mode=mode)
 
     async def close(self) -> None:
@@ -172,8 +180,12 @@ class L2Tiers:
     # --- tenant accounting ---------------------------------------------------------------------
 
     @staticmethod
-    def _hook(tier: str, ledger: TierAccounting) -> HoldingsHook:
+    def _hook(tier: str, ledger: TierAccounting | None, events: EventBus) -> HoldingsHook:
         def report(key: str, delta_bytes: int, delta_objects: int, evicted: bool) -> None:
+            if delta_objects < 0 and events.enabled:
+                _removed(events, tier, key, "evicted" if evicted else "deleted")
+            if ledger is None:
+                return
             salt = salt_of(key)
             if delta_bytes >= 0 and delta_objects >= 0:
                 ledger.charge(salt, tier, delta_bytes, delta_objects)
@@ -185,6 +197,15 @@ class L2Tiers:
         return report
 
     def _forget(self, adapter: L2Adapter) -> None:
+        adapter.unbind_accounting()
         if self.ledger is not None:
-            adapter.unbind_accounting()
             self.ledger.forget_tier(adapter.name)
+
+
+def _removed(events: EventBus, tier: str, key: str, reason: str) -> None:
+    """REMOVED from `tier` of the chunk an adapter names `key` (its serialized ObjectKey)."""
+    try:
+        parsed: ObjectKey | None = ObjectKey.parse(key)
+    except ValueError:
+        parsed = None  # not a key of ours: announced without one
+    events.emit(Kind.REMOVED, tier=tier, key=parsed, reason=reason)

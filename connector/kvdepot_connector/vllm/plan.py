@@ -39,6 +39,7 @@ class SaveSpec:
     num_chunks: int
     extra_keys: tuple[bytes, ...] = ()  # per chunk from chunk 0 (protocol.Lookup.extra_keys)
     prompt_tokens: int = 0  # the request's prompt length: chunks ending after it hold generated tokens
+    lora_name: str = ""  # the request's LoRA adapter (lora_request.lora_name), for the sidecar's events
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,6 +252,7 @@ class SchedulerSide:
             num_chunks=end_chunk - first,
             prompt_tokens=req.num_prompt_tokens,
             extra_keys=req.keys.extras(end_chunk) if req.keys is not None else (),
+            lora_name=req.keys.lora[0] if req.keys is not None and req.keys.lora is not None else "",
         )
 
     def on_output(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:

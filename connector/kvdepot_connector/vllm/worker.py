@@ -182,7 +182,7 @@ class WorkerSide:
                 lambda: self.client.save_blocks(
                     spec.tokens, request_id=spec.request_id, block_ids=spec.block_ids,
                     cache_salt=spec.cache_salt, first_chunk=spec.first_chunk, extra_keys=spec.extra_keys,
-                    prompt_tokens=spec.prompt_tokens,
+                    prompt_tokens=spec.prompt_tokens, lora_name=spec.lora_name,
                 )
             )  # fmt: skip
             self.guard.succeeded()
@@ -191,6 +191,7 @@ class WorkerSide:
         reply = self.client.reserve(
             spec.tokens, request_id=spec.request_id, cache_salt=spec.cache_salt,
             first_chunk=spec.first_chunk, extra_keys=spec.extra_keys, prompt_tokens=spec.prompt_tokens,
+            lora_name=spec.lora_name,
         )  # fmt: skip
         reserved = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
         try:
