@@ -19,7 +19,6 @@ from api.kvevents.inventory import Inventory
 from api.kvevents.metrics import KvEventsCollector
 from api.kvevents.publisher import KvEventPublisher
 from engine.facade import CacheEngine
-from engine.keys import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +39,7 @@ def build_kv_events(
     if settings.endpoint is None:
         return None
 
-    def layout_of(fingerprint: bytes) -> KVLayout | None:
-        for reg in engine.engines.all():
-            if reg.layout.fingerprint == fingerprint:
-                return reg.layout
-        return None
-
+    layout_of = engine.engines.layout  # outlives the registration: removals come later
     namer = BlockNamer(salt_mode=settings.salt, deployment_key=deployment_key, layout_of=layout_of)
     publisher = KvEventPublisher(settings, namer)
     publisher.bind()

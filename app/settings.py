@@ -326,6 +326,12 @@ class Settings(BaseSettings):
     def data_plane_url(self) -> str:
         return self.data_plane.url or f"ipc://{self.data_dir.resolve()}/dataplane.sock"
 
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> Settings:
+        if self.kv_events.endpoint is not None and not self.events.enabled:
+            raise ValueError("kv_events.endpoint needs events.enabled=true (KV events come from the bus)")
+        return self
+
     def summary(self) -> dict[str, Any]:
         """The settings without secrets, for /status."""
         out = self.model_dump(mode="json")

@@ -1,10 +1,10 @@
 """A KV-event consumer run as its own process by the tests, in the sidecar's venv or in vLLM's.
 
-    python tests/kv_events_consumer.py ENDPOINT REPLAY_ENDPOINT COUNT [--vllm] [--curve SERVER_PUB]
+    python tests/kv_events_consumer.py ENDPOINT REPLAY_ENDPOINT EVENTS [--vllm] [--curve SERVER_PUB]
 
 Subscribes to every topic, asks the replay socket for everything from sequence 0 (so nothing
 published before the subscription took effect is missed), then reads live batches, repairing any
-gap in the sequence numbers by replay, until it holds batches 0..COUNT-1; prints "subscribed" once
+gap in the sequence numbers by replay, until batches 0..k hold EVENTS events; prints "subscribed" once
 the SUB socket is connected, then one JSON object:
   {"batches": [{"seq", "topic", "incarnation", "events": [...]}], "replayed": [seqs from replay],
    "live": [seqs from the live stream], "identical": bool}
@@ -29,7 +29,7 @@ END = -1
 
 
 def main() -> int:
-    endpoint, replay_endpoint, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    endpoint, replay_endpoint, want = sys.argv[1], sys.argv[2], int(sys.argv[3])
     use_vllm = "--vllm" in sys.argv
     server_key = sys.argv[sys.argv.index("--curve") + 1].encode() if "--curve" in sys.argv else None
     if use_vllm:
@@ -82,11 +82,22 @@ def main() -> int:
             replayed.append(seq)
             take(topic, seq, payload)
 
+    def complete() -> int | None:
+        """k+1 when batches 0..k are held and hold `want` events, else None."""
+        n = 0
+        for s in range(len(got)):
+            if s not in got:
+                return None
+            n += len(got[s]["events"])
+            if n >= want:
+                return s + 1
+        return None
+
     ask_replay(0)
     deadline = time.monotonic() + 30
-    while any(s not in got for s in range(count)):
+    while (count := complete()) is None:
         if time.monotonic() > deadline:
-            print(json.dumps({"missing": [s for s in range(count) if s not in got]}), flush=True)
+            print(json.dumps({"held": sorted(got)}), flush=True)
             return 3
         if not sub.poll(200):
             continue

@@ -53,7 +53,7 @@ async def test_vllm_decodes_every_batch_byte_for_byte_and_replays_ending_with_mi
         for ev in events:  # published before anyone subscribed: the consumer replays them
             bus.publish(ev)
         bus.flush()
-        proc = await start_consumer(pub.endpoint, pub.replay_endpoint or "", 4, vllm=True)
+        proc = await start_consumer(pub.endpoint, pub.replay_endpoint or "", 6, vllm=True)
         bus.publish(Event(Kind.REMOVED, time.time_ns(), tier=L1_TIER, key=events[3].key))
         bus.publish(Event(Kind.CLEARED, time.time_ns()))
         bus.flush()
