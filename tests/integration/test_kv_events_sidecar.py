@@ -302,3 +302,49 @@ def test_salt_modes(sidecar_factory: StartSidecar) -> None:
     assert extra_plain == [["tenant-x"]] * 4
     assert extra_omit is None
     assert len({tuple(h) for h in (hashed_a1, plain, omit)}) == 3
+
+
+def test_a_flood_with_a_subscriber_that_never_reads_costs_drops_not_the_data_plane(
+    sidecar_factory: StartSidecar,
+) -> None:
+    pub, replay = free_ports(2)
+    sc = sidecar_factory(
+        env=env(
+            KVDEPOT_KV_EVENTS__ENDPOINT=f"tcp://127.0.0.1:{pub}",
+            KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT=f"tcp://127.0.0.1:{replay}",
+            KVDEPOT_KV_EVENTS__SNDHWM="8", KVDEPOT_KV_EVENTS__MAX_BATCH_EVENTS="4",
+        ),
+        l1_size_gb=16 / 1024,  # 1024 chunks: every chunk stored is evicted later (STORED + REMOVED)
+    )  # fmt: skip
+    ctx = zmq.Context()
+    stuck = ctx.socket(zmq.SUB)  # subscribes, then never reads a byte
+    stuck.setsockopt(zmq.RCVHWM, 8)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    stuck.connect(f"tcp://127.0.0.1:{pub}")
+    try:
+        wait_for(lambda: metric(sc, "kvdepot_kv_events_subscribers") >= 1, what="the subscription")
+        c = client(sc.url)
+        chunks = 250
+        for seed in range(200):  # 50,000 chunks: 100,000 KV events
+            toks = prefix(1000 + seed, chunks)
+            assert c.store(toks, data(chunks), request_id=f"w{seed}").stored == chunks
+            assert c.lookup(toks, request_id=f"r{seed}").hit_chunks == chunks  # answered, and right
+            c.end_request(f"r{seed}")
+        outs = [torch.empty(LAYOUT.chunk_bytes // 2, dtype=torch.float16) for _ in range(chunks)]
+        assert c.lookup(toks, request_id="last").hit_chunks == chunks
+        assert c.retrieve("last", outs) and all(
+            torch.equal(o, d) for o, d in zip(outs, data(chunks), strict=True)
+        )
+        c.close()
+
+        def published() -> float:
+            kinds = ("BlockStored", "BlockRemoved")
+            return sum(metric(sc, f'kvdepot_kv_events_events_total{{type="{k}"}}') for k in kinds)
+
+        wait_for(lambda: published() + metric(sc, "kvdepot_events_dropped_total") >= 99_000, what="the flood")
+        assert metric(sc, "kvdepot_kv_events_dropped_total") > 0  # counted, and the stores went on
+        assert metric(sc, "kvdepot_kv_events_sent_total") > 0
+    finally:
+        stuck.close(0)
+        ctx.term()
