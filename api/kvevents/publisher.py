@@ -12,7 +12,8 @@ replay buffer, so a subscriber that sees a gap in the sequence asks the replay s
 Replay: a ROUTER socket; a request `(identity, "", start_seq 8 bytes big-endian)` is answered with
 every buffered batch from `start_seq` as `(identity, "", topic, seq, payload)` and then the end
 marker `(identity, "", "", -1, "")`, exactly as vLLM's publisher answers (a DEALER or REQ peer).
-A replay is sent from a task, in slices, yielding between them.
+A replay is sent from a task, in slices, yielding between them; at most MAX_REPLAYS at once (a
+request beyond, or a malformed one, is ignored and counted: the requester times out and asks again).
 
 State (event loop only): the ZMQ context and sockets, the sequence counter, the replay buffer
 (bounded by batches and by bytes), counters, the replay tasks (kept in a set).
@@ -45,6 +46,8 @@ log = structlog.get_logger("kvdepot.kv_events")
 
 #: replay batches sent per slice before the loop gets a turn
 REPLAY_SLICE = 128
+#: replays being sent at once; a request beyond is ignored (counted): its client asks again
+MAX_REPLAYS = 8
 
 
 class KvEventPublisher:
@@ -63,6 +66,8 @@ class KvEventPublisher:
         self.events_sent: dict[str, int] = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
         self.replays = 0
         self.replays_cut = 0
+        self.replays_refused = 0
+        self.bad_requests = 0
         self.subscribers = 0
         self._buffer: deque[tuple[int, bytes, bytes]] = deque()
         self._buffer_bytes = 0
@@ -251,8 +256,12 @@ class KvEventPublisher:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 3 or len(frames[2]) != 8:
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self.bad_requests += 1
                 log.warning("kv_events_bad_replay_request", frames=len(frames))
+                continue
+            if len(self._tasks) >= MAX_REPLAYS:
+                self.replays_refused += 1
                 continue
             start = int.from_bytes(frames[2], "big", signed=True)
             entries = [entry for entry in self._buffer if entry[0] >= start]

@@ -159,8 +159,11 @@ async def test_live_batches_then_replay_from_zero_ends_with_minus_one() -> None:
         replayed = [await recv(dealer) for _ in range(4)]
         assert [r[1:] for r in replayed[:3]] == live
         assert replayed[3] == [b"", b"", END_SEQ, b""]
+        dealer.send_multipart([b"garbage"])  # malformed requests are ignored, counted
+        dealer.send_multipart([b"", b"\x00" * 3])
         dealer.send_multipart([b"", (2).to_bytes(8, "big")])
         assert (await recv(dealer))[1:] == live[2]
+        assert pub.bad_requests == 2
         assert (await recv(dealer))[2] == END_SEQ
         sub.close(0)
         dealer.close(0)
