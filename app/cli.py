@@ -50,6 +50,11 @@ def _bench_parser(sub: Any) -> None:
     bench_footprint.add_arguments(
         bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
     )
+    from app.bench import events as bench_events
+
+    bench_events.add_arguments(
+        bsub.add_parser("events", help="the event bus's cost on store/lookup cycles; a flood never blocks")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,10 @@ Primitives in data-plane call order:
                                                        requests (read locks) and registrations go
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
+Events (engine/events.py, the bus the L1 cache was given): STORED (tier L1) at COMMIT with what
+the STORE said of the chunk (engine/announce.py), LOOKUP with the hit tokens, CLEARED on CLEAR of
+all, REMOVED "purged" per chunk on CLEAR of one tenant; L1 REMOVED otherwise comes from the cache.
+
 The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
 status snapshots in engine/status.py (they read `engines.all()` and `locked_requests()`).
 

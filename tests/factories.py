@@ -15,6 +15,7 @@ from app.settings import AdapterConfig, L1Settings, L2Settings
 from app.wiring import build_admin, build_cache, build_engine, build_l2
 from engine.admin import Administration
 from engine.answers import StorePolicy
+from engine.events import EventBus
 from engine.facade import CacheEngine
 from engine.keys import KVLayout, Namespace, ObjectKey
 from engine.l1.arena import SealedArena, SharedArena
@@ -86,8 +87,10 @@ def reserve(cache: L1Cache, k: ObjectKey, size: int, now: float) -> L1Object | N
 @contextmanager
 def engine(
     capacity: int, *, chunk_size: int = 16, read_lease_s: float = 20.0, write_lease_s: float = 10.0,
-    high: float = 1.0, low: float = 1.0, max_request_share: float = 1.0,
+    high: float = 1.0, low: float = 1.0, max_request_share: float = 1.0, events: EventBus | None = None,
 ) -> Iterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
+    """An engine without L2 over a `capacity`-byte arena, publishing on `events` (None: a disabled
+    bus), on a fake clock."""
     clock = FakeClock()
     l1 = l1_settings(
         chunk_size=chunk_size,
@@ -98,7 +101,8 @@ def engine(
         max_request_share=max_request_share,
     )
     with arena(capacity) as a:
-        yield build_engine(l1, arena=a, cache=build_cache(l1, a.size), clock=clock), clock
+        cache = build_cache(l1, a.size, events=events)
+        yield build_engine(l1, arena=a, cache=cache, clock=clock), clock
 
 
 def admin(eng: CacheEngine) -> Administration:
@@ -110,7 +114,7 @@ def admin(eng: CacheEngine) -> Administration:
 async def l2_engine(
     capacity: int, adapters: Sequence[AdapterConfig], build: Callable[[AdapterConfig], L2Adapter],
     *, chunk_size: int = 16, store_policy: StorePolicy = "all", store_workers: int = 1,
-    ledger: TenantLedger | None = None,
+    ledger: TenantLedger | None = None, events: EventBus | None = None,
 ) -> AsyncIterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
     """An engine whose L1 writes go behind to `adapters` (built by `build`, started, accounted in
     the engine's tenant ledger, a fresh one unless given), with `store_workers` write-behind workers
@@ -121,7 +125,8 @@ async def l2_engine(
     l2 = L2Settings(store_policy=store_policy, prefetch_deadline_ms=10_000, prefetch_max_inflight=8)
     with arena(capacity) as a:
         queue = StoreQueue(l2.store_queue_depth)
-        cache = build_cache(l1, a.size, ledger if ledger is not None else TenantLedger(), shedder=queue)
+        ledger = ledger if ledger is not None else TenantLedger()
+        cache = build_cache(l1, a.size, ledger, shedder=queue, events=events)
         parts = build_l2(l2, cache=cache, queue=queue, arena=a, build=build, executor=executor, clock=clock)
         eng = build_engine(l1, arena=a, cache=cache, l2=parts, clock=clock)
         store, prefetch, tiers = parts.store, parts.prefetch, parts.tiers

@@ -27,4 +27,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.footprint import run as run_footprint
 
         return run_footprint(args)
+    if args.bench == "events":
+        from app.bench.events import run as run_events
+
+        return run_events(args)
     raise SystemExit(f"unknown benchmark {args.bench}")

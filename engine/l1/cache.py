@@ -40,6 +40,11 @@ when its lifeline closes). Quarantined bytes are counted per instance and in tot
 reservations (no_space, counted), others are not. The sidecar's own reservations (prefetch, its
 own copies) are aborted at expiry as ever.
 
+Events: a committed object that leaves is published as REMOVED (tier L1) on the bus given at
+construction: "evicted" (room, quotas), "deleted" (delete, last reader or pin of a doomed or
+temporary object), or the reason `delete`/`clear` are given; a reservation that never became
+visible announces nothing.
+
 Room is made on reserve by the `RoomMaker` (engine/l1/room.py), which shares the allocator,
 policy, ledger and counters: first within the tenant's L1 quota (its own LRU ready objects, then
 its chunks queued for write-behind; else QUOTA), then within the arena's watermarks (ready objects
