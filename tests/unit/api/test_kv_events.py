@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -242,3 +243,34 @@ def test_wire_matches_vllm_field_order() -> None:
         "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
         "lora_name", "extra_keys",
     ]  # fmt: skip
+
+
+def test_kv_events_need_the_bus_and_hide_the_curve_secret() -> None:
+    from app.settings import Settings
+
+    with pytest.raises(pydantic.ValidationError, match=r"events\.enabled"):
+        Settings(kv_events={"endpoint": "tcp://127.0.0.1:5557"}, events={"enabled": False})  # type: ignore[arg-type]
+    public, secret = zmq.curve_keypair()
+    s = Settings(
+        kv_events={
+            "endpoint": "ipc:///tmp/x",
+            "curve_secret_key": secret.decode(),
+            "curve_public_key": public.decode(),
+        }
+    )  # type: ignore[arg-type]
+    assert secret.decode() not in json.dumps(s.summary())
+    with pytest.raises(pydantic.ValidationError, match="go together"):
+        KvEventsSettings(endpoint="ipc:///tmp/x", curve_secret_key=secret.decode())  # type: ignore[arg-type]
+    with pytest.raises(pydantic.ValidationError, match="needs endpoint"):
+        KvEventsSettings(replay_endpoint="tcp://127.0.0.1:1")
+
+
+@pytest.mark.anyio
+async def test_a_port_in_use_is_a_config_error_naming_the_setting() -> None:
+    from app.errors import ConfigError
+
+    async with running() as (pub, _bus):
+        taken = pub.endpoint
+        other = KvEventPublisher(KvEventsSettings(endpoint=taken), namer())
+        with pytest.raises(ConfigError, match=r"kv_events\.endpoint"):
+            other.bind()
