@@ -23,6 +23,7 @@ def _serve_parser(sub: Any) -> None:
     sp.add_argument("--l1-size-gb", type=float, help="L1 shared-memory arena size in GiB (default 1)")
     sp.add_argument("--data-plane", help="ZMQ URL (default ipc://<data-dir>/dataplane.sock)")
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    sp.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's format) on this ZMQ endpoint")
 
 
 def _bench_parser(sub: Any) -> None:
@@ -77,6 +78,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "l1.size_gb": args.l1_size_gb,
             "data_plane.url": args.data_plane,
             "logging.level": args.log_level,
+            "kv_events.endpoint": args.kv_events_endpoint,
         },
         config_file=args.config,
     )

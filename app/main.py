@@ -34,6 +34,7 @@ from api.metrics import DataPlaneMetrics, build_registry
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
+from app.kv_events import KvEvents, build_kv_events
 from app.settings import Settings
 from app.supervisor import Supervisor
 from app.wiring import (
@@ -113,6 +114,8 @@ class Service:
         self.l2: L2Parts | None = None
         self.control: ControlContext | None = None
         self.admin: Administration | None = None
+        #: the KV-event publisher and its inventory (kv_events.endpoint set), bound at build
+        self.kv_events: KvEvents | None = None
         #: the one event bus, built at start (app/wiring.build_events); subscribers: event_subscribers
         self.events: EventBus | None = None
         self._lock: DataDirLock | None = None
@@ -193,6 +196,8 @@ class Service:
         roots = s.l2.allowed_roots or [s.data_dir]
         admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
+        # Tenants appear in KV events hashed with the deployment key (kv_events.salt=hashed).
+        self.kv_events = build_kv_events(s.kv_events, self.engine, keys.signer.key, registry)
         regions = SealedRegions()
         lifeline_path = (s.data_dir / "lifeline.sock").resolve()
         # Waits on copy completion (and the making of the copies' machinery) run here.
@@ -226,6 +231,7 @@ class Service:
             health=self,
             registry=registry,
             events=events,
+            inventory=None if self.kv_events is None else self.kv_events.inventory,
         )
         subscribe_events(events, self.event_subscribers())
         config = uvicorn.Config(
@@ -239,9 +245,8 @@ class Service:
 
     def event_subscribers(self) -> list[Subscriber]:
         """The event bus's subscribers, called once everything is built and before the bus runs
-        (the KV-event publisher joins here). None yet: the bus's own figures are exported as
-        metrics without one."""
-        return []
+        (the KV-event publisher joins here)."""
+        return [] if self.kv_events is None else [self.kv_events.publisher.on_events]
 
     def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
@@ -313,6 +318,8 @@ class Service:
         # full passes, which otherwise stall the loop for tens of milliseconds now and then.
         gc.collect()
         gc.freeze()
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.events is not None and self.events.enabled:
             self.supervisor.start("events", self.events.run(), drain=False)
         self.supervisor.start("dataplane", self.dataplane.serve())
@@ -358,6 +365,9 @@ class Service:
         self._stop.set()
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.lifeline is not None:
             self.lifeline.close()
             self.lifeline = None

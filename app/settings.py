@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api.kvevents.config import KvEventsSettings
 from engine.transfer_limits import TransferLimits
 from storage.auth import parse_secret
 from storage.config import (
@@ -49,6 +50,7 @@ __all__ = [
     "DiskAdapterConfig",
     "EventSettings",
     "HttpSettings",
+    "KvEventsSettings",
     "L1Settings",
     "L2Settings",
     "LoggingSettings",
@@ -318,14 +320,23 @@ class Settings(BaseSettings):
     transfers: TransferLimits = Field(default_factory=TransferLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     events: EventSettings = Field(default_factory=EventSettings)
+    kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
 
     @property
     def data_plane_url(self) -> str:
         return self.data_plane.url or f"ipc://{self.data_dir.resolve()}/dataplane.sock"
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> Settings:
+        if self.kv_events.endpoint is not None and not self.events.enabled:
+            raise ValueError("kv_events.endpoint needs events.enabled=true (KV events come from the bus)")
+        return self
 
     def summary(self) -> dict[str, Any]:
         """The settings without secrets, for /status."""
         out = self.model_dump(mode="json")
         out["http"]["admin_token"] = "***" if self.http.admin_token else None
         out["data_plane"]["url"] = self.data_plane_url
+        if self.kv_events.curve_secret_key is not None:
+            out["kv_events"]["curve_secret_key"] = "***"
         return out

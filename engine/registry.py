@@ -38,6 +38,10 @@ from engine.results import Registration
 MAX_ID_LEN = 256
 
 
+#: layouts remembered after their registrations went (`layout`)
+LAYOUTS_KEPT = 1024
+
+
 class EngineRegistry:
     def __init__(
         self,
@@ -59,6 +63,9 @@ class EngineRegistry:
         self._last_used: dict[int, float] = {}
         self._by_identity: dict[tuple[str, Namespace], int] = {}
         self._per_instance: dict[str, int] = {}
+        #: every layout registered since the start, by fingerprint (the most recent LAYOUTS_KEPT):
+        #: events about a chunk outlive its engine's registration and still need its block size
+        self._layouts: OrderedDict[bytes, KVLayout] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._registrations)
@@ -97,6 +104,10 @@ class EngineRegistry:
         while engine_id in self._registrations:
             engine_id = secrets.randbelow((1 << 31) - 1) + 1
         reg = Registration(engine_id, ns, layout, layout.chunk_bytes, instance)
+        self._layouts[layout.fingerprint] = layout
+        self._layouts.move_to_end(layout.fingerprint)
+        if len(self._layouts) > LAYOUTS_KEPT:
+            self._layouts.popitem(last=False)
         self._registrations[engine_id] = reg
         self._last_used[engine_id] = now
         self._by_identity[(instance, ns)] = engine_id
@@ -112,6 +123,10 @@ class EngineRegistry:
             self._registrations.move_to_end(engine_id)
             self._last_used[engine_id] = now
         return reg
+
+    def layout(self, fingerprint: bytes) -> KVLayout | None:
+        """A layout registered since the start (its registration may be gone), by fingerprint."""
+        return self._layouts.get(fingerprint)
 
     def all(self) -> list[Registration]:
         return list(self._registrations.values())

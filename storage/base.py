@@ -248,4 +248,9 @@ class L2Adapter(Protocol):
         """Stop reporting: the owner forgets this adapter's figures."""
         ...
 
+    def held_keys(self) -> list[str]:
+        """The serialized keys the adapter holds now (Redis: those this process wrote and has not
+        seen go; keys Redis expired are still listed), least recently used first."""
+        ...
+
     async def close(self) -> None: ...

@@ -105,6 +105,9 @@ class AdapterCore(ABC, Generic[V]):
     def stats(self) -> AdapterStats:
         return self._stats
 
+    def held_keys(self) -> list[str]:
+        return self._held.keys()
+
     @property
     def latency(self) -> LatencyRecorder:
         return self._latency

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
+from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
 from engine.events import EventBus
@@ -36,3 +37,5 @@ class ControlContext:
     health: ServiceHealth
     registry: CollectorRegistry
     events: EventBus | None = None
+    inventory: Inventory | None = None
+    """The KV events' resync listing (None when kv_events is off)."""

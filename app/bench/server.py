@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookups", type=int, default=1000, help="lookup samples for the latency figures")
     p.add_argument("--prompt-tokens", type=int, help="also time LOOKUPs of a prompt this long")
     p.add_argument("--prompt-samples", type=int, default=300)
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="start the sidecar with KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557), "
+        "with a subscriber in this process reading every batch",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--client", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -220,7 +225,43 @@ def _start_sidecar(args: argparse.Namespace, shape: Shape, tmp: Path) -> Sidecar
     size_gb = need * 1.25 / (1 << 30) + 0.0625
     # L1 and the data plane only: write-behind to L2 would compete for the same cores.
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
+    if args.kv_events_endpoint:
+        env["KVDEPOT_KV_EVENTS__ENDPOINT"] = args.kv_events_endpoint
     return start_sidecar(tmp, env=env, l1_size_gb=round(size_gb, 3))
+
+
+class EventReader:
+    """A subscriber of the sidecar's KV events in a thread of this process: reads every batch (a
+    consumer that keeps up, as a router does) and counts batches and bytes."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self.batches = 0
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="kv-events-reader", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                frames = self._sub.recv_multipart()
+                self.batches += 1
+                self.bytes += sum(len(f) for f in frames)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        self._sub.close(0)
+        self._ctx.term()
+        return {"batches_read": self.batches, "bytes_read": self.bytes}
 
 
 def _loadavg() -> list[float]:
@@ -278,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out: dict[str, Any] = {"runs": []}
     load_before = _loadavg()
+    subscriber = EventReader(args.kv_events_endpoint) if args.kv_events_endpoint else None
     with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp:
         for i, shape in enumerate(chosen):
             sidecar = None if args.url is not None else _start_sidecar(args, shape, Path(tmp) / f"s{i}")
@@ -291,5 +333,7 @@ def run(args: argparse.Namespace) -> int:
                     sidecar.stop()
     result = _result(args, out)
     result["loadavg"] = [load_before, _loadavg()]
+    if subscriber is not None:
+        result["kv_events"] = {"endpoint": args.kv_events_endpoint, **subscriber.stop()}
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -1,0 +1,49 @@
+"""`GET /inventory`: the complete holding per tier as NDJSON, in the KV events' block-hash terms
+(api/kvevents/inventory.py), streamed. Needs the admin token: it shows what every tenant holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from api.http.answers import errors
+from api.http.deps import Admin, Ctx
+from app.errors import NotFound
+
+router = APIRouter(tags=["kv events"])
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryLine:
+    """One NDJSON line: a header (`incarnation`, `seq`, `scheme`, `salt`), a chunk (`medium`,
+    `model`, `block_size`, `block_hashes`) or the end (`chunks`, `unknown_layout`)."""
+
+    kind: Literal["header", "chunk", "end"]
+    incarnation: str | None = None
+    seq: int | None = None
+    scheme: str | None = None
+    salt: str | None = None
+    medium: str | None = None
+    model: str | None = None
+    block_size: int | None = None
+    block_hashes: list[int] | None = None
+    chunks: int | None = None
+    unknown_layout: int | None = None
+
+
+@router.get(
+    "/inventory",
+    summary="Every chunk held, per tier, as NDJSON block hashes; header: incarnation and sequence",
+    responses={
+        200: {"model": InventoryLine, "description": "application/x-ndjson: one InventoryLine per line"},
+        **errors(401, 404),
+    },
+    response_class=StreamingResponse,
+)
+async def inventory(ctx: Ctx, _admin: Admin) -> StreamingResponse:
+    if ctx.inventory is None:
+        raise NotFound("KV events are off (kv_events.endpoint is unset): no inventory to resync from")
+    return StreamingResponse(ctx.inventory.lines(), media_type="application/x-ndjson")
