@@ -7,7 +7,8 @@ refuses any uid but its own (or root); the first frame must be a Hello whose tok
 connection is closed. Then the server sends the descriptors `offer(holder)` names (the arena's
 memfd), accepts the sealed regions a client shares (`on_fds`, which owns the descriptors from
 then on, and may raise LifelineRefused), and calls `on_closed(line)` as soon as the peer is gone
-(EOF, ECONNRESET, or a protocol error).
+(EOF, ECONNRESET, or a protocol error). `on_hello(line)` runs once a lifeline is authenticated,
+`on_heartbeat(line)` for each heartbeat frame after it (no answer is sent).
 
 State: the listening socket and one `Lifeline` per connection (buffers, received descriptors not
 yet claimed by a frame, the handshake timer). Owned by the event loop: sockets are non-blocking
@@ -36,6 +37,7 @@ import structlog
 from kvdepot_connector.lifeline import (
     HEADER,
     MAX_FDS_PER_MESSAGE,
+    Heartbeat,
     Hello,
     Message,
     Refused,
@@ -179,6 +181,12 @@ class Lifeline:
                 self._timer.cancel()
             offered = list(self._server.offer(holder)) if self._server.offer else []
             self.send(Welcome(names=[name for name, _ in offered]), [fd for _, fd in offered])
+            if self._server.on_hello is not None:
+                self._server.on_hello(self)
+            return
+        if isinstance(message, Heartbeat):
+            if self._server.on_heartbeat is not None:
+                self._server.on_heartbeat(self)
             return
         if not isinstance(message, Share):
             _close_fds(fds)
@@ -261,8 +269,12 @@ class LifelineServer:
         on_closed: Callable[[Lifeline], object],
         offer: Callable[[object], Sequence[tuple[str, int]]] | None = None,
         limits: LifelineLimits = LifelineLimits(),
+        on_hello: Callable[[Lifeline], None] | None = None,
+        on_heartbeat: Callable[[Lifeline], None] | None = None,
     ) -> None:
         self.path = path
+        self.on_hello = on_hello
+        self.on_heartbeat = on_heartbeat
         self.authenticate = authenticate
         self.on_fds = on_fds
         self.on_closed = on_closed

@@ -31,6 +31,7 @@ from api.http.app import create_app
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
 from api.metrics import DataPlaneMetrics, build_registry
+from api.metrics_workers import WorkerCollector
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
@@ -45,6 +46,7 @@ from engine.l2.store_queue import StoreQueue
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
+from engine.workers import WorkerRegistry
 from gpu.presence import cuda_may_be_present
 from gpu.sealed import SealedRegions
 from storage.auth import KEY_FILE, BlobKeys
@@ -118,7 +120,7 @@ class Service:
         failures = self.supervisor.failures()
         running = set(self.supervisor.running())
         out = {"l1": "running" if self.arena is not None and not self.arena.closed else "stopped"}
-        names = ["dataplane", "lease-reaper", "http"]
+        names = ["dataplane", "lease-reaper", "http", "worker-watch"]
         names += [f"l2-store-{i}" for i in range(self.settings.l2.store_concurrency)]
         for name in names:
             out[name] = "failed" if name in failures else ("running" if name in running else "stopped")
@@ -179,6 +181,11 @@ class Service:
         admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
         regions = SealedRegions()
+        f = s.fleet
+        workers = WorkerRegistry(
+            timeout_s=f.worker_timeout_s, heartbeat_s=f.heartbeat_s, dead_kept=f.dead_kept
+        )
+        registry.register(WorkerCollector(workers))
         lifeline_path = (s.data_dir / "lifeline.sock").resolve()
         # Waits on copy completion (and the making of the copies' machinery) run here.
         self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
@@ -196,11 +203,13 @@ class Service:
             max_sessions=s.data_plane.max_sessions,
             session_idle_s=s.data_plane.session_idle_s,
             lifeline_path=str(lifeline_path),
+            workers=workers,
         )
         arena = self.arena
         self.lifeline = build_lifeline(
             s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)],
             on_shared=self.dataplane.prepare_transfers,  # the engine's copies by the sidecar come next
+            workers=self.dataplane.workers,
         )  # fmt: skip
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
@@ -210,6 +219,7 @@ class Service:
             status=StatusReader(self.engine, admin),
             health=self,
             registry=registry,
+            workers=workers,
         )
         config = uvicorn.Config(
             create_app(self.control),
@@ -293,6 +303,10 @@ class Service:
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
+        if self.dataplane.workers is not None:
+            f = s.fleet
+            sweep_s = min(f.heartbeat_s, f.worker_timeout_s / 4)
+            self.supervisor.start("worker-watch", self.dataplane.workers.run(sweep_s), drain=False)
         log.info(
             "kvdepot_started",
             version=__version__,

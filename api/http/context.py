@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from app.settings import Settings
 from engine.admin import Administration
 from engine.status import StatusReader
+from engine.workers import WorkerRegistry
 
 
 class ServiceHealth(Protocol):
@@ -33,3 +34,4 @@ class ControlContext:
     status: StatusReader
     health: ServiceHealth
     registry: CollectorRegistry
+    workers: WorkerRegistry | None = None
