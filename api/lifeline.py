@@ -63,6 +63,9 @@ class LifelineLimits:
     max_fds_per_connection: int = 4096
     max_output_bytes: int = 1 << 20
     handshake_timeout_s: float = 5.0
+    #: bytes read from one lifeline per wake of the loop: a peer flooding frames (heartbeats)
+    #: gets its turn like every other socket and cannot starve the loop
+    max_read_per_wake: int = 16 * 1024
 
 
 class LifelineRefused(Exception):
@@ -113,33 +116,37 @@ class Lifeline:
     # -- the loop's callbacks ---------------------------------------------------------------------
 
     def _readable(self) -> None:
+        """One bounded read per wake (`max_read_per_wake`): what is left waits for the next one."""
         limits = self._server.limits
         space = socket.CMSG_SPACE(limits.max_fds_per_message * _INT)
-        while not self.closed:
-            try:
-                data, ancdata, flags, _ = self._sock.recvmsg(65536, space, socket.MSG_CMSG_CLOEXEC)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._close(f"connection error: {exc.strerror}")
-                return
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(payload[: len(payload) - len(payload) % _INT])
-                    self._fds.extend(fds)
-                    self.fds_received += len(fds)
-            if flags & socket.MSG_CTRUNC:
-                self.refuse(f"more than {limits.max_fds_per_message} descriptors in one message")
-                return
-            if self.fds_received > limits.max_fds_per_connection:
-                self.refuse(f"more than {limits.max_fds_per_connection} descriptors on one lifeline")
-                return
-            if not data:
-                self._close("closed by peer")
-                return
-            self._inbuf += data
-            self._frames()
+        if self.closed:
+            return
+        try:
+            data, ancdata, flags, _ = self._sock.recvmsg(
+                limits.max_read_per_wake, space, socket.MSG_CMSG_CLOEXEC
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(f"connection error: {exc.strerror}")
+            return
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % _INT])
+                self._fds.extend(fds)
+                self.fds_received += len(fds)
+        if flags & socket.MSG_CTRUNC:
+            self.refuse(f"more than {limits.max_fds_per_message} descriptors in one message")
+            return
+        if self.fds_received > limits.max_fds_per_connection:
+            self.refuse(f"more than {limits.max_fds_per_connection} descriptors on one lifeline")
+            return
+        if not data:
+            self._close("closed by peer")
+            return
+        self._inbuf += data
+        self._frames()
 
     def _frames(self) -> None:
         limits = self._server.limits
