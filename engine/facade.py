@@ -236,8 +236,7 @@ class CacheEngine:
         if fenced is not None and (engine_id, request_id) in fenced:
             fenced.discard((engine_id, request_id))
             self.counters.suspect_releases += 1
-            self._requests.release((engine_id, request_id))
-            return False
+            return False  # its locks went already; a newer state of the request is not its to drop
         alive = self.cache.alive
         valid = all(alive(oid) for oid in oids)  # before unlocking: a last unlock may free them
         held = self._requests.release((engine_id, request_id))

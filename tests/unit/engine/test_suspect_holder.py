@@ -51,3 +51,17 @@ def test_the_scheduler_suspect_drops_the_requests_it_looked_up() -> None:
         assert eng.suspect_holder(SCHED) == (1, 0)
         assert eng.cache.state_counts()["read_locked"] == 0
         assert eng.suspect_holder(SCHED) == (0, 0)  # nothing left: idempotent
+
+
+def test_a_late_release_leaves_a_newer_lookup_of_the_request_alone() -> None:
+    with engine(1 << 20) as (eng, _):
+        eid = eng.register("m", small_layout()).engine_id
+        toks = tokens(2 * CHUNK)
+        slots = eng.store(eid, "w", toks, "")
+        assert all(eng.commit(eid, [s.oid for s in slots]))
+        eng.lookup(eid, "r", toks, "", holder=SCHED)
+        extents = eng.retrieve(eid, "r", 0, 2, holder=WORKER)
+        assert eng.suspect_holder(WORKER) == (1, 0)
+        eng.lookup(eid, "r", toks, "", holder=SCHED)  # the scheduler asks again meanwhile
+        assert eng.release(eid, "r", [e.oid for e in extents], holder=WORKER) is False
+        assert eng.locked_requests() == 1  # the scheduler's new locks stay
