@@ -7,7 +7,8 @@ refuses any uid but its own (or root); the first frame must be a Hello whose tok
 connection is closed. Then the server sends the descriptors `offer(holder)` names (the arena's
 memfd), accepts the sealed regions a client shares (`on_fds`, which owns the descriptors from
 then on, and may raise LifelineRefused), and calls `on_closed(line)` as soon as the peer is gone
-(EOF, ECONNRESET, or a protocol error).
+(EOF, ECONNRESET, or a protocol error). `on_hello(line)` runs once a lifeline is authenticated,
+`on_heartbeat(line)` for each heartbeat frame after it (no answer is sent).
 
 State: the listening socket and one `Lifeline` per connection (buffers, received descriptors not
 yet claimed by a frame, the handshake timer). Owned by the event loop: sockets are non-blocking
@@ -36,6 +37,7 @@ import structlog
 from kvdepot_connector.lifeline import (
     HEADER,
     MAX_FDS_PER_MESSAGE,
+    Heartbeat,
     Hello,
     Message,
     Refused,
@@ -61,6 +63,9 @@ class LifelineLimits:
     max_fds_per_connection: int = 4096
     max_output_bytes: int = 1 << 20
     handshake_timeout_s: float = 5.0
+    #: bytes read from one lifeline per wake of the loop: a peer flooding frames (heartbeats)
+    #: gets its turn like every other socket and cannot starve the loop
+    max_read_per_wake: int = 16 * 1024
 
 
 class LifelineRefused(Exception):
@@ -111,33 +116,37 @@ class Lifeline:
     # -- the loop's callbacks ---------------------------------------------------------------------
 
     def _readable(self) -> None:
+        """One bounded read per wake (`max_read_per_wake`): what is left waits for the next one."""
         limits = self._server.limits
         space = socket.CMSG_SPACE(limits.max_fds_per_message * _INT)
-        while not self.closed:
-            try:
-                data, ancdata, flags, _ = self._sock.recvmsg(65536, space, socket.MSG_CMSG_CLOEXEC)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._close(f"connection error: {exc.strerror}")
-                return
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(payload[: len(payload) - len(payload) % _INT])
-                    self._fds.extend(fds)
-                    self.fds_received += len(fds)
-            if flags & socket.MSG_CTRUNC:
-                self.refuse(f"more than {limits.max_fds_per_message} descriptors in one message")
-                return
-            if self.fds_received > limits.max_fds_per_connection:
-                self.refuse(f"more than {limits.max_fds_per_connection} descriptors on one lifeline")
-                return
-            if not data:
-                self._close("closed by peer")
-                return
-            self._inbuf += data
-            self._frames()
+        if self.closed:
+            return
+        try:
+            data, ancdata, flags, _ = self._sock.recvmsg(
+                limits.max_read_per_wake, space, socket.MSG_CMSG_CLOEXEC
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(f"connection error: {exc.strerror}")
+            return
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % _INT])
+                self._fds.extend(fds)
+                self.fds_received += len(fds)
+        if flags & socket.MSG_CTRUNC:
+            self.refuse(f"more than {limits.max_fds_per_message} descriptors in one message")
+            return
+        if self.fds_received > limits.max_fds_per_connection:
+            self.refuse(f"more than {limits.max_fds_per_connection} descriptors on one lifeline")
+            return
+        if not data:
+            self._close("closed by peer")
+            return
+        self._inbuf += data
+        self._frames()
 
     def _frames(self) -> None:
         limits = self._server.limits
@@ -179,6 +188,12 @@ class Lifeline:
                 self._timer.cancel()
             offered = list(self._server.offer(holder)) if self._server.offer else []
             self.send(Welcome(names=[name for name, _ in offered]), [fd for _, fd in offered])
+            if self._server.on_hello is not None:
+                self._server.on_hello(self)
+            return
+        if isinstance(message, Heartbeat):
+            if self._server.on_heartbeat is not None:
+                self._server.on_heartbeat(self)
             return
         if not isinstance(message, Share):
             _close_fds(fds)
@@ -261,8 +276,12 @@ class LifelineServer:
         on_closed: Callable[[Lifeline], object],
         offer: Callable[[object], Sequence[tuple[str, int]]] | None = None,
         limits: LifelineLimits = LifelineLimits(),
+        on_hello: Callable[[Lifeline], None] | None = None,
+        on_heartbeat: Callable[[Lifeline], None] | None = None,
     ) -> None:
         self.path = path
+        self.on_hello = on_hello
+        self.on_heartbeat = on_heartbeat
         self.authenticate = authenticate
         self.on_fds = on_fds
         self.on_closed = on_closed

@@ -31,6 +31,7 @@ from api.http.app import create_app
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
 from api.metrics import DataPlaneMetrics, build_registry
+from api.metrics_workers import WorkerCollector
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
@@ -55,6 +56,7 @@ from engine.l2.store_queue import StoreQueue
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
+from engine.workers import WorkerRegistry
 from gpu.presence import cuda_may_be_present
 from gpu.sealed import SealedRegions
 from storage.auth import KEY_FILE, BlobKeys
@@ -132,7 +134,7 @@ class Service:
         failures = self.supervisor.failures()
         running = set(self.supervisor.running())
         out = {"l1": "running" if self.arena is not None and not self.arena.closed else "stopped"}
-        names = ["dataplane", "lease-reaper", "http"]
+        names = ["dataplane", "lease-reaper", "http", "worker-watch"]
         if self.settings.events.enabled:
             names.append("events")
         names += [f"l2-store-{i}" for i in range(self.settings.l2.store_concurrency)]
@@ -199,6 +201,11 @@ class Service:
         # Tenants appear in KV events hashed with the deployment key (kv_events.salt=hashed).
         self.kv_events = build_kv_events(s.kv_events, self.engine, keys.signer.key, registry)
         regions = SealedRegions()
+        f = s.fleet
+        workers = WorkerRegistry(
+            timeout_s=f.worker_timeout_s, heartbeat_s=f.heartbeat_s, dead_kept=f.dead_kept
+        )
+        registry.register(WorkerCollector(workers))
         lifeline_path = (s.data_dir / "lifeline.sock").resolve()
         # Waits on copy completion (and the making of the copies' machinery) run here.
         self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
@@ -216,11 +223,13 @@ class Service:
             max_sessions=s.data_plane.max_sessions,
             session_idle_s=s.data_plane.session_idle_s,
             lifeline_path=str(lifeline_path),
+            workers=workers,
         )
         arena = self.arena
         self.lifeline = build_lifeline(
             s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)],
             on_shared=self.dataplane.prepare_transfers,  # the engine's copies by the sidecar come next
+            workers=self.dataplane.workers,
         )  # fmt: skip
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
@@ -232,6 +241,7 @@ class Service:
             registry=registry,
             events=events,
             inventory=None if self.kv_events is None else self.kv_events.inventory,
+            workers=workers,
         )
         subscribe_events(events, self.event_subscribers())
         config = uvicorn.Config(
@@ -325,6 +335,10 @@ class Service:
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
+        if self.dataplane.workers is not None:
+            f = s.fleet
+            sweep_s = min(f.heartbeat_s, f.worker_timeout_s / 4)
+            self.supervisor.start("worker-watch", self.dataplane.workers.run(sweep_s), drain=False)
         log.info(
             "kvdepot_started",
             version=__version__,

@@ -299,6 +299,31 @@ class EventSettings(BaseModel):
     )
 
 
+class FleetSettings(BaseModel):
+    """The worker registry: engine client processes' heartbeats and liveness (engine/workers.py)."""
+
+    model_config = _FROZEN
+
+    heartbeat_s: float = Field(
+        2.0, ge=0.05, le=60, description="How often each client process heartbeats over its lifeline."
+    )
+    worker_timeout_s: float = Field(
+        10.0, ge=0.2, le=3600,
+        description="A client silent this long is suspect: its read locks go, its reservations are "
+        "quarantined. At least twice heartbeat_s.",
+    )  # fmt: skip
+    dead_kept: int = Field(256, ge=0, le=100_000, description="Dead workers kept for GET /workers.")
+
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> FleetSettings:
+        if self.worker_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"fleet.worker_timeout_s ({self.worker_timeout_s}) must be at least twice "
+                f"fleet.heartbeat_s ({self.heartbeat_s}): one late heartbeat must not make a worker suspect"
+            )
+        return self
+
+
 class Settings(BaseSettings):
     """Everything kvdepot can be told. Frozen once built."""
 
@@ -321,6 +346,7 @@ class Settings(BaseSettings):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     events: EventSettings = Field(default_factory=EventSettings)
     kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
 
     @property
     def data_plane_url(self) -> str:

@@ -23,6 +23,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from api.dataplane.sessions import Session, SessionTable
+from api.dataplane.workers import WorkerWatch
 from api.lifeline import Lifeline, LifelineRefused, LifelineServer, SharedRegion
 from app.settings import AdapterConfig, DataPlaneSettings, EventSettings, L1Settings, L2Settings
 from engine.admin import Administration
@@ -49,14 +50,15 @@ from storage.base import L2Adapter
 def build_lifeline(
     data_dir: Path, regions: SealedRegions, sessions: SessionTable,
     offer: Callable[[], Sequence[tuple[str, int]]] | None = None,
-    on_shared: Callable[[], None] | None = None,
+    on_shared: Callable[[], None] | None = None, *, workers: WorkerWatch | None = None,
 ) -> LifelineServer:  # fmt: skip
     """The lifeline server at `<data_dir>/lifeline.sock`. A client process connects it with the
     token its data-plane session's HELLO reply handed out (random, used once), and the lifeline
     then holds that session: when it closes, the session ends (`sessions.end`). The server offers
     the descriptors `offer()` names (the arena's memfd); sealed regions a client shares land in
     `regions` under its engine instance, and go when the instance's last session ends; then
-    `on_shared()` runs (the sidecar is about to be asked to copy into them)."""
+    `on_shared()` runs (the sidecar is about to be asked to copy into them). `workers` learns
+    each lifeline's pid and heartbeats."""
 
     def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
         assert isinstance(line.holder, Session)
@@ -74,10 +76,19 @@ def build_lifeline(
         if isinstance(line.holder, Session):
             sessions.end(line.holder)
 
+    def on_hello(line: Lifeline) -> None:
+        if workers is not None and isinstance(line.holder, Session):
+            workers.held(line.holder, line.pid)
+
+    def on_heartbeat(line: Lifeline) -> None:
+        if workers is not None and isinstance(line.holder, Session):
+            workers.beat(line.holder)
+
     sessions.on_instance_gone.append(regions.drop)
     return LifelineServer(
         data_dir / "lifeline.sock", authenticate=sessions.hold, on_fds=on_fds, on_closed=on_closed,
-        offer=None if offer is None else (lambda _holder: offer()),
+        offer=None if offer is None else (lambda _holder: offer()), on_hello=on_hello,
+        on_heartbeat=on_heartbeat,
     )  # fmt: skip
 
 

@@ -7,10 +7,10 @@ loop; every method is synchronous and short (no I/O), so handlers run them inlin
 Primitives in data-plane call order:
   register(model, layout, kv_rank, group, instance) -> Registration (engine/registry.py)
   owned(engine, instance)                           -> Registration; NotOwner for another instance's
-  lookup(engine, request, tokens, salt)             -> LookupResult; hit objects read-locked, misses
+  lookup(engine, request, tokens, salt[, holder])   -> LookupResult; hit objects read-locked, misses
                                                        prefetched from L2 (query_prefetch/wait_prefetch)
-  retrieve(engine, request, first, count)           -> extents (and oids) of the locked objects
-  release(engine, request, oids)                    -> True only if the copy is safe (see below)
+  retrieve(engine, request, first, count[, holder]) -> extents (and oids) of the locked objects
+  release(engine, request, oids[, holder])          -> True only if the copy is safe (see below)
   store(engine, request, tokens, salt, first_chunk, prompt_tokens)
                                                     -> per-chunk StoreSlot (reserve; client copies);
                                                        chunks ending past prompt_tokens (when > 0)
@@ -20,8 +20,12 @@ Primitives in data-plane call order:
                                                        NotOwner (nothing done) for a reservation of
                                                        another instance (abort likewise)
   free_lookup_locks / end_request / clear
+  suspect_holder(session)                           a client session is silent past its timeout
+                                                       (engine/workers.py): the requests it took part
+                                                       in lose their locks (its late RELEASE of them
+                                                       is invalid), its reservations are quarantined
   end_holder(session)                               a client session is gone (its lifeline closed):
-                                                       its reservations go at once
+                                                       its reservations (and quarantine) go at once
   end_instance(instance)                            the instance's last session is gone: its
                                                        requests (read locks) and registrations go
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
@@ -68,12 +72,15 @@ from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object
 from engine.l2.parts import L2Parts
 from engine.registry import MAX_ID_LEN, EngineRegistry
-from engine.requests import RequestState, RequestTable
+from engine.requests import RequestId, RequestState, RequestTable
 from engine.results import EngineCounters, Extent, LookupResult, Registration, SlotStatus, StoreSlot
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
 
 log = structlog.get_logger("kvdepot.engine")
+
+#: requests remembered per suspect session for its late RELEASEs (beyond: the generation check)
+MAX_FENCED = 4096
 
 
 class CacheEngine:
@@ -115,6 +122,8 @@ class CacheEngine:
             max_per_instance=max_registrations_per_instance, idle_s=registration_idle_s,
         )  # fmt: skip
         self._requests = RequestTable(cache, read_lease_s)
+        #: holder -> its requests whose locks went when it was suspect (a late RELEASE: invalid)
+        self._fenced: dict[int, set[RequestId]] = {}
         self.l2 = l2
 
     # --- registration --------------------------------------------------------------------------
@@ -137,9 +146,11 @@ class CacheEngine:
     # --- lookup and read -----------------------------------------------------------------------
 
     def lookup(
-        self, engine_id: int, request_id: str, tokens: bytes, salt: str, extras: Sequence[bytes] = ()
-    ) -> LookupResult:
-        """`extras`: per chunk extra keys (`engine.keys`), from the client's request."""
+        self, engine_id: int, request_id: str, tokens: bytes, salt: str, extras: Sequence[bytes] = (),
+        *, holder: int = 0,
+    ) -> LookupResult:  # fmt: skip
+        """`extras`: per chunk extra keys (`engine.keys`), from the client's request; `holder`:
+        the client session asking (0: none named)."""
         reg = self.registration(engine_id)
         _check_ids(request_id, salt)
         now = self._clock()
@@ -150,6 +161,9 @@ class CacheEngine:
         found = self.cache.find_chain(ns, salt, hashes, now)  # no ObjectKey built for the hits
         # A repeated lookup replaces the request's previous state (its prefetch attaches no more).
         state = self._requests.lookup(rid, found, now)
+        if holder:
+            state.holders.add(holder)
+            self._unfence(holder, rid)
         locked = state.objects
         if locked:
             self._requests.keep(rid, state)
@@ -209,7 +223,9 @@ class CacheEngine:
             pending_chunks=pending,
         )
 
-    def retrieve(self, engine_id: int, request_id: str, first_chunk: int, num_chunks: int) -> list[Extent]:
+    def retrieve(
+        self, engine_id: int, request_id: str, first_chunk: int, num_chunks: int, *, holder: int = 0
+    ) -> list[Extent]:
         self.registration(engine_id)
         rid = (engine_id, request_id)
         entry = self._requests.get(rid)
@@ -220,15 +236,24 @@ class CacheEngine:
             raise InvalidInput(
                 f"chunks {first_chunk}..{end} outside the {len(entry.objects)} locked for {request_id!r}"
             )
+        if holder:
+            entry.holders.add(holder)
+            self._unfence(holder, rid)
         self.counters.retrieves += 1
         self.counters.retrieved_chunks += num_chunks
         return [Extent(o.offset, o.size, o.oid) for o in entry.objects[first_chunk:end]]
 
-    def release(self, engine_id: int, request_id: str, oids: Sequence[int] = ()) -> bool:
+    def release(self, engine_id: int, request_id: str, oids: Sequence[int] = (), *, holder: int = 0) -> bool:
         """Drop the request's read locks after it copied. True only when the copy is safe: every
         object in `oids` (those it copied from) is still alive; without oids, the request still
-        held its locks. False: discard the copy."""
+        held its locks. False: discard the copy; always for a request whose locks were dropped
+        because `holder` went suspect."""
         self.registration(engine_id)
+        fenced = self._fenced.get(holder)
+        if fenced is not None and (engine_id, request_id) in fenced:
+            fenced.discard((engine_id, request_id))
+            self.counters.suspect_releases += 1
+            return False  # its locks went already; a newer state of the request is not its to drop
         alive = self.cache.alive
         valid = all(alive(oid) for oid in oids)  # before unlocking: a last unlock may free them
         held = self._requests.release((engine_id, request_id))
@@ -379,9 +404,32 @@ class CacheEngine:
 
     # --- clients that are gone ------------------------------------------------------------------
 
+    def suspect_holder(self, holder: int) -> tuple[int, int]:
+        """The client session `holder` went silent (engine/workers.py): it may be stalled, not
+        dead. Nothing it holds may block others: the requests it took part in lose their read
+        locks (a late RELEASE of them by it is answered invalid) and its write reservations are
+        quarantined (fencing: their memory is not reused, their commit refused) until its lifeline
+        closes. Returns (requests, reservations)."""
+        rids = self._requests.release_holder(holder)
+        if rids:
+            fenced = self._fenced.setdefault(holder, set())
+            fenced.update(rids[: max(MAX_FENCED - len(fenced), 0)])
+        n = self.cache.fence_holder(holder)
+        c = self.counters
+        c.suspect_locks += len(rids)
+        c.suspect_reservations += n
+        return len(rids), n
+
+    def _unfence(self, holder: int, rid: RequestId) -> None:
+        """`holder` works on `rid` again (a new lookup or retrieve): its next RELEASE is current."""
+        fenced = self._fenced.get(holder)
+        if fenced is not None:
+            fenced.discard(rid)
+
     def end_holder(self, holder: int) -> int:
         """The client session `holder` is gone (its lifeline closed: the process cannot write any
         more): its write reservations are dropped at once. Returns how many."""
+        self._fenced.pop(holder, None)
         n = self.cache.release_holder(holder)
         if n and self._announcer:
             self._announcer.prune(self._reserved)

@@ -19,11 +19,13 @@ Primitives in call order:
   release(rid)              drop the request's state and locks -> how many were held
   reap(now)                 -> requests whose lease expired (locks dropped)
   release_engines(ids)      the requests of these engines are dropped (their instance is gone)
+  release_holder(holder)    the requests a client session took part in (LOOKUP or RETRIEVE) are
+                            dropped (it is suspect) -> their ids
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
@@ -40,6 +42,8 @@ class RequestState:
     """The read lease: reaped at this time unless the request read and released it."""
     prefetch: Prefetch | None = None
     current: bool = True
+    holders: set[int] = field(default_factory=set)
+    """The client sessions that looked it up or retrieved from it (0: none named)."""
 
     @property
     def pending(self) -> int:
@@ -125,6 +129,13 @@ class RequestTable:
         for rid in rids:
             self.release(rid)
         return len(rids)
+
+    def release_holder(self, holder: int) -> list[RequestId]:
+        """Drop the states and locks of the requests `holder` took part in. Returns their ids."""
+        rids = [rid for rid, state in self.locks.items() if holder in state.holders]
+        for rid in rids:
+            self.release(rid)
+        return rids
 
     def _drop(self, rid: RequestId) -> RequestState | None:
         state = self.locks.pop(rid, None)

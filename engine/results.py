@@ -75,3 +75,9 @@ class EngineCounters:
     instances_gone: int = 0
     gone_locks: int = 0
     gone_reservations: int = 0
+    suspect_locks: int = 0
+    """Requests whose read locks were dropped because a client taking part went suspect."""
+    suspect_reservations: int = 0
+    """Reservations quarantined because their writer went suspect."""
+    suspect_releases: int = 0
+    """Late RELEASEs of such requests (answered invalid)."""

@@ -47,6 +47,7 @@ import structlog
 from api.dataplane.errors import wire_code
 from api.dataplane.sessions import Session, SessionTable
 from api.dataplane.transport import RouterTransport
+from api.dataplane.workers import WorkerWatch
 from api.metrics import DataPlaneMetrics
 from app import __version__
 from app.errors import (
@@ -62,6 +63,7 @@ from engine.events import Kind
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult, SlotStatus
+from engine.workers import WorkerRegistry
 from kvdepot_connector import protocol as p
 
 if TYPE_CHECKING:
@@ -87,7 +89,10 @@ class DataPlaneServer:
         max_sessions: int = 4096,
         session_idle_s: float = 600.0,
         lifeline_path: str = "",
+        workers: WorkerRegistry | None = None,
     ) -> None:
+        """`workers`: the worker registry every HELLO registers into (its `heartbeat_s` is what
+        the HELLO reply asks clients for); None: no registry, no heartbeats asked."""
         self.engine = engine
         #: START/END around every operation and ERROR for every error reply go to the engine's bus
         self.events = engine.events
@@ -103,6 +108,7 @@ class DataPlaneServer:
         self.sessions.on_session_closed.append(lambda s: engine.end_holder(s.id))
         self.sessions.on_instance_gone.append(engine.end_instance)
         self.lifeline_path = lifeline_path
+        self.workers = None if workers is None else WorkerWatch(engine, self.sessions, workers)
         if transfers is not None:
             self._attach(transfers)
         self.transport = RouterTransport(
@@ -251,6 +257,8 @@ class DataPlaneServer:
                 f"the client {m.version}; upgrade the older side"
             )
         session = self.sessions.hello(peer, m.instance, time.monotonic())
+        if self.workers is not None:
+            self.workers.hello(session, m.role, m.rank)
         arena = self.engine.arena
         return p.HelloReply(
             id=m.id,
@@ -263,6 +271,7 @@ class DataPlaneServer:
             session=session.id,
             lifeline_path=self.lifeline_path,
             lifeline_token=session.token if self.lifeline_path else b"",
+            heartbeat_s=self.workers.registry.heartbeat_s if self.workers and self.lifeline_path else 0.0,
         )
 
     def _register(self, m: p.Register, s: Session) -> p.Reply:
@@ -296,14 +305,14 @@ class DataPlaneServer:
             layout_fingerprint=layout.fingerprint,
         )
 
-    def _lookup(self, m: p.Lookup, _: Session) -> p.Reply | Awaitable[p.Reply]:
+    def _lookup(self, m: p.Lookup, s: Session) -> p.Reply | Awaitable[p.Reply]:
         if m.uncacheable is not None:
             self.engine.registration(m.engine_id)  # only a registered engine is counted
             self.engine.note_uncacheable(m.uncacheable.value)
             total = len(self._tokens(m.tokens)) // (p.TOKEN_BYTES * self.engine.chunk_size)
             return p.LookupReply(id=m.id, hit_tokens=0, hit_chunks=0, total_chunks=total)
         r = self.engine.lookup(
-            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.extra_keys
+            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.extra_keys, holder=s.id
         )
         if m.wait and r.pending_chunks:
             return self._lookup_when_loaded(m)
@@ -315,12 +324,13 @@ class DataPlaneServer:
     def _query_prefetch(self, m: p.QueryPrefetch, _: Session) -> p.Reply:
         return _lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id))
 
-    def _retrieve(self, m: p.Retrieve, _: Session) -> p.Reply:
-        extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks)
+    def _retrieve(self, m: p.Retrieve, s: Session) -> p.Reply:
+        extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks, holder=s.id)
         return p.RetrieveReply(id=m.id, extents=[p.Extent(e.offset, e.size, e.oid) for e in extents])
 
-    def _release(self, m: p.Release, _: Session) -> p.Reply:
-        return p.ReleaseReply(id=m.id, valid=self.engine.release(m.engine_id, m.request_id, m.oids))
+    def _release(self, m: p.Release, s: Session) -> p.Reply:
+        valid = self.engine.release(m.engine_id, m.request_id, m.oids, holder=s.id)
+        return p.ReleaseReply(id=m.id, valid=valid)
 
     def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(

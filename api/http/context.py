@@ -12,6 +12,7 @@ from app.settings import Settings
 from engine.admin import Administration
 from engine.events import EventBus
 from engine.status import StatusReader
+from engine.workers import WorkerRegistry
 
 
 class ServiceHealth(Protocol):
@@ -39,3 +40,4 @@ class ControlContext:
     events: EventBus | None = None
     inventory: Inventory | None = None
     """The KV events' resync listing (None when kv_events is off)."""
+    workers: WorkerRegistry | None = None

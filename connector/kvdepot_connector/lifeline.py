@@ -8,7 +8,8 @@ arena's sealed memfd, the engine hands in the sealed memfds of the KV regions it
 
 Pure: the standard library and msgspec only, so the sidecar's server (api/lifeline.py) imports the
 same message types and framing. State: `LifelineClient` owns one blocking socket and the
-descriptors it received; it is used from one thread.
+descriptors it received; it is used from one thread, except its sends, which hold a lock so that
+the `Heartbeats` thread can send too (only the owning thread reads).
 
 Wire format: each frame is a 4-byte big-endian body length, then a msgpack body (a tagged union on
 `op`). Descriptors ride on the frame's bytes (SCM_RIGHTS); a frame carries exactly as many as it
@@ -19,7 +20,11 @@ names (`Welcome.names`, `Share.names`), and no other frame carries any.
             or Refused(reason), then closes
   client -> Share(names, sizes) + fds    sealed regions of the engine's memory
   server -> Shared(names) | Refused(reason)
+  client -> Heartbeat(seq)               every `heartbeat_s` the HELLO reply named, from the
+                                         client's `Heartbeats` thread; no answer
   ... the connection stays open for the life of the process; EOF means "gone".
+
+A malformed frame (also a heartbeat with unknown fields) is refused and the lifeline closed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import contextlib
 import os
 import socket
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated
@@ -63,7 +69,11 @@ class Refused(msgspec.Struct, tag="refused", tag_field="op", forbid_unknown_fiel
     reason: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
-Message = Hello | Welcome | Share | Shared | Refused
+class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    seq: Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)] = 0
+
+
+Message = Hello | Welcome | Share | Shared | Refused | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -116,6 +126,7 @@ class LifelineClient:
         self._sock.settimeout(timeout)
         self._buf = b""
         self._fds: list[int] = []
+        self._send_lock = threading.Lock()
         self.received: dict[str, int] = {}
         try:
             self._sock.connect(str(path))
@@ -138,13 +149,19 @@ class LifelineClient:
             return
         message = Share(names=[r[0] for r in regions], sizes=[r[2] for r in regions])
         try:
-            send_frame(self._sock, message, [r[1] for r in regions])
+            with self._send_lock:
+                send_frame(self._sock, message, [r[1] for r in regions])
             reply, fds = self._read()
         except OSError as exc:
             raise LifelineError(f"lifeline broke: {exc}") from None
         _close_all(fds)
         if not isinstance(reply, Shared):
             raise LifelineError(f"share refused: {_reason(reply)}")
+
+    def heartbeat(self, seq: int) -> None:
+        """Send one heartbeat (any thread); OSError when the lifeline broke."""
+        with self._send_lock:
+            send_frame(self._sock, Heartbeat(seq=seq))
 
     def take(self, name: str) -> int:
         """A descriptor the sidecar offered at welcome; the caller owns (and closes) it."""
@@ -184,6 +201,37 @@ class LifelineClient:
             if not data:
                 raise LifelineError("the sidecar closed the lifeline")
             self._buf += data
+
+
+class Heartbeats:
+    """A daemon thread sending `line.heartbeat` every `interval_s` until `stop()` or until the
+    lifeline breaks (the sidecar then knows the process is gone or broken anyway). Its own thread,
+    so an engine step that takes seconds does not silence the process."""
+
+    def __init__(self, line: LifelineClient, interval_s: float) -> None:
+        self.line = line
+        self.interval_s = interval_s
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdepot-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeats:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop and wait for the thread (a send in progress ends within the socket timeout)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.line.heartbeat(self.sent)
+            except OSError:
+                return
+            self.sent += 1
 
 
 def _reason(message: Message) -> str:

@@ -41,10 +41,18 @@ them; a message naming another instance's engine id or reservation is refused wi
 and changes nothing. Ids are unguessable (random). The instance is never part of a cache key:
 two instances of one model register different engine ids and share the cached chunks.
 
+Workers and heartbeats (optional fields, protocol 3). HELLO may say the process's `role`
+(scheduler or worker) and `rank`; the sidecar lists it under its instance (GET /workers). A reply
+with `heartbeat_s` > 0 asks the client to send a lifeline heartbeat that often, from a thread of
+its own; a client silent for the sidecar's `fleet.worker_timeout_s` after heartbeating is suspect:
+its read locks are dropped (its late RELEASE reports invalid) and its reservations quarantined
+until its lifeline closes; a heartbeat makes it alive again. A client that never heartbeats (an
+older one) is never suspected, and an older sidecar sends no `heartbeat_s`, so none is sent.
+
 Requests, in the order a client uses them:
 
-  Hello(version, instance)               -> HelloReply: chunk size, arena name and size, session,
-                                            its lifeline path and token
+  Hello(version, instance, role, rank)   -> HelloReply: chunk size, arena name and size, session,
+                                            its lifeline path and token, the heartbeat interval
   Register(model, layout, kv_rank, group)-> RegisterReply: engine_id (per instance), chunk_bytes
   Lookup(engine_id, request_id, tokens, cache_salt, extra_keys, uncacheable)
                                          -> LookupReply: hit_tokens from the start; hits read-locked
@@ -81,7 +89,7 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -126,13 +134,16 @@ __all__ = [
     "HelloReply", "Id", "Layout", "LoadBlocks", "Lookup", "LookupReply", "LoraName", "Name", "Oid", "Ping",
     "Pong",
     "QueryPrefetch", "Register", "RegisterKVCache", "RegisterReply", "Release", "ReleaseReply", "Reply",
-    "Request", "Retrieve", "RetrieveReply", "SaveBlocks", "SaveReply", "Slot", "SlotStatus", "Store",
+    "Request", "Retrieve", "RetrieveReply", "Role", "SaveBlocks", "SaveReply", "Slot", "SlotStatus", "Store",
     "StoreReply", "TensorHandle", "Uncacheable", "encode", "encode_tokens", "reply_decoder",
     "request_decoder", "salvage_id"
 ]  # fmt: skip
 
 
 # --- requests ---------------------------------------------------------------------------------
+
+#: what a client process is to its engine (HELLO): a scheduler, a worker, or unsaid
+Role = Literal["", "scheduler", "worker"]
 
 
 class Hello(Msg, tag="hello"):
@@ -142,6 +153,9 @@ class Hello(Msg, tag="hello"):
     version: Count
     client: Name = ""
     instance: Annotated[str, msgspec.Meta(pattern=INSTANCE_PATTERN)] = ""
+    #: what the process is to its engine (the worker registry shows it; optional, new in 1.x)
+    role: Role = ""
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)] | None = None
 
 
 class Register(Msg, tag="register"):
@@ -251,6 +265,8 @@ class HelloReply(Msg, tag="hello_reply"):
     #: (empty: the sidecar offers no lifeline)
     lifeline_path: str = ""
     lifeline_token: bytes = b""
+    #: heartbeat over the lifeline this often (0: the sidecar wants none; an older one)
+    heartbeat_s: float = 0.0
 
 
 class RegisterReply(Msg, tag="register_reply"):

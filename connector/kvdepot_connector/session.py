@@ -15,7 +15,9 @@ new one, then closes the old). The arena's sealed memfd comes over it and is map
 descriptor (kvdepot_connector.shm), never by name. It is how the sidecar knows the client is
 alive: when it closes (the process died, or `close()`), the sidecar drops the session's
 reservations and, with the last session of the engine instance, the instance's read locks and
-registrations.
+registrations. When the HELLO reply asks for heartbeats (`heartbeat_s`), a thread of the session's
+own (`lifeline.Heartbeats`) sends them over the lifeline, so a stalled process is told from a busy
+one; the session's `role` and `rank` (HELLO) name it in the sidecar's worker registry.
 
 Primitives:
   Session.handshake()                   the handshake's calls (hello, which connects the
@@ -43,7 +45,7 @@ import torch
 from kvdepot_connector import protocol as p
 from kvdepot_connector.calls import Call, T, check_reply
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
-from kvdepot_connector.lifeline import LifelineClient, LifelineError
+from kvdepot_connector.lifeline import Heartbeats, LifelineClient, LifelineError
 from kvdepot_connector.shm import ArenaMapping
 
 
@@ -87,9 +89,11 @@ class Session:
 
     def __init__(
         self, model: str, layout: p.Layout, kv_rank: int, group: int, *, name: str, map_arena: bool,
-        instance: str, timeout_s: float = 5.0,
+        instance: str, timeout_s: float = 5.0, role: p.Role = "", rank: int | None = None,
     ) -> None:  # fmt: skip
         self.model = model
+        self.role = role
+        self.rank = rank
         self.instance = instance
         self.layout = layout
         self.kv_rank = kv_rank
@@ -100,6 +104,7 @@ class Session:
         self.chunk_bytes = layout.chunk_bytes
         self.arena: ArenaMapping | None = None
         self.lifeline: LifelineClient | None = None
+        self.heartbeats: Heartbeats | None = None
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
 
@@ -132,10 +137,16 @@ class Session:
 
     def close(self) -> None:
         """Close the lifeline (the sidecar drops this session's state) and unmap the arena."""
+        self._stop_heartbeats()
         if self.lifeline is not None:
             self.lifeline.close()
             self.lifeline = None
         self.close_arena()
+
+    def _stop_heartbeats(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
+            self.heartbeats = None
 
     def close_arena(self) -> None:
         if self.arena is not None:
@@ -146,7 +157,8 @@ class Session:
 
     def hello(self) -> Call[None]:
         build = lambda i, _: p.Hello(  # noqa: E731
-            id=i, version=p.PROTOCOL_VERSION, client=self.name, instance=self.instance
+            id=i, version=p.PROTOCOL_VERSION, client=self.name, instance=self.instance, role=self.role,
+            rank=self.rank,
         )
         return Call(build, lambda r: self._accept_hello(check_reply(r, p.HelloReply)), registered=False)
 
@@ -181,7 +193,8 @@ class Session:
 
     def _connect_lifeline(self, reply: p.HelloReply) -> None:
         """Connect this session's lifeline (the new one first, then the old one goes: the
-        engine instance keeps a live session throughout)."""
+        engine instance keeps a live session throughout), and its heartbeats when asked."""
+        self._stop_heartbeats()
         old, self.lifeline = self.lifeline, None
         try:
             if reply.lifeline_path:
@@ -191,6 +204,8 @@ class Session:
                     )
                 except LifelineError as exc:
                     raise SidecarUnavailable(f"cannot connect the lifeline: {exc}") from None
+                if reply.heartbeat_s > 0:
+                    self.heartbeats = Heartbeats(self.lifeline, max(reply.heartbeat_s, 0.05)).start()
         finally:
             if old is not None:
                 old.close()
@@ -293,17 +308,20 @@ class ClientBase:
         map_arena: bool = True,
         name: str = "",
         instance: str | None = None,
+        role: p.Role = "",
+        rank: int | None = None,
     ) -> None:
         """`instance`: the engine instance nonce (lowercase hex, 16..128 characters) this client
         acts for; the clients of one engine (scheduler, workers) give the same one, since they own
-        its requests and reservations together. None: a fresh random one, this client's alone."""
+        its requests and reservations together. None: a fresh random one, this client's alone.
+        `role` ("scheduler" or "worker") and `rank`: how the sidecar's worker registry names it."""
         self.url = url
         self.timeout_s = timeout_s
         self.name = name
         self.instance = secrets.token_hex(16) if instance is None else instance
         self._session = Session(
             model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, role=role, rank=rank,
         )  # fmt: skip
         self._open_transport()
 

@@ -27,6 +27,7 @@ Primitives in call order:
                                  records whether the object is in L2 (`in_l2`)
   fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
   evict(...) / delete(obj) / clear(...)
+  fence_holder(holder)           a client session is suspect: its reservations are quarantined
   release_holder(holder)         a client session is gone: its reservations and quarantine go
   reap(now)                      reclaims expired write reservations: a client's are quarantined
                                  (read locks: the facade)
@@ -352,6 +353,15 @@ class L1Cache:
             self.counters.quarantine_freed += 1
             self._by_oid.pop(obj.oid, None)
             self.allocator.free(obj.offset)
+        return len(mine)
+
+    def fence_holder(self, holder: int) -> int:
+        """The client session `holder` is suspect (silent: stalled or dying): its reservations
+        are quarantined now, as if their lease expired (see the module docstring: their commit is
+        refused, their memory kept until `release_holder`). Returns how many."""
+        mine = [o for o in self._reservations.values() if o.holder == holder and not o.io_busy]
+        for obj in mine:
+            self._fence(obj)
         return len(mine)
 
     def reap(self, now: float) -> int:

@@ -14,11 +14,22 @@ MODE store-retrieve:   4 requests x CHUNKS chunks: store, lookup right after, re
 MODE reserve-then-commit: STORE (reserve) CHUNKS chunks, print "reserved OID...", wait for a
                        line on stdin, fill the slots, COMMIT, print "committed OK..." (1/0 per
                        oid), then lookup and compare: print "identical HIT" (HIT chunks compared).
+MODE worker-hold:      as an engine worker (role worker, rank 0): store CHUNKS chunks, LOOKUP them
+                       and RETRIEVE (read locks, views kept), reserve CHUNKS//2 more (tokens of
+                       SEED+1), print "held LOCKED RESERVED OFFSET...", wait for a line on stdin
+                       (the test stalls or kills the process meanwhile), then write 0x5A into its
+                       reserved slots, COMMIT, RELEASE the locked request: print "late COMMIT-OKS
+                       valid=0|1"; wait for a second line, then a fresh store, lookup and retrieve
+                       of 2 chunks of SEED+2: print "fresh STORED HIT identical|different".
+MODE flood-heartbeats: connect, print "flooding", then write heartbeat frames to its lifeline as
+                       fast as it can (1 MiB per send) until the lifeline breaks or it is killed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import threading
 
@@ -124,8 +135,58 @@ def main() -> None:
         same = valid and all(torch.equal(o, chunk_data(seed, i)) for i, o in enumerate(outs))
         print(f"identical {hit}" if same else "different", flush=True)
         c.close()
+    elif mode in ("worker-hold", "flood-heartbeats"):
+        c.close()
+        (worker_hold if mode == "worker-hold" else flood)(url, chunks, seed)
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+def worker_hold(url: str, chunks: int, seed: int) -> None:
+    from kvdepot_connector.protocol import SlotStatus
+
+    c = KVDepotClient(url, model="test-model", layout=LAYOUT, timeout_s=10, role="worker", rank=0).connect()
+    toks = request_tokens(seed, chunks)
+    c.store(toks, [chunk_data(seed, i) for i in range(chunks)], request_id="w")
+    hit = c.lookup(toks, request_id="hold").hit_chunks
+    locked = c.locked("hold", first_chunk=0, num_chunks=hit)
+    reply = c.reserve(request_tokens(seed + 1, chunks // 2), request_id="hold-w")
+    slots = [s for s in reply.slots if s.status is SlotStatus.RESERVED]
+    print(f"held {hit} {len(slots)} " + " ".join(str(s.offset) for s in slots), flush=True)
+    sys.stdin.readline()
+    for s in slots:  # late bytes: the process was stalled past the worker timeout meanwhile
+        c.slot_view(s).fill_(0x5A)
+    ok = c.commit([s.oid for s in slots])
+    valid = c.release("hold", locked.oids)
+    print("late " + " ".join(str(int(x)) for x in ok) + f" valid={int(valid)}", flush=True)
+    sys.stdin.readline()
+    fresh = request_tokens(seed + 2, 2)
+    stored = c.store(fresh, [chunk_data(seed + 2, i) for i in range(2)], request_id="fresh-w").stored
+    hit = c.lookup(fresh, request_id="fresh").hit_chunks
+    outs = [torch.empty(LAYOUT.chunk_bytes // 2, dtype=torch.float16) for _ in range(hit)]
+    valid = c.retrieve("fresh", outs) if hit else False
+    same = valid and all(torch.equal(o, chunk_data(seed + 2, i)) for i, o in enumerate(outs))
+    print(f"fresh {stored} {hit} " + ("identical" if same else "different"), flush=True)
+    threading.Event().wait()
+
+
+def flood(url: str, _chunks: int, _seed: int) -> None:
+    from kvdepot_connector.lifeline import Heartbeat, encode_frame
+
+    c = KVDepotClient(url, model="test-model", layout=LAYOUT, timeout_s=10, role="worker", rank=1).connect()
+    session = c._session  # the attacker writes to its own lifeline directly, without its own thread
+    session._stop_heartbeats()
+    line = session.lifeline
+    assert line is not None
+    burst = encode_frame(Heartbeat(seq=1)) * ((1 << 20) // len(encode_frame(Heartbeat(seq=1))))
+    sock = socket.socket(fileno=os.dup(line.fileno()))
+    sock.settimeout(None)
+    print("flooding", flush=True)
+    try:
+        while True:
+            sock.sendall(burst)
+    except OSError as exc:
+        print(f"broken {exc.__class__.__name__}", flush=True)
 
 
 if __name__ == "__main__":

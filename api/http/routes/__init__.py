@@ -1,5 +1,13 @@
 """One router per resource; `ROUTERS` collects them for the app factory."""
 
-from api.http.routes import health, inventory, l2, metrics, quotas, status
+from api.http.routes import health, inventory, l2, metrics, quotas, status, workers
 
-ROUTERS = [health.router, status.router, metrics.router, l2.router, quotas.router, inventory.router]
+ROUTERS = [
+    health.router,
+    status.router,
+    metrics.router,
+    l2.router,
+    quotas.router,
+    inventory.router,
+    workers.router,
+]

@@ -173,7 +173,7 @@ class KVDepotConnector(KVConnectorBase_V1):
             clients = [
                 KVDepotClient(self._url, model=self._model, layout=self._layout, kv_rank=rank,
                               timeout_s=self._timeout_s, map_arena=False, name=f"vllm-scheduler-{rank}",
-                              instance=self._instance)
+                              instance=self._instance, role="scheduler", rank=rank)
                 for rank in range(pc.tensor_parallel_size)
             ]  # fmt: skip
             self._scheduler = SchedulerSide(
@@ -292,7 +292,8 @@ class KVDepotConnector(KVConnectorBase_V1):
         rank = get_tensor_model_parallel_rank()
         client = KVDepotClient(
             self._url, model=self._model, layout=lay, kv_rank=rank, timeout_s=self._timeout_s,
-            name=f"vllm-worker-{rank}", map_arena=not by_sidecar, instance=self._instance,
+            name=f"vllm-worker-{rank}", map_arena=not by_sidecar, instance=self._instance, role="worker",
+            rank=rank,
         )  # fmt: skip
         # Connect now, at engine start: mapping the arena (populated, so that copies pay no page
         # faults) takes ~0.5 s per GiB here, which the first save of a request must not wait for.
