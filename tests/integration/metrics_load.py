@@ -1,14 +1,14 @@
 """Traffic that makes a real sidecar export every labelled metric series, run as its own process
 (a real connector client over the data plane) by the metric catalog and Prometheus tests.
 
-    python -m tests.integration.metrics_load URL ROUNDS [SECONDS]
+    python -m tests.integration.metrics_load URL ROUNDS [SECONDS [PAUSE]]
 
 Each round, for every tenant in TENANTS: store a fresh 4-chunk sequence (new tokens each round,
-so a small L1 evicts), look it up and retrieve it (L1 hits), clear the tenant's L1 and look up the
-previous round's sequence waiting for the L2 prefetch (L2 hits and loads), look up tokens never
+so a small L1 evicts), look it up and retrieve it (L1 hits); for L2_TENANT, clear its L1 and look up
+the previous round's sequence waiting for the L2 prefetch (L2 hits and loads); look up tokens never
 stored (misses), ask for a request id that does not exist (a data-plane error reply), and open and
-close a second client (a worker that dies). Stops after ROUNDS rounds or SECONDS seconds,
-whichever comes first, and prints one JSON line with what it did.
+close a second client (a worker that dies); then sleep PAUSE seconds (0). Stops after ROUNDS
+rounds or SECONDS seconds, whichever comes first, and prints one JSON line with what it did.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvdepot_connector.errors import SidecarError
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, chunk_data, client, request_tokens
 
 TENANTS = ("", "acme", "tiny")
+L2_TENANT = "acme"
 CHUNKS = 4
 
 
@@ -45,8 +46,8 @@ def one_round(c: KVDepotClient, url: str, r: int, totals: dict[str, int]) -> Non
         totals["stored"] += outcome.stored
         hit = c.lookup(toks, request_id=f"r{r}{t}", cache_salt=salt).hit_chunks
         totals["hits_l1"] += fetch(c, f"r{r}{t}", hit)
-        if r:  # the previous round's sequence, written behind by now: its hits come from L2
-            c.clear(salt)
+        if r and salt == L2_TENANT:  # the previous round's sequence, written behind by now and
+            c.clear(salt)  # dropped from L1: its hits come from L2
             before = request_tokens(seed - 1, CHUNKS)
             hit = c.lookup(before, request_id=f"p{r}{t}", cache_salt=salt, wait=True).hit_chunks
             totals["hits_l2"] += fetch(c, f"p{r}{t}", hit)
@@ -65,6 +66,7 @@ def one_round(c: KVDepotClient, url: str, r: int, totals: dict[str, int]) -> Non
 def main() -> None:
     url, rounds = sys.argv[1], int(sys.argv[2])
     seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 600.0
+    pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     deadline = time.monotonic() + seconds
     totals = {"rounds": 0, "stored": 0, "hits_l1": 0, "hits_l2": 0, "misses": 0, "errors": 0}
     c = client(url)
@@ -72,6 +74,7 @@ def main() -> None:
     while r < rounds and time.monotonic() < deadline:
         one_round(c, url, r, totals)
         r += 1
+        time.sleep(pause)
     c.close()
     print(json.dumps(totals), flush=True)
 

@@ -84,8 +84,9 @@ def observed_sidecar(tmp: Path, redis_prefix: str) -> Iterator[SidecarProcess]:
                 r.unlink(key)
 
 
-def load_command(sc: SidecarProcess, rounds: int, seconds: float = 600.0) -> list[str]:
-    return [sys.executable, "-m", "tests.integration.metrics_load", sc.url, str(rounds), str(seconds)]
+def load_command(sc: SidecarProcess, rounds: int, seconds: float = 600.0, pause: float = 0.0) -> list[str]:
+    return [sys.executable, "-m", "tests.integration.metrics_load", sc.url, str(rounds), str(seconds),
+            str(pause)]  # fmt: skip
 
 
 def load(sc: SidecarProcess, rounds: int) -> dict[str, int]:
@@ -97,8 +98,10 @@ def load(sc: SidecarProcess, rounds: int) -> dict[str, int]:
     return figures
 
 
-def start_load(sc: SidecarProcess, rounds: int, seconds: float) -> subprocess.Popen[str]:
-    return subprocess.Popen(load_command(sc, rounds, seconds), stdout=subprocess.PIPE,
+def start_load(sc: SidecarProcess, rounds: int, seconds: float, pause: float) -> subprocess.Popen[str]:
+    """metrics_load in the background: `rounds` rounds at most, for `seconds` at most, `pause`
+    seconds between rounds."""
+    return subprocess.Popen(load_command(sc, rounds, seconds, pause), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
 
 
