@@ -67,7 +67,7 @@ def observed_sidecar(tmp: Path, redis_prefix: str) -> Iterator[SidecarProcess]:
     }
     sc = start_sidecar(
         tmp / "data", "--config", str(config), "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-        env=env, l1_size_gb=2 / 1024,
+        env=env, l1_size_gb=4 / 1024,
     )  # fmt: skip
     try:
         put = urllib.request.Request(
