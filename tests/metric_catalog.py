@@ -110,7 +110,7 @@ def live_scrape() -> str:
     with tempfile.TemporaryDirectory(prefix="kvdepot-catalog-") as tmp, observed_sidecar(
         Path(tmp), f"kvdepot-catalog-{uuid.uuid4().hex[:8]}:"
     ) as sc:
-        load(sc, rounds=3)
+        load(sc, rounds=10)
         return scrape(sc)
 
 

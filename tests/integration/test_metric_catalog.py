@@ -4,6 +4,7 @@ names an exported family, and `promtool check metrics` finds nothing to say abou
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import uuid
@@ -20,11 +21,17 @@ from tests.metric_catalog import README, differences, readme_rows, scraped_rows
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("catalog")
     with observed_sidecar(tmp, f"kvdepot-catalog-{uuid.uuid4().hex[:8]}:") as sc:
-        figures = load(sc, rounds=3)
-        # The traffic did what the labelled series need: L1 and L2 hits, misses, error replies.
+        figures = load(sc, rounds=10)
+        # The traffic did what the labelled series need: L1 and L2 hits, misses, error replies,
+        # L1 evictions (the L1 holds 64 chunks), quota refusals.
         assert figures["hits_l1"] > 0 and figures["hits_l2"] > 0, figures
-        assert figures["misses"] > 0 and figures["errors"] == 3, figures
-        return scrape(sc)
+        assert figures["misses"] > 0 and figures["errors"] == 10, figures
+        text = scrape(sc)
+        refused = 'kvdepot_tenant_quota_refused_chunks_total{tenant="tiny",tier="l1"}'
+        for counter in ("kvdepot_evictions_total", refused):
+            value = re.search(rf"^{re.escape(counter)} (\S+)$", text, re.M)
+            assert value is not None and float(value[1]) > 0, counter
+        return text
 
 
 def test_every_exported_family_has_a_catalog_row_and_every_row_is_exported(scraped: str) -> None:
