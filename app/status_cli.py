@@ -39,9 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="control plane (default %(default)s)")
     parser.add_argument("--token", help=f"admin token (default: ${TOKEN_ENV}); shows the tenants")
     parser.add_argument("--token-file", type=Path, help="file whose first line is the admin token")
-    parser.add_argument("--top", type=int, default=5, help="tenants shown, most bytes first (default 5)")
+    parser.add_argument("--top", type=count, default=5, help="tenants shown, most bytes first (default 5)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
+
+
+def count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
 
 
 def fetch(url: str, token: str | None, timeout: float) -> tuple[int, Any]:
@@ -184,13 +191,16 @@ def render(summary: dict[str, Any], url: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    token = args.token
-    if token is None and args.token_file is not None:
-        token = args.token_file.read_text().splitlines()[0].strip() if args.token_file.is_file() else None
-    if token is None:
-        token = os.environ.get(TOKEN_ENV) or None
     base = args.url.rstrip("/")
     try:
+        token = args.token
+        if token is None and args.token_file is not None:
+            try:
+                token = (args.token_file.read_text().splitlines() or [""])[0].strip() or None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise Unreadable(f"cannot read the token file {args.token_file}: {exc}") from None
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
         code, status = fetch(base + "/status", token, args.timeout)
         if code != 200 or not isinstance(status, dict) or "l1" not in status:
             raise Unreadable(f"{base}/status answered {code}, not a kvdepot status")

@@ -128,3 +128,6 @@ def test_a_wrong_token_or_no_sidecar_is_one_line_and_exit_1(sidecar: Sidecar) ->
     assert gone.stderr.startswith("kvdepot status: cannot read")
     not_kvdepot = status("--url", sc.http + "/metrics", "--json")  # answers, but not a kvdepot status
     assert not_kvdepot.returncode == 1 and not_kvdepot.stderr.count("\n") == 1
+    no_file = status("--url", sc.http, "--token-file", "/nonexistent/token")
+    assert no_file.returncode == 1 and "cannot read the token file" in no_file.stderr
+    assert status("--url", sc.http, "--top", "-1").returncode == 2  # argparse: a usage error
