@@ -52,6 +52,7 @@ from engine.events import EventBus, Subscriber
 from engine.facade import CacheEngine
 from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
+from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
@@ -288,6 +289,7 @@ class Service:
             await self.admin.add_adapter(config)  # ConfigError naming the adapter when it cannot
         for i in range(self.settings.l2.store_concurrency):
             self.supervisor.start(f"l2-store-{i}", self.l2.store.run_worker(), drain=False)
+        self.supervisor.start("l2-reconcile", run_reconcile(self.l2.tiers), drain=False)
 
     @property
     def http_port(self) -> int:

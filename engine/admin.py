@@ -28,12 +28,14 @@ from typing import Any, cast
 
 import structlog
 
-from app.errors import ConfigError, KVDepotError, NotFound
+from app.errors import BackendError, ConfigError, Conflict, KVDepotError, NotFound
 from engine.answers import (
     AdapterAnswer,
     AdapterList,
+    FleetFigures,
     L2Policy,
     QuotaList,
+    ReconcileAnswer,
     StorePolicy,
     TenantQuota,
     TierFigures,
@@ -42,9 +44,10 @@ from engine.answers import (
 from engine.l2.parts import L2Parts
 from engine.l2.tiers import RemoveMode, Tier
 from engine.tenants.ledger import TenantLedger
-from engine.tenants.quota import Quota, check_salt
+from engine.tenants.quota import Quota, check_salt, display_name
 from engine.tenants.registry import QuotaRegistry
 from storage.config import AdapterConfig, DiskAdapterConfig, SlabAdapterConfig
+from storage.redis_fleet import FleetLedger
 
 log = structlog.get_logger("kvdepot.admin")
 
@@ -76,12 +79,77 @@ class Administration:
         return tenant(found)
 
     async def set_quota(self, salt: str, quota: Quota) -> TenantQuota:
-        """Create or replace a quota; durable and in effect for the next operation once it returns."""
+        """Create or replace a quota; durable and in effect for the next operation once it returns.
+        The l2_bytes limit is also written to every fleet-scope adapter that answers; one that
+        does not is named in the answer's `fleet_errors` (set the quota again once it is back)."""
         await self.quota_registry.put(salt, quota)
-        return self.quota(salt)
+        errors: dict[str, str] = {}
+        for name, fleet in self._fleets():
+            try:
+                await fleet.set_quota(salt, quota.l2_bytes)
+            except BackendError as exc:
+                log.warning("fleet_quota_not_written", adapter=name, error=str(exc))
+                errors[name] = f"quota not written to this adapter: {exc}"
+        answer = await self.fleet_quota(salt)
+        return dataclasses.replace(answer, fleet_errors=answer.fleet_errors | errors)
 
     async def delete_quota(self, salt: str) -> None:
+        """Remove the quota here and, best effort, from every fleet-scope adapter."""
         await self.quota_registry.delete(check_salt(salt))
+        for name, fleet in self._fleets():
+            try:
+                await fleet.drop_quota(salt)
+            except BackendError as exc:
+                log.warning("fleet_quota_not_removed", adapter=name, error=str(exc))
+
+    async def fleet_quota(self, salt: str) -> TenantQuota:
+        """`quota(salt)` with what every fleet-scope adapter's ledger says of the tenant (a tenant
+        this sidecar knows nothing of but the fleet does is answered too); an adapter that does
+        not answer is named in `fleet_errors`."""
+        check_salt(salt)
+        fleet: dict[str, FleetFigures] = {}
+        errors: dict[str, str] = {}
+        for name, ledger in self._fleets():
+            try:
+                used, blobs, limit = await ledger.usage(salt)
+            except BackendError as exc:
+                errors[name] = str(exc)
+                continue
+            if used or blobs or limit is not None:
+                fleet[name] = FleetFigures(limit_bytes=limit, bytes=used, objects=blobs)
+        found = self.ledger.describe(salt)
+        if found is None and not fleet:
+            raise NotFound(f"tenant {salt!r} has neither a quota nor usage")
+        if found is None:
+            return TenantQuota(
+                cache_salt=salt, tenant=display_name(salt), quota=None, tiers={}, fleet=fleet,
+                fleet_errors=errors,
+            )  # fmt: skip
+        return dataclasses.replace(tenant(found), fleet=fleet, fleet_errors=errors)
+
+    async def reconcile(self, name: str) -> ReconcileAnswer:
+        """Reconcile one fleet-scope adapter's ledger now (Conflict for any other adapter)."""
+        tier = self._l2().tiers.get(name)
+        fleet = getattr(tier.adapter, "fleet", None)
+        if not isinstance(fleet, FleetLedger):
+            raise Conflict(f"L2 adapter {name!r} keeps no fleet ledger (scope fleet, Redis only)")
+        keys_per_s = getattr(tier.config, "reconcile_keys_per_s", 2000)
+        report = await fleet.reconcile(keys_per_s)
+        return ReconcileAnswer(
+            adapter=name, keys_scanned=report.keys_scanned, tenants=report.tenants,
+            released_bytes=report.released_bytes, adopted_bytes=report.adopted_bytes,
+            ledger_fixed=report.ledger_fixed,
+        )  # fmt: skip
+
+    def _fleets(self) -> list[tuple[str, FleetLedger]]:
+        if self.l2 is None:
+            return []
+        out = []
+        for tier in self.l2.tiers.active():
+            fleet = getattr(tier.adapter, "fleet", None)
+            if isinstance(fleet, FleetLedger):
+                out.append((tier.name, fleet))
+        return out
 
     # --- L2 ------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ one (`redacted`: the password of a Redis URL is `***`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -42,13 +42,41 @@ class TierFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetFigures:
+    """One tenant in a shared Redis adapter of fleet scope, as every sidecar on it sees it: the
+    fleet l2_bytes quota (null: none; then each sidecar's own applies), the bytes and blobs its
+    ledger in Redis holds (storage/redis_fleet.py)."""
+
+    limit_bytes: int | None
+    bytes: int
+    objects: int
+
+
+@dataclass(frozen=True, slots=True)
 class TenantQuota:
-    """A tenant with a quota or usage: its quota (null: none set) and figures per tier."""
+    """A tenant with a quota or usage: its quota (null: none set) and figures per tier (what this
+    sidecar holds); `fleet`, per fleet-scope adapter, what the whole fleet holds there."""
 
     cache_salt: str
     tenant: str
     quota: Quota | None
     tiers: dict[str, TierFigures]
+    fleet: dict[str, FleetFigures] = field(default_factory=dict)
+    fleet_errors: dict[str, str] = field(default_factory=dict)
+    """Fleet-scope adapters that did not answer (their figures are missing; a quota just set was
+    not written there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileAnswer:
+    """One reconcile of a fleet ledger with a scan of the adapter's prefix."""
+
+    adapter: str
+    keys_scanned: int
+    tenants: int
+    released_bytes: int
+    adopted_bytes: int
+    ledger_fixed: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,34 @@ class RedisAdapterConfig(BaseModel):
         description="Sign blobs with the deployment key (l2.auth_keys or <data_dir>/l2.key) and load "
         "only blobs signed with it: other writers to the Redis cannot plant KV.",
     )
+    scope: Literal["fleet", "local"] = Field(
+        "fleet",
+        description="Tenant usage and l2_bytes quotas: 'fleet' keeps them in this Redis (one figure "
+        "and one limit for every sidecar sharing it, storage/redis_fleet.py); 'local' per sidecar.",
+    )
+    fleet_grace_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Fleet scope: a reservation younger than this is never evicted nor released by "
+        "reconcile (a write may still be in flight). Must exceed timeout_s.",
+    )
+    reconcile_interval_s: float | None = Field(
+        300.0,
+        ge=1,
+        le=7 * 86400,
+        description="Fleet scope: how often the ledger is reconciled with a SCAN of the prefix; "
+        "None: only on POST /l2/adapters/{name}/reconcile.",
+    )
+    reconcile_keys_per_s: int = Field(
+        2000, ge=1, le=1_000_000, description="Fleet scope: keys the reconcile scans a second, at most."
+    )
+
+    @model_validator(mode="after")
+    def _check_grace(self) -> RedisAdapterConfig:
+        if self.scope == "fleet" and self.fleet_grace_s <= self.timeout_s:
+            raise ValueError("fleet_grace_s must exceed timeout_s (a write may last that long)")
+        return self
 
     @model_validator(mode="after")
     def _check_cluster(self) -> RedisAdapterConfig:

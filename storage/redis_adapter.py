@@ -56,6 +56,12 @@ refresh them: Redis keeps no recency we can read cheaply), UNLINKed in one pipel
 forgotten once its UNLINK answered (a key already gone counts as freed too), a key whose UNLINK
 failed is kept.
 
+Fleet scope (config.scope "fleet", the default): `fleet` is the tenant ledger kept in Redis itself
+(storage/redis_fleet.py), shared by every sidecar on the prefix. The write-behind reserves in it
+before storing; `delete` releases the reservations of the keys it UNLINKed; evict_salt then evicts
+the tenant's oldest blobs fleet-wide (whoever wrote them), not only this sidecar's. `usage()` and
+the per-tenant figures above stay this sidecar's own.
+
 Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity,
 evict_salt, close (AdapterCore).
 """
@@ -79,6 +85,7 @@ from storage.common import AdapterCore
 from storage.config import RedisAdapterConfig
 from storage.inflight import gather_all, settled
 from storage.redis_cluster import parse_redirect
+from storage.redis_fleet import FleetLedger, key_salt
 from storage.redis_lane import LaneCancelled, LaneDown, LaneJob, RespLane
 from storage.redis_router import RedisRouter
 
@@ -109,6 +116,11 @@ class RedisAdapter(AdapterCore[None]):
         lanes = executor is not None and config.bulk_min_kib is not None
         self.router = RedisRouter(config, lanes=lanes)
         self._bulk_min = (config.bulk_min_kib or 0) * 1024
+        self.fleet: FleetLedger | None = None
+        if config.scope == "fleet":
+            self.fleet = FleetLedger(
+                self.router, config.key_prefix, config.fleet_grace_s, on_down=self._fleet_down
+            )
 
     @property
     def lane(self) -> RespLane | None:
@@ -329,9 +341,16 @@ class RedisAdapter(AdapterCore[None]):
                 continue
             self._forget(key)
             results.append(OK if reply else MISS)
+        if self.fleet is not None:  # after the UNLINKs answered: never below what Redis holds
+            for key, result in zip(keys, results, strict=True):
+                salt = key_salt(key)
+                if result.status is not Status.ERROR and salt is not None:
+                    await self.fleet.forget(salt, key)
         return results
 
     async def _evict_salt(self, salt: str, nbytes: int) -> int:
+        if self.fleet is not None:
+            return await self._evict_fleet(self.fleet, salt, nbytes)
         victims = [(key, self._held.entry(key)) for key in self._held.oldest(salt, nbytes)]
         if not victims:
             return 0
@@ -346,6 +365,33 @@ class RedisAdapter(AdapterCore[None]):
             if self._held.discard(key, held, evicted=True):
                 freed += held.size
                 self._count_eviction(held.size)
+        return freed
+
+    def _fleet_down(self, message: str) -> None:
+        self._stats.errors += 1
+        self._health.failure(f"fleet ledger: {message}", down=not self.router.cluster)
+
+    async def _evict_fleet(self, fleet: FleetLedger, salt: str, nbytes: int) -> int:
+        """The tenant's oldest blobs in the whole fleet's ledger (whoever wrote them; none reserved
+        within grace_s), UNLINKed, then their reservations released (unless reserved again
+        meanwhile). Bytes released."""
+        await self.router.start()
+        victims = await fleet.oldest(salt, nbytes)
+        if not victims:
+            return 0
+        replies = await self._each([key for key, _, _ in victims], _unlink)
+        freed = 0
+        for (key, score, _), reply in zip(victims, replies, strict=True):
+            if isinstance(reply, Exception):
+                continue
+            released = await fleet.forget(salt, key, score)
+            if released < 0:
+                continue  # reserved again: a newer write of the key is on its way
+            freed += released
+            self._count_eviction(released)
+            held = self._held.entry(key)
+            if held is not None:
+                self._held.discard(key, held, evicted=True)
         return freed
 
     async def _close(self) -> None:

@@ -55,6 +55,7 @@ _WHY = {
     401: "The admin bearer token is missing or wrong.",
     404: "Not found.",
     409: "Conflicts with the current state.",
+    502: "An L2 backend failed (code `backend`, retryable).",
     413: "The body is larger than http.max_body_bytes (code `payload_too_large`); it was not read.",
     422: "Invalid input (the message names the field).",
     500: "Unexpected failure (no details).",

@@ -31,6 +31,10 @@ limit of (s, t), H what s holds there and P the bytes of s being written there b
   that tier, quota 0 stores nothing, and in allowlist mode (limit 0 without a quota) neither do
   salts without a quota. A chunk whose tenant has limit 0 and holds nothing in every target tier
   is refused at `submit` (no pin, no encoding).
+- Fleet scope (a Redis adapter whose `fleet` ledger lives in Redis, storage/redis_fleet.py): the
+  blob's bytes are reserved in Redis against the fleet quota (else this sidecar's limit) instead;
+  refused, the tenant's oldest blobs fleet-wide are evicted and the reservation tried once more;
+  the reservations of blobs written are committed after the batch.
 - Bytes being written count against the limit until the write returns, so concurrent batches
   cannot overshoot it together; they are never evicted. The blobs of a batch are admitted in
   order, so when not all of a tenant's chunks in one batch fit, the first ones (the start of a
@@ -48,6 +52,7 @@ from concurrent.futures import Executor
 
 import structlog
 
+from app.errors import BackendError
 from engine.events import EventBus, Kind
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
@@ -59,6 +64,7 @@ from engine.results import Registration
 from storage import codec
 from storage.auth import BlobKeys
 from storage.base import OpResult
+from storage.redis_fleet import FleetLedger
 
 log = structlog.get_logger("kvdepot.l2.store")
 
@@ -175,12 +181,18 @@ class StoreController:
         self.counters.skipped_quota += 1
         return True
 
-    async def _admit(self, tier: Tier, salt: str, size: int) -> bool:
+    async def _admit(self, tier: Tier, salt: str, size: int, key: str) -> bool:
         """Whether a blob of `salt` and `size` bytes may be written to `tier` (module docstring).
         True: its bytes count as being written until `_written(tier, salt, size)`."""
         slot = (salt, tier.name)
         writing = self._writing.get(slot, 0)
         ledger = self.tiers.ledger
+        fleet = getattr(tier.adapter, "fleet", None)
+        if isinstance(fleet, FleetLedger):
+            if not await self._admit_fleet(tier, fleet, salt, size, key):
+                return False
+            self._writing[slot] = writing + size
+            return True
         limit = None if ledger is None else ledger.limit(salt, tier.name)
         if ledger is None or limit is None:
             self._writing[slot] = writing + size
@@ -203,6 +215,43 @@ class StoreController:
         ledger.note_refusal(salt, tier.name)
         self.counters.quota_refused += 1
         return False
+
+    async def _admit_fleet(self, tier: Tier, fleet: FleetLedger, salt: str, size: int, key: str) -> bool:
+        """Fleet scope: reserve the blob's bytes in Redis (storage/redis_fleet.py); over the limit,
+        evict the tenant's oldest blobs fleet-wide and try once more. BackendError when the
+        ledger does not answer (the caller writes nothing more of the batch to that tier)."""
+        ledger = self.tiers.ledger
+        fallback = None if ledger is None else ledger.limit(salt, tier.name)
+        got = await fleet.reserve(salt, key, size, fallback)
+        if not got.ok and got.limit is not None and size <= got.limit:
+            over = got.used + size - got.limit
+            self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
+            got = await fleet.reserve(salt, key, size, fallback)
+        if got.ok:
+            return True
+        if ledger is not None:
+            ledger.note_refusal(salt, tier.name)
+        self.counters.quota_refused += 1
+        return False
+
+    @staticmethod
+    async def _commit_fleet(
+        tier: Tier, keys: list[str], salts: list[str], admitted: list[int], results: list[OpResult]
+    ) -> None:
+        """Fleet scope: the reservations of the blobs written are no longer in flight (a failed
+        write's stays pending: eviction and reconcile leave it alone for fleet_grace_s)."""
+        fleet = getattr(tier.adapter, "fleet", None)
+        if not isinstance(fleet, FleetLedger):
+            return
+        by_salt: dict[str, list[str]] = {}
+        for key, i, result in zip(keys, admitted, results, strict=True):
+            if result.ok:
+                by_salt.setdefault(salts[i], []).append(key)
+        for salt, written in by_salt.items():
+            try:
+                await fleet.commit(salt, written)
+            except BackendError as exc:
+                log.warning("l2_fleet_commit_failed", adapter=tier.name, error=str(exc))
 
     def _written(self, tier: Tier, salt: str, size: int) -> None:
         slot = (salt, tier.name)
@@ -251,8 +300,13 @@ class StoreController:
         with tier.use():
             try:
                 for i, blob in enumerate(blobs):
-                    if await self._admit(tier, salts[i], blob.nbytes):
-                        admitted.append(i)
+                    try:
+                        if await self._admit(tier, salts[i], blob.nbytes, blob.key):
+                            admitted.append(i)
+                    except BackendError as exc:  # a fleet ledger that does not answer: not now
+                        log.warning("l2_fleet_reserve_failed", adapter=tier.name, error=str(exc))
+                        self.counters.failed += len(blobs) - i
+                        break
                 if not admitted:
                     return [], []
                 events = self.events
@@ -267,6 +321,7 @@ class StoreController:
                         reason = "cancelled" if results is None else "ok"
                         events.end(span, "l2.store", tier=tier.name, reason=reason, detail=stored)
                 tier.adapter.latency.observe("store_batch", time.perf_counter() - start)
+                await self._commit_fleet(tier, [blobs[i].key for i in admitted], salts, admitted, results)
                 return admitted, results
             finally:
                 for i in admitted:

@@ -21,6 +21,7 @@ import torch
 
 from app.bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
+from storage.redis_fleet import META as FLEET_META
 from tests.integration import cluster_nodes
 from tests.integration.conftest import CLUSTER_URL, StartSidecar
 from tests.integration.dp_client import client
@@ -76,12 +77,14 @@ def backend_truth(kind: str, data_dir: Path, redis_prefix: str) -> dict[str, tup
     elif kind == "redis":
         with redis.Redis.from_url(REDIS_URL) as r:
             for name in r.scan_iter(match=redis_prefix + "*"):
-                sizes[name.decode()[len(redis_prefix) :]] = int(r.strlen(name))
+                if not name.decode()[len(redis_prefix) :].startswith(FLEET_META):  # ledger keys
+                    sizes[name.decode()[len(redis_prefix) :]] = int(r.strlen(name))
     elif kind == "redis-cluster":  # every node's own keys
         for port in cluster_nodes.PORTS:
             with cluster_nodes.client(port) as r:
                 for name in r.scan_iter(match=redis_prefix + "*"):
-                    sizes[name.decode()[len(redis_prefix) :]] = int(r.strlen(name))
+                    if not name.decode()[len(redis_prefix) :].startswith(FLEET_META):
+                        sizes[name.decode()[len(redis_prefix) :]] = int(r.strlen(name))
     else:
         return None
     truth: dict[str, tuple[int, int]] = {}

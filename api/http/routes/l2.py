@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.http.answers import errors
 from api.http.deps import Admin, Ctx
 from app.settings import AdapterConfig
-from engine.answers import AdapterAnswer, AdapterList, L2Policy
+from engine.answers import AdapterAnswer, AdapterList, L2Policy, ReconcileAnswer
 
 router = APIRouter(prefix="/l2", tags=["l2"])
 
@@ -71,6 +71,16 @@ async def remove_adapter(
 ) -> Response:
     await ctx.admin.remove_adapter(name, mode)
     return Response(status_code=204)
+
+
+@router.post(
+    "/adapters/{name}/reconcile",
+    response_model=ReconcileAnswer,
+    summary="Reconcile a fleet-scope Redis adapter's tenant ledger with a scan of its prefix, now",
+    responses=errors(401, 404, 409, 422, 502),
+)
+async def reconcile_adapter(ctx: Ctx, _: Admin, name: str) -> ReconcileAnswer:
+    return await ctx.admin.reconcile(name)
 
 
 @router.patch(

@@ -64,7 +64,7 @@ async def list_quotas(ctx: Ctx, _: Admin) -> QuotaList:
     responses=errors(401, 404, 422),
 )
 async def get_quota(ctx: Ctx, _: Admin, cache_salt: Salt) -> TenantQuota:
-    return ctx.admin.quota(salt_of(cache_salt))
+    return await ctx.admin.fleet_quota(salt_of(cache_salt))
 
 
 @router.put(

@@ -70,6 +70,8 @@ async def test_put_get_list_delete(serve: ServeService) -> None:
                     "evictions": 0, "evicted_bytes": 0, "quota_refusals": 0,
                 }
             },
+            "fleet": {},
+            "fleet_errors": {},
         }  # fmt: skip
         assert store(running.service, "a", 3) == [SlotStatus.RESERVED] * 2 + [SlotStatus.QUOTA]
         got = (await c.get("/quotas/a")).json()

@@ -357,6 +357,8 @@ def test_tenant_status_and_describe() -> None:
                     "evictions": 0, "evicted_bytes": 0, "quota_refusals": 1,
                 }
             },
+            "fleet": {},
+            "fleet_errors": {},
         }  # fmt: skip
         status = StatusReader(eng, admin(eng)).tenants()
         assert asdict(status) == {
