@@ -54,6 +54,7 @@ from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
 from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
+from engine.purge import PurgeJobs
 from engine.status import StatusReader
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
@@ -117,6 +118,8 @@ class Service:
         self.l2: L2Parts | None = None
         self.control: ControlContext | None = None
         self.admin: Administration | None = None
+        #: purge and clear jobs, built with the control plane
+        self.purge: PurgeJobs | None = None
         #: the KV-event publisher and its inventory (kv_events.endpoint set), bound at build
         self.kv_events: KvEvents | None = None
         #: the one event bus, built at start (app/wiring.build_events); subscribers: event_subscribers
@@ -234,6 +237,7 @@ class Service:
         )  # fmt: skip
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
+        self.purge = PurgeJobs(self.engine, None if self.l2 is None else self.l2.tiers, events)
         self.control = ControlContext(
             settings=s,
             admin=admin,
@@ -243,6 +247,7 @@ class Service:
             events=events,
             inventory=None if self.kv_events is None else self.kv_events.inventory,
             workers=workers,
+            purge=self.purge,
         )
         subscribe_events(events, self.event_subscribers())
         config = uvicorn.Config(
@@ -369,6 +374,8 @@ class Service:
 
     async def _shutdown_l2(self, drain_s: float) -> None:
         """Give write-behind up to `drain_s` to finish, then stop prefetches and close adapters."""
+        if self.purge is not None:
+            await self.purge.close()
         if self.l2 is None:
             return
         if not await self.l2.store.wait_idle(drain_s):

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -340,6 +340,34 @@ class FleetLedger:
             report.ledger_fixed += int(before) != int(total)
             report.tenants += 1
         return report
+
+
+async def scan_blobs(router: RedisRouter, prefix: str, keys_per_s: int) -> AsyncIterator[list[str]]:
+    """The blob keys under `prefix` (without it; the fleet ledger's keys left out), a batch per
+    SCAN reply, from every node of a cluster, at most `keys_per_s` keys a second. BackendError
+    when a node does not answer."""
+    await router.start()
+    smap = router.slot_map
+    nodes = [router.first] if smap is None else [router.node_at(n) for n in smap.nodes]
+    pattern = glob_escape(prefix) + "*"
+    started = time.monotonic()
+    scanned = 0
+    for node in nodes:
+        cursor = 0
+        while True:
+            try:
+                cursor, names = await node.client.scan(cursor, match=pattern, count=200)
+            except Exception as exc:
+                raise BackendError(f"redis scan {node.describe}: {type(exc).__name__}: {exc}") from exc
+            batch = [n[len(prefix) :] for n in map(_text, names) if not n.startswith(prefix + META)]
+            scanned += len(names)
+            if batch:
+                yield batch
+            ahead = scanned / keys_per_s - (time.monotonic() - started)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+            if int(cursor) == 0:
+                break
 
 
 def _each(keys: list[bytes], command: str, pipe: Pipeline, i: int) -> object:

@@ -11,6 +11,7 @@ from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
 from engine.events import EventBus
+from engine.purge import PurgeJobs
 from engine.status import StatusReader
 from engine.workers import WorkerRegistry
 
@@ -41,3 +42,5 @@ class ControlContext:
     inventory: Inventory | None = None
     """The KV events' resync listing (None when kv_events is off)."""
     workers: WorkerRegistry | None = None
+    purge: PurgeJobs | None = None
+    """Purge and clear jobs (engine/purge.py)."""

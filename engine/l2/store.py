@@ -191,7 +191,7 @@ class StoreController:
         if isinstance(fleet, FleetLedger):
             if not await self._admit_fleet(tier, fleet, salt, size, key):
                 return False
-            self._writing[slot] = writing + size
+            self._writing[slot] = self._writing.get(slot, 0) + size  # read after the await
             return True
         limit = None if ledger is None else ledger.limit(salt, tier.name)
         if ledger is None or limit is None:

@@ -1,0 +1,75 @@
+"""A tenant's cache: purge it from every tier; and the clear of whole tiers. Admin token required.
+
+`DELETE /tenants/{cache_salt}/cache` starts a purge job (engine/purge.py) and answers 202 with it;
+`GET /tenants/{cache_salt}/cache/purge` reads its progress. `POST /cache/clear?tiers=l1,disk`
+clears tiers (L1 only by default) the same way; `GET /cache/clear` reads the latest clear. The empty
+cache_salt (the default tenant) is `_default`; a salt that holds nothing is purged all the same
+(nothing found: a job that ends at once).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api.http.answers import errors
+from api.http.deps import Admin, Ctx
+from api.http.routes.quotas import Salt, salt_of
+from app.errors import NotFound
+from engine.purge import PurgeJob, PurgeJobs
+
+router = APIRouter(tags=["tenants"])
+
+
+def _jobs(ctx: Ctx) -> PurgeJobs:
+    jobs = ctx.purge
+    if jobs is None:
+        raise NotFound("purge and clear are not available in this sidecar")
+    return jobs
+
+
+@router.delete(
+    "/tenants/{cache_salt:path}/cache",
+    status_code=202,
+    response_model=PurgeJob,
+    summary="Purge a tenant's chunks from L1 and every L2 adapter (a job; progress below)",
+    responses=errors(401, 404, 422),
+)
+async def purge_tenant(ctx: Ctx, _: Admin, cache_salt: Salt) -> PurgeJob:
+    return _jobs(ctx).purge(salt_of(cache_salt))
+
+
+@router.get(
+    "/tenants/{cache_salt:path}/cache/purge",
+    response_model=PurgeJob,
+    summary="The progress of the tenant's latest purge",
+    responses=errors(401, 404, 422),
+)
+async def purge_status(ctx: Ctx, _: Admin, cache_salt: Salt) -> PurgeJob:
+    return _jobs(ctx).latest(salt_of(cache_salt))
+
+
+@router.post(
+    "/cache/clear",
+    status_code=202,
+    response_model=PurgeJob,
+    summary="Clear every chunk of the tiers named (`l1` and adapter names; default L1), as a job",
+    responses=errors(401, 404, 422),
+)
+async def clear_cache(
+    ctx: Ctx, _: Admin,
+    tiers: Annotated[str | None, Query(max_length=4096, description="Comma-separated tier names.")] = None,
+) -> PurgeJob:  # fmt: skip
+    names = None if tiers is None else [t.strip() for t in tiers.split(",") if t.strip()]
+    return _jobs(ctx).clear(names)
+
+
+@router.get(
+    "/cache/clear",
+    response_model=PurgeJob,
+    summary="The progress of the latest clear",
+    responses=errors(401, 404),
+)
+async def clear_status(ctx: Ctx, _: Admin) -> PurgeJob:
+    return _jobs(ctx).latest(None)

@@ -1,0 +1,209 @@
+"""PurgeJobs: a tenant's chunks removed from L1 and every L2 adapter (purge), or every chunk of some
+tiers (clear), as background jobs whose progress the control plane reads.
+
+Role: `purge(salt)` deletes the tenant's objects in L1 (CacheEngine.clear(salt): REMOVED "purged"
+per chunk), then, adapter by adapter, its blobs: a disk, slab or mock adapter lists them from its
+index (every blob it holds), a Redis adapter SCANs its prefix on every node (what any sidecar wrote,
+before or after a restart) at most `keys_per_s` keys a second, and deletes them in batches. Each
+blob deleted announces REMOVED (tier = the adapter): through the adapter's holdings hook for the
+blobs it held ("deleted"), "purged" for the others. `clear(tiers)` does the same for every chunk of
+the tiers named (`l1`: CacheEngine.clear(), CLEARED for L1; an adapter: all its blobs, then CLEARED
+for it). A job is idempotent: run again (after a restart, say) it scans again and deletes what is
+left, so a purge interrupted by a restart is finished by asking again. Chunks written while a job
+runs (a write-behind in flight) may outlive it.
+
+State (event loop only): the jobs by id (the last MAX_JOBS), the tasks running (kept in a set,
+cancelled at close), the latest job per target. A job's task never raises: a failure ends it
+"failed" with the message.
+
+Primitives in call order: PurgeJobs(engine, tiers, events, keys_per_s), purge(salt) / clear(tiers)
+(the running job for the same target is returned instead of a second one), job(id) /
+latest(target), close().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+
+from app.errors import InvalidInput, NotFound
+from engine.events import EventBus, Kind
+from engine.facade import CacheEngine
+from engine.keys import ObjectKey
+from engine.l2.tiers import L2Tiers, Tier
+from engine.tenants.quota import L1, check_salt, display_name
+from storage.base import Status
+from storage.redis_adapter import RedisAdapter
+from storage.redis_fleet import key_salt, scan_blobs
+
+log = structlog.get_logger("kvdepot.purge")
+
+MAX_JOBS = 256
+BATCH = 256
+ALL = "*"
+"""The target of a clear (every tenant)."""
+
+JobState = Literal["running", "done", "failed"]
+
+
+@dataclass(slots=True)
+class TierProgress:
+    scanned: int = 0
+    removed: int = 0
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class PurgeJob:
+    """One purge (`tenant` set) or clear (`tenant` null) and how far it got."""
+
+    id: str
+    kind: Literal["purge", "clear"]
+    tenant: str | None
+    tiers: list[str]
+    state: JobState = "running"
+    l1_chunks: int = 0
+    progress: dict[str, TierProgress] = field(default_factory=dict)
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+
+class PurgeJobs:
+    def __init__(
+        self, engine: CacheEngine, tiers: L2Tiers | None, events: EventBus, keys_per_s: int = 2000
+    ) -> None:
+        self.engine = engine
+        self.tiers = tiers
+        self.events = events
+        self.keys_per_s = keys_per_s
+        self._jobs: OrderedDict[str, PurgeJob] = OrderedDict()
+        self._latest: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+
+    # --- starting and reading ------------------------------------------------------------------
+
+    def purge(self, salt: str) -> PurgeJob:
+        check_salt(salt)
+        tiers = [L1, *(t.name for t in self._adapters())]
+        return self._start("purge", salt, tiers)
+
+    def clear(self, tiers: list[str] | None) -> PurgeJob:
+        """`tiers`: `l1` and adapter names (None: L1 only). InvalidInput for an unknown name."""
+        names = [L1] if not tiers else list(dict.fromkeys(tiers))
+        known = {L1, *(t.name for t in self._adapters())}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise InvalidInput(f"unknown tier(s) {', '.join(unknown)}; tiers are {', '.join(sorted(known))}")
+        return self._start("clear", None, names)
+
+    def job(self, job_id: str) -> PurgeJob:
+        found = self._jobs.get(job_id)
+        if found is None:
+            raise NotFound(f"no purge or clear job {job_id!r}")
+        return found
+
+    def latest(self, salt: str | None) -> PurgeJob:
+        """The latest job for the tenant (None: the latest clear). NotFound when there is none."""
+        job_id = self._latest.get(ALL if salt is None else "s:" + salt)
+        if job_id is None or job_id not in self._jobs:
+            raise NotFound("no purge of this tenant" if salt is not None else "no clear")
+        return self._jobs[job_id]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- running -------------------------------------------------------------------------------
+
+    def _adapters(self) -> list[Tier]:
+        return [] if self.tiers is None else self.tiers.active()
+
+    def _start(self, kind: Literal["purge", "clear"], salt: str | None, tiers: list[str]) -> PurgeJob:
+        target = ALL if salt is None else "s:" + salt
+        running = self._latest.get(target)
+        if running is not None and running in self._jobs and self._jobs[running].state == "running":
+            job = self._jobs[running]
+            if kind == "purge" or job.tiers == tiers:
+                return job
+        job = PurgeJob(
+            id=f"{kind}-{next(self._ids)}", kind=kind, tenant=None if salt is None else display_name(salt),
+            tiers=tiers,
+        )  # fmt: skip
+        self._jobs[job.id] = job
+        self._latest[target] = job.id
+        while len(self._jobs) > MAX_JOBS:
+            old_id, old = next(iter(self._jobs.items()))
+            if old.state == "running":
+                break
+            del self._jobs[old_id]
+        task = asyncio.get_running_loop().create_task(self._run(job, salt), name=job.id)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    async def _run(self, job: PurgeJob, salt: str | None) -> None:
+        try:
+            if L1 in job.tiers:
+                job.l1_chunks = self.engine.clear(salt)
+            for tier in self._adapters():
+                if tier.name in job.tiers:
+                    progress = job.progress.setdefault(tier.name, TierProgress())
+                    await self._tier(tier, salt, progress)
+                    if salt is None:
+                        self.events.emit(Kind.CLEARED, tier=tier.name, op="clear", detail=progress.removed)
+            job.state = "done"
+        except asyncio.CancelledError:
+            job.state, job.error = "failed", "cancelled (the sidecar stopped); ask again to finish"
+            raise
+        except Exception as exc:
+            log.warning("purge_failed", job=job.id, error=f"{type(exc).__name__}: {exc}")
+            job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            job.finished_at = time.time()
+            log.info("purge_ended", job=job.id, state=job.state, l1_chunks=job.l1_chunks,
+                     removed={n: p.removed for n, p in job.progress.items()})  # fmt: skip
+
+    async def _tier(self, tier: Tier, salt: str | None, progress: TierProgress) -> None:
+        adapter = tier.adapter
+        held = set(adapter.held_keys())
+        async for batch in self._keys(tier):
+            progress.scanned += len(batch)
+            mine = [k for k in batch if _belongs(k, salt)]
+            for start in range(0, len(mine), BATCH):
+                keys = mine[start : start + BATCH]
+                for key, result in zip(keys, await adapter.delete(keys), strict=True):
+                    if result.status is Status.OK:
+                        progress.removed += 1
+                        if key not in held:  # the holdings hook announced the others
+                            self.events.emit(Kind.REMOVED, tier=tier.name, key=ObjectKey.parse(key),
+                                             reason="purged")  # fmt: skip
+                    elif result.status is not Status.MISS:
+                        progress.failed += 1
+
+    async def _keys(self, tier: Tier) -> AsyncIterator[list[str]]:
+        adapter = tier.adapter
+        if isinstance(adapter, RedisAdapter):
+            async for batch in scan_blobs(adapter.router, adapter.config.key_prefix, self.keys_per_s):
+                yield batch
+            return
+        keys = adapter.held_keys()
+        for start in range(0, len(keys), BATCH):
+            yield keys[start : start + BATCH]
+            await asyncio.sleep(0)
+
+
+def _belongs(key: str, salt: str | None) -> bool:
+    """`key` is a chunk key (not a stranger's value under the prefix) of `salt` (None: any)."""
+    found = key_salt(key)
+    return found is not None and (salt is None or found == salt)

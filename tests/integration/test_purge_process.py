@@ -1,0 +1,213 @@
+"""Purge and clear with a real sidecar process: two tenants store the same token sequences (so the
+same chunk hashes, different keys) into L1, the disk tier (real files) and Redis (a prefix of the
+test's own); `DELETE /tenants/p/cache` leaves no chunk of p in any tier (L1 by lookups and the
+ledger, the blob files, a scan of Redis) and every byte of q where it was; the KV events announce
+p's blocks removed in every medium and none of q's. `POST /cache/clear` then clears L1 (and, asked,
+the Redis tier: every blob under the prefix), announced as AllBlocksCleared. A purge on another
+sidecar, started after the first stopped, finds in Redis what the first wrote (it re-scans)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from app.bench.sidecar import SidecarProcess
+from engine.keys import ObjectKey
+from kvdepot_connector.client import KVDepotClient
+from storage.redis_fleet import META
+from tests.integration.conftest import StartSidecar
+from tests.integration.l2_helpers import blob_files
+from tests.integration.tenant_traffic import http
+from tests.integration.test_kv_events_sidecar import LAYOUT, TOKEN, Events, env, free_ports, metric, of_type
+from tests.integration.waiting import wait_for
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SEQS, CHUNKS = 3, 3
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    value = f"kvdepot-purge-{uuid.uuid4().hex[:8]}:"
+    yield value
+    with redis.Redis.from_url(REDIS_URL) as r:
+        for key in r.scan_iter(match=value + "*"):
+            r.unlink(key)
+
+
+def call(sc: SidecarProcess, method: str, path: str, token: bool = True) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(sc.http + path, method=method, headers=AUTH if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def tokens(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 60_000, (CHUNKS * 16,), generator=g).tolist()
+
+
+def data(tag: int, seed: int) -> list[torch.Tensor]:
+    return [torch.full((LAYOUT.chunk_bytes // 2,), float(tag * 100 + seed * 10 + i), dtype=torch.float16)
+            for i in range(CHUNKS)]  # fmt: skip
+
+
+def redis_blobs(prefix: str) -> dict[str, dict[str, str]]:
+    """Per salt, key -> sha256 of the value, of every blob under `prefix`."""
+    out: dict[str, dict[str, str]] = {}
+    with redis.Redis.from_url(REDIS_URL) as r:
+        for raw in r.scan_iter(match=prefix + "*"):
+            key = raw.decode()[len(prefix) :]
+            if not key.startswith(META):
+                value = r.get(raw)
+                assert value is not None
+                out.setdefault(ObjectKey.parse(key).salt, {})[key] = hashlib.sha256(value).hexdigest()
+    return out
+
+
+def disk_blobs(data_dir: Path) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for key, path in blob_files(data_dir / "l2-disk").items():
+        out.setdefault(ObjectKey.parse(key).salt, {})[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def written_behind(sc: SidecarProcess) -> bool:
+    s = sc.get_json("/status")["l2"]["store"]
+    return bool(s["submitted"] == s["written"] + s["quota_refused"] + s["failed"] + s["dropped"])
+
+
+def finished(sc: SidecarProcess, path: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        status, job = call(sc, "GET", path)
+        assert status == 200, job
+        if job["state"] != "running":
+            return dict(job)
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+
+
+def hashes(events: list[dict[str, Any]], kind: str) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for e in of_type(events, kind):
+        out.setdefault(e["medium"], set()).update(e["block_hashes"])
+    return out
+
+
+def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
+    sidecar_factory: StartSidecar, prefix: str, tmp_path: Path
+) -> None:
+    pub, replay = free_ports(2)
+    adapters = [{"type": "disk", "name": "disk", "fsync": "never"},
+                {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": prefix}]  # fmt: skip
+    data_dir = tmp_path / "data"
+    sc = sidecar_factory(
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", data_dir=data_dir,
+        env=env(KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT=f"tcp://127.0.0.1:{replay}",
+                KVDEPOT_L2__ADAPTERS=json.dumps(adapters)),
+        l1_size_gb=0.02,
+    )  # fmt: skip
+    ev = Events(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    c = KVDepotClient(sc.url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
+    try:
+        wait_for(lambda: metric(sc, "kvdepot_kv_events_subscribers") >= 1, what="the subscription")
+        stored: dict[str, dict[str, set[int]]] = {}
+        for tag, salt in enumerate(("p", "q")):  # the same tokens: the same block hashes' inputs
+            for seed in range(SEQS):
+                rid = f"{salt}{seed}"
+                assert c.store(tokens(seed), data(tag, seed), request_id=rid, cache_salt=salt).stored
+            wait_for(lambda: written_behind(sc), what="write-behind")
+            got = ev.read(lambda e: len(of_type(e, "BlockStored")) >= 3 * SEQS * CHUNKS)
+            stored[salt] = hashes(got, "BlockStored")
+        assert set(stored["p"]) == {"CPU", "DISK", "SHARED"}
+        assert all(not stored["p"][m] & stored["q"][m] for m in stored["p"])  # salts change hashes
+        q_disk, q_redis = disk_blobs(data_dir)["q"], redis_blobs(prefix)["q"]
+        assert len(q_disk) == len(q_redis) == len(disk_blobs(data_dir)["p"]) == SEQS * CHUNKS
+
+        # Bad input and no token: refused, nothing started.
+        assert call(sc, "DELETE", "/tenants/p/cache", token=False)[0] == 401
+        status, body = call(sc, "DELETE", "/tenants/" + "x" * 300 + "/cache")
+        assert status == 422 and body["error"]["code"] == "invalid_input"
+        assert call(sc, "GET", "/tenants/never/cache/purge")[0] == 404
+        status, body = call(sc, "POST", "/cache/clear?tiers=l1,nosuch")
+        assert status == 422 and "nosuch" in body["error"]["message"]
+
+        status, job = call(sc, "DELETE", "/tenants/p/cache")
+        assert status == 202 and job["tenant"] == "p" and job["tiers"] == ["l1", "disk", "shared"]
+        job = finished(sc, "/tenants/p/cache/purge")
+        assert job["state"] == "done", job
+        assert job["l1_chunks"] == SEQS * CHUNKS
+        assert {n: p["removed"] for n, p in job["progress"].items()} == {"disk": 9, "shared": 9}
+
+        removed = hashes(ev.read(lambda e: sum(len(r["block_hashes"]) for r in of_type(e, "BlockRemoved"))
+                                 >= sum(len(h) for h in stored["p"].values())), "BlockRemoved")  # fmt: skip
+        for medium, blocks in stored["p"].items():
+            assert removed[medium] == blocks, medium
+        assert "p" not in disk_blobs(data_dir) and "p" not in redis_blobs(prefix)
+        assert disk_blobs(data_dir)["q"] == q_disk and redis_blobs(prefix)["q"] == q_redis
+        status, p = call(sc, "GET", "/quotas/p")
+        assert status == 404 or (p["tiers"]["l1"]["bytes"], p["tiers"]["l1"]["objects"]) == (0, 0)
+        for seed in range(SEQS):  # nothing of p anywhere (L2 prefetch included); q's bytes as written
+            assert c.lookup(tokens(seed), request_id=f"lp{seed}", cache_salt="p", wait=True).hit_chunks == 0
+            c.end_request(f"lp{seed}")
+            assert c.lookup(tokens(seed), request_id=f"lq{seed}", cache_salt="q").hit_chunks == CHUNKS
+            outs = [torch.empty(LAYOUT.chunk_bytes // 2, dtype=torch.float16) for _ in range(CHUNKS)]
+            assert c.retrieve(f"lq{seed}", outs)
+            assert all(torch.equal(o, d) for o, d in zip(outs, data(1, seed), strict=True))
+
+        # Clear L1 (the default), then the Redis tier: AllBlocksCleared for each; disk untouched.
+        status, job = call(sc, "POST", "/cache/clear")
+        assert status == 202 and job["tiers"] == ["l1"]
+        assert finished(sc, "/cache/clear")["l1_chunks"] == SEQS * CHUNKS
+        status, job = call(sc, "POST", "/cache/clear?tiers=shared")
+        assert status == 202
+        assert finished(sc, "/cache/clear")["progress"]["shared"]["removed"] == SEQS * CHUNKS
+        # vLLM's AllBlocksCleared names no medium: one for L1, one for the Redis tier.
+        cleared = ev.read(lambda e: len(of_type(e, "AllBlocksCleared")) >= 2)
+        assert len(of_type(cleared, "AllBlocksCleared")) == 2
+        assert redis_blobs(prefix) == {} and disk_blobs(data_dir)["q"] == q_disk
+    finally:
+        c.close()
+        ev.close()
+
+
+def test_a_purge_on_another_sidecar_finds_in_redis_what_the_first_wrote(
+    sidecar_factory: StartSidecar, prefix: str
+) -> None:
+    adapters = json.dumps([{"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": prefix}])
+    first = sidecar_factory(env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
+    c = KVDepotClient(first.url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
+    for tag, salt in enumerate(("p", "q")):
+        for seed in range(SEQS):
+            c.store(tokens(seed), data(tag, seed), request_id=f"{salt}{seed}", cache_salt=salt)
+    c.close()
+    wait_for(lambda: written_behind(first), what="write-behind")
+    first.stop()
+    q_before = redis_blobs(prefix)["q"]
+    assert len(redis_blobs(prefix)["p"]) == SEQS * CHUNKS
+
+    second = sidecar_factory(env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
+    assert http(second, "DELETE", "/tenants/p/cache")[0] == 401  # tenant_traffic's token is not this one
+    assert call(second, "DELETE", "/tenants/p/cache")[0] == 202
+    job = finished(second, "/tenants/p/cache/purge")
+    assert job["state"] == "done" and job["progress"]["shared"]["removed"] == SEQS * CHUNKS
+    assert "p" not in redis_blobs(prefix) and redis_blobs(prefix)["q"] == q_before
+    # Again: nothing left to remove, the same answer otherwise.
+    assert call(second, "DELETE", "/tenants/p/cache")[0] == 202
+    assert finished(second, "/tenants/p/cache/purge")["progress"]["shared"]["removed"] == 0
