@@ -87,7 +87,8 @@ TENANT_GAUGES: tuple[Row, ...] = (
     ("tenant_objects", "Objects a tenant holds in a tier.", "objects"),
 )
 TENANT_COUNTERS: tuple[Row, ...] = (
-    ("tenant_hit_chunks", "Chunks a tenant's lookups found.", "hits"),
+    ("tenant_hit_chunks", "Chunks a tenant's lookups found, by the tier that served them (l1, or "
+     "the adapter whose prefetch brought them).", "hits"),
     ("tenant_miss_chunks", "Full chunks a tenant's lookups did not find.", "misses"),
     ("tenant_evictions", "A tenant's objects evicted (quota or full tier).", "evictions"),
     ("tenant_quota_refused_chunks", "Chunks refused by the tenant's quota.", "quota_refusals"),

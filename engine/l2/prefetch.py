@@ -48,6 +48,7 @@ from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object, ObjectState
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
+from engine.tenants.quota import L1
 from storage import codec
 from storage.auth import BlobKeys
 from storage.base import LoadResult
@@ -150,6 +151,7 @@ class PrefetchController:
 
     async def _run(self, p: Prefetch, reg: Registration, keys: list[ObjectKey], attach: Attach) -> None:
         slots: list[_Slot] = []
+        served: dict[str, int] = {}  # chunks handed to the request, by the tier that served them
         try:
             async with asyncio.timeout(self.deadline_s):
                 slots = await self._locate(keys)
@@ -160,6 +162,7 @@ class PrefetchController:
                     if slot.obj is not None:
                         slot.task = asyncio.get_running_loop().create_task(self._load(slot, reg))
                 for slot in slots:
+                    late_l1 = slot.ready is not None  # in L1 by the time it was reserved
                     obj = await self._arrive(slot)
                     if obj is None:
                         break
@@ -168,9 +171,15 @@ class PrefetchController:
                         self.cache.make_ordinary(obj)
                         continue
                     p.loaded += 1
+                    by = L1 if late_l1 else slot.tier.name
+                    served[by] = served.get(by, 0) + 1
         except TimeoutError:
             self.counters.deadline_expired += 1
         finally:
+            ledger = self.tiers.ledger
+            if ledger is not None and keys:
+                for tier, hits in served.items():
+                    ledger.note_hits(keys[0].salt, tier, hits)
             p.finished = True
             p.done.set()
             await self._cleanup(slots)

@@ -37,6 +37,8 @@ Primitives in call order:
   limit(salt, tier) / held(salt, tier)           what may be held (None = unlimited) / what is
   charge(salt, tier, n) / credit(salt, tier, n)  an object's memory taken / freed
   note_lookup(salt, hits, misses)                once per LOOKUP: one dict get, nothing per chunk
+  note_hits(salt, tier, chunks)                  once per prefetch and tier that served some of
+                                                 the lookup's L1 misses (hits of that tier)
   note_eviction(salt, tier, n) / note_refusal(salt, tier, chunks)
   set_quota(salt, quota) / drop_quota(salt)      via QuotaRegistry, which persists first
   account(salt) / describe(salt) / labelled(top_n) / summary()    reads for HTTP, metrics, /status
@@ -112,6 +114,8 @@ class TierAccounting(Protocol):
     def credit(self, salt: str, tier: str, nbytes: int, objects: int = 1) -> None: ...
 
     def note_eviction(self, salt: str, tier: str, nbytes: int) -> None: ...
+
+    def note_hits(self, salt: str, tier: str, chunks: int) -> None: ...
 
     def note_refusal(self, salt: str, tier: str, chunks: int = 1) -> None: ...
 
@@ -191,6 +195,11 @@ class TenantLedger:
         usage = self._loose[L1] if acct is None else acct.l1
         usage.hits += hits
         usage.misses += misses
+
+    def note_hits(self, salt: str, tier: str, chunks: int) -> None:
+        """`chunks` L1 misses of one lookup were served by `tier` (an L2 adapter's prefetch; `l1`
+        for chunks another request brought into L1 meanwhile)."""
+        self._usage(salt, tier).hits += chunks
 
     def note_eviction(self, salt: str, tier: str, nbytes: int) -> None:
         usage = self._usage(salt, tier)
