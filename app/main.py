@@ -56,6 +56,7 @@ from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
 from engine.purge import PurgeJobs
 from engine.status import StatusReader
+from engine.tenants.labels import LABEL_FILE, LabelRegistry
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 from engine.workers import WorkerRegistry
@@ -176,7 +177,10 @@ class Service:
     def _build(self) -> None:
         s = self.settings = with_admin_token(self.settings)
         quota_file = s.data_dir / QUOTA_FILE
-        ledger = TenantLedger(allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file))
+        ledger = TenantLedger(
+            allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file),
+            labels=LabelRegistry.load(s.data_dir / LABEL_FILE),
+        )  # fmt: skip
         # A sealed memfd: nothing in /dev/shm to clean after a crash; clients get its descriptor.
         self.arena = SealedArena.create_sealed(
             s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate

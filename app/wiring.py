@@ -40,6 +40,7 @@ from engine.l2.prefetch import PrefetchController
 from engine.l2.store import StoreController
 from engine.l2.store_queue import StoreQueue
 from engine.l2.tiers import L2Tiers
+from engine.tenants.labels import LABEL_FILE, LabelRegistry
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QuotaRegistry
 from gpu.sealed import SealedRegions, SealError
@@ -161,4 +162,6 @@ def build_admin(
     """Quota and L2 administration of `engine`; quotas saved to `quota_file` (None: in memory);
     disk adapters only under `allowed_roots` (None: anywhere)."""
     quotas = QuotaRegistry(engine.tenants, quota_file, executor)
-    return Administration(engine.tenants, quotas, engine.l2, allowed_roots=allowed_roots)
+    label_file = None if quota_file is None else quota_file.parent / LABEL_FILE
+    labels = LabelRegistry(engine.tenants, label_file, executor if label_file is not None else None)
+    return Administration(engine.tenants, quotas, engine.l2, allowed_roots=allowed_roots, labels=labels)

@@ -11,6 +11,10 @@ adapters may use (`allowed_roots`; None: any). Owned by the event loop.
 Primitives:
   quotas() / quota(salt)                    every tenant with a quota or usage / one (NotFound)
   set_quota(salt, quota) / delete_quota(salt)   durable and in effect for the next operation
+                                            (l2_bytes also in every fleet-scope Redis adapter)
+  fleet_quota(salt)                         quota(salt) with the fleet figures
+  set_label(salt, label) / label(salt) / delete_label(salt)   display names (engine/tenants/labels.py)
+  reconcile(name)                           a fleet-scope adapter's ledger, now
   l2_adapters() / l2_policy()               the attached adapters / the policy (None: no L2)
   add_adapter(config)                       Conflict on a duplicate name; ConfigError when it
                                             may not start (a disk path outside the allowed roots)
@@ -37,14 +41,16 @@ from engine.answers import (
     QuotaList,
     ReconcileAnswer,
     StorePolicy,
+    TenantLabel,
     TenantQuota,
     TierFigures,
     redacted,
 )
 from engine.l2.parts import L2Parts
 from engine.l2.tiers import RemoveMode, Tier
+from engine.tenants.labels import LabelRegistry
 from engine.tenants.ledger import TenantLedger
-from engine.tenants.quota import Quota, check_salt, display_name
+from engine.tenants.quota import Quota, check_salt
 from engine.tenants.registry import QuotaRegistry
 from storage.config import AdapterConfig, DiskAdapterConfig, SlabAdapterConfig
 from storage.redis_fleet import FleetLedger
@@ -55,12 +61,13 @@ log = structlog.get_logger("kvdepot.admin")
 class Administration:
     def __init__(
         self, ledger: TenantLedger, quotas: QuotaRegistry, l2: L2Parts | None, *,
-        allowed_roots: list[Path] | None = None,
+        allowed_roots: list[Path] | None = None, labels: LabelRegistry | None = None,
     ) -> None:  # fmt: skip
         if quotas.ledger is not ledger:
             raise ValueError("the quota registry must write to the L1 cache's ledger")
         self.ledger = ledger
         self.quota_registry = quotas
+        self.label_registry = labels if labels is not None else LabelRegistry(ledger)
         self.l2 = l2
         self.allowed_roots = None if allowed_roots is None else [r.resolve() for r in allowed_roots]
 
@@ -122,10 +129,25 @@ class Administration:
             raise NotFound(f"tenant {salt!r} has neither a quota nor usage")
         if found is None:
             return TenantQuota(
-                cache_salt=salt, tenant=display_name(salt), quota=None, tiers={}, fleet=fleet,
+                cache_salt=salt, tenant=self.ledger.name_of(salt), quota=None, tiers={}, fleet=fleet,
                 fleet_errors=errors,
             )  # fmt: skip
         return dataclasses.replace(tenant(found), fleet=fleet, fleet_errors=errors)
+
+    async def set_label(self, salt: str, label: object) -> TenantLabel:
+        """Name the tenant `label` in metrics, /status, jobs and logs; durable once answered."""
+        await self.label_registry.put(salt, label)
+        return self.label(salt)
+
+    def label(self, salt: str) -> TenantLabel:
+        check_salt(salt)
+        found = self.ledger.labels().get(salt)
+        if found is None:
+            raise NotFound("this tenant has no label")
+        return TenantLabel(cache_salt=salt, label=found)
+
+    async def delete_label(self, salt: str) -> None:
+        await self.label_registry.delete(check_salt(salt))
 
     async def reconcile(self, name: str) -> ReconcileAnswer:
         """Reconcile one fleet-scope adapter's ledger now (Conflict for any other adapter)."""

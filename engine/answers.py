@@ -80,6 +80,14 @@ class ReconcileAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLabel:
+    """A tenant's display name (used instead of its cache_salt in metrics, /status and logs)."""
+
+    cache_salt: str
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaList:
     allowlist: bool
     tenants: list[TenantQuota]

@@ -38,7 +38,7 @@ from engine.events import EventBus, Kind
 from engine.facade import CacheEngine
 from engine.keys import ObjectKey
 from engine.l2.tiers import L2Tiers, Tier
-from engine.tenants.quota import L1, check_salt, display_name
+from engine.tenants.quota import L1, check_salt
 from storage.base import Status
 from storage.redis_adapter import RedisAdapter
 from storage.redis_fleet import key_salt, scan_blobs
@@ -136,10 +136,8 @@ class PurgeJobs:
             job = self._jobs[running]
             if kind == "purge" or job.tiers == tiers:
                 return job
-        job = PurgeJob(
-            id=f"{kind}-{next(self._ids)}", kind=kind, tenant=None if salt is None else display_name(salt),
-            tiers=tiers,
-        )  # fmt: skip
+        name = None if salt is None else self.engine.tenants.name_of(salt)
+        job = PurgeJob(id=f"{kind}-{next(self._ids)}", kind=kind, tenant=name, tiers=tiers)
         self._jobs[job.id] = job
         self._latest[target] = job.id
         while len(self._jobs) > MAX_JOBS:

@@ -13,6 +13,7 @@ State (owned by the event loop, no locks):
             refusals. An account exists while its tenant holds bytes in some tier or has a quota, so
             their number is bounded by what is stored and what an admin configured, not by how many
             salts ever asked.
+  labels    salt -> display name (engine/tenants/labels.py), used instead of the salt in metrics
   loose     per tier, counters no account holds: lookups by salts that hold nothing, refusals of
             salts without a quota (allowlist mode), counters of dropped accounts. Metrics report
             them under the tenant `other`.
@@ -123,13 +124,34 @@ class TierAccounting(Protocol):
 
 
 class TenantLedger:
-    def __init__(self, *, allowlist: bool = False, quotas: Mapping[str, Quota] | None = None) -> None:
+    def __init__(
+        self, *, allowlist: bool = False, quotas: Mapping[str, Quota] | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.allowlist = allowlist
+        self._labels: dict[str, str] = dict(labels or {})
         self._quotas: dict[str, Quota] = {}
         self._accounts: dict[str, TenantAccount] = {}
         self._loose: dict[str, TierUsage] = {L1: TierUsage()}
         for salt, quota in (quotas or {}).items():
             self.set_quota(salt, quota)
+
+    # --- labels --------------------------------------------------------------------------------
+
+    def labels(self) -> dict[str, str]:
+        return dict(self._labels)
+
+    def set_label(self, salt: str, label: str) -> None:
+        """Via LabelRegistry, which checks and persists first."""
+        self._labels[salt] = label
+
+    def drop_label(self, salt: str) -> None:
+        self._labels.pop(salt, None)
+
+    def name_of(self, salt: str) -> str:
+        """How metrics, /status, jobs and logs name the tenant: its label, else its salt."""
+        label = self._labels.get(salt)
+        return label if label is not None else display_name(salt)
 
     # --- quotas --------------------------------------------------------------------------------
 
@@ -239,7 +261,7 @@ class TenantLedger:
         quota = self._quotas.get(salt)
         return {
             "cache_salt": salt,
-            "tenant": display_name(salt),
+            "tenant": self.name_of(salt),
             "quota": None if quota is None else quota.to_json(),
             "tiers": {
                 tier: {"limit_bytes": self.limit(salt, tier), **dataclasses.asdict(usage)}
@@ -249,11 +271,12 @@ class TenantLedger:
 
     def labelled(self, top_n: int) -> dict[str, dict[str, TierUsage]]:
         """Per metric label and tier, copies of usage and counters: the `top_n` tenants holding the
-        most bytes by name (the empty salt as `_default`), all others summed as `other`."""
+        most bytes by name (their label if they have one, else the salt; the empty salt as
+        `_default`), all others summed as `other`."""
         ranked = sorted(self._accounts.values(), key=lambda a: (-a.held, a.salt))
-        named = [a for a in ranked if a.salt not in UNNAMEABLE][:top_n]
+        named = [a for a in ranked if a.salt in self._labels or a.salt not in UNNAMEABLE][:top_n]
         out: dict[str, dict[str, TierUsage]] = {
-            display_name(a.salt): {t: u.copy() for t, u in a.tiers.items()} for a in named
+            self.name_of(a.salt): {t: u.copy() for t, u in a.tiers.items()} for a in named
         }
         other = {tier: usage.copy() for tier, usage in self._loose.items()}
         chosen = {id(a) for a in named}
@@ -277,7 +300,7 @@ class TenantLedger:
             "quota_refused_chunks": refusals,
             "largest": [
                 {
-                    "tenant": display_name(a.salt),
+                    "tenant": self.name_of(a.salt),
                     "l1_bytes": a.l1.bytes,
                     "l1_limit_bytes": self.limit(a.salt, L1),
                 }
