@@ -54,7 +54,7 @@ from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
 from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
-from engine.purge import PurgeJobs
+from engine.purge import PURGE_FILE, PurgeJobs
 from engine.status import StatusReader
 from engine.tenants.labels import LABEL_FILE, LabelRegistry
 from engine.tenants.ledger import TenantLedger
@@ -241,7 +241,10 @@ class Service:
         )  # fmt: skip
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
-        self.purge = PurgeJobs(self.engine, None if self.l2 is None else self.l2.tiers, events)
+        self.purge = PurgeJobs(
+            self.engine, None if self.l2 is None else self.l2.tiers, events,
+            path=s.data_dir / PURGE_FILE, executor=self._state_executor,
+        )  # fmt: skip
         self.control = ControlContext(
             settings=s,
             admin=admin,
@@ -321,6 +324,8 @@ class Service:
         s = self.settings
         try:
             await self._start_l2()
+            if self.purge is not None:  # purges a restart interrupted go on (a tiny file, at start)
+                self.purge.resume(PurgeJobs.load(s.data_dir / PURGE_FILE))
             if self.lifeline is not None:
                 try:
                     self.lifeline.start()

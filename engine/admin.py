@@ -155,7 +155,7 @@ class Administration:
         fleet = getattr(tier.adapter, "fleet", None)
         if not isinstance(fleet, FleetLedger):
             raise Conflict(f"L2 adapter {name!r} keeps no fleet ledger (scope fleet, Redis only)")
-        keys_per_s = getattr(tier.config, "reconcile_keys_per_s", 2000)
+        keys_per_s = getattr(tier.config, "scan_keys_per_s", 2000)
         report = await fleet.reconcile(keys_per_s)
         return ReconcileAnswer(
             adapter=name, keys_scanned=report.keys_scanned, tenants=report.tenants,

@@ -4,32 +4,36 @@ tiers (clear), as background jobs whose progress the control plane reads.
 Role: `purge(salt)` deletes the tenant's objects in L1 (CacheEngine.clear(salt): REMOVED "purged"
 per chunk), then, adapter by adapter, its blobs: a disk, slab or mock adapter lists them from its
 index (every blob it holds), a Redis adapter SCANs its prefix on every node (what any sidecar wrote,
-before or after a restart) at most `keys_per_s` keys a second, and deletes them in batches. Each
-blob deleted announces REMOVED (tier = the adapter): through the adapter's holdings hook for the
-blobs it held ("deleted"), "purged" for the others. `clear(tiers)` does the same for every chunk of
-the tiers named (`l1`: CacheEngine.clear(), CLEARED for L1; an adapter: all its blobs, then CLEARED
-for it). A job is idempotent: run again (after a restart, say) it scans again and deletes what is
-left, so a purge interrupted by a restart is finished by asking again. Chunks written while a job
-runs (a write-behind in flight) may outlive it.
+before or after a restart) at most its `scan_keys_per_s` keys a second, and deletes them in batches.
+Each blob deleted announces REMOVED (tier = the adapter): through the adapter's holdings hook for
+the blobs it held ("deleted"), "purged" for the others. `clear(tiers)` does the same for every chunk
+of the tiers named (`l1`: CacheEngine.clear(), CLEARED for L1; an adapter: all its blobs, then
+CLEARED for it). A job is idempotent: run again it scans again and deletes what is left. The jobs
+not finished are kept in `<data_dir>/purges.json` (written atomically when one starts and when one
+ends): after a restart `resume` starts them again, so a purge interrupted by a restart finishes by
+itself. Chunks written while a job runs (a write-behind in flight) may outlive it.
 
 State (event loop only): the jobs by id (the last MAX_JOBS), the tasks running (kept in a set,
-cancelled at close), the latest job per target. A job's task never raises: a failure ends it
-"failed" with the message.
+cancelled at close), the latest job per target, the targets not finished (what the file holds). A
+job's task never raises: a failure ends it "failed" with the message.
 
-Primitives in call order: PurgeJobs(engine, tiers, events, keys_per_s), purge(salt) / clear(tiers)
-(the running job for the same target is returned instead of a second one), job(id) /
-latest(target), close().
+Primitives in call order: load(path) (start-up), PurgeJobs(engine, tiers, events, path=, executor=),
+resume(loaded), purge(salt) / clear(tiers) (the running job for the same target is returned instead
+of a second one), job(id) / latest(target), close().
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import structlog
 
@@ -39,12 +43,14 @@ from engine.facade import CacheEngine
 from engine.keys import ObjectKey
 from engine.l2.tiers import L2Tiers, Tier
 from engine.tenants.quota import L1, check_salt
+from engine.tenants.registry import write_atomically
 from storage.base import Status
 from storage.redis_adapter import RedisAdapter
 from storage.redis_fleet import key_salt, scan_blobs
 
 log = structlog.get_logger("kvdepot.purge")
 
+PURGE_FILE = "purges.json"
 MAX_JOBS = 256
 BATCH = 256
 ALL = "*"
@@ -78,12 +84,18 @@ class PurgeJob:
 
 class PurgeJobs:
     def __init__(
-        self, engine: CacheEngine, tiers: L2Tiers | None, events: EventBus, keys_per_s: int = 2000
-    ) -> None:
+        self, engine: CacheEngine, tiers: L2Tiers | None, events: EventBus, keys_per_s: int = 2000,
+        *, path: Path | None = None, executor: Executor | None = None,
+    ) -> None:  # fmt: skip
+        if path is not None and executor is None:
+            raise ValueError("a persistent job list needs an executor for its file writes")
         self.engine = engine
         self.tiers = tiers
         self.events = events
         self.keys_per_s = keys_per_s
+        self.path = path
+        self._executor = executor
+        self._pending: dict[str, dict[str, Any]] = {}
         self._jobs: OrderedDict[str, PurgeJob] = OrderedDict()
         self._latest: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -118,6 +130,40 @@ class PurgeJobs:
             raise NotFound("no purge of this tenant" if salt is not None else "no clear")
         return self._jobs[job_id]
 
+    @staticmethod
+    def load(path: Path) -> list[dict[str, Any]]:
+        """The jobs that were running when the sidecar stopped (start-up, blocking). A file that
+        cannot be read is logged and ignored: a purge can always be asked again."""
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+            pending = body["pending"]
+            if not isinstance(pending, list):
+                raise ValueError("pending is not a list")
+            return [p for p in pending if isinstance(p, dict)]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("purge_file_ignored", path=str(path), error=f"{type(exc).__name__}: {exc}")
+            return []
+
+    def resume(self, pending: list[dict[str, Any]]) -> list[PurgeJob]:
+        """Start again the jobs `load` found (once the adapters are attached)."""
+        jobs = []
+        for entry in pending:
+            try:
+                if entry.get("kind") == "purge" and isinstance(entry.get("salt"), str):
+                    jobs.append(self.purge(entry["salt"]))
+                elif entry.get("kind") == "clear" and isinstance(entry.get("tiers"), list):
+                    known = {L1, *(t.name for t in self._adapters())}
+                    tiers = [t for t in entry["tiers"] if t in known]
+                    if tiers:
+                        jobs.append(self.clear(tiers))
+            except InvalidInput as exc:
+                log.warning("purge_not_resumed", error=str(exc))
+        for job in jobs:
+            log.info("purge_resumed", job=job.id, kind=job.kind, tiers=job.tiers)
+        return jobs
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
@@ -145,13 +191,16 @@ class PurgeJobs:
             if old.state == "running":
                 break
             del self._jobs[old_id]
-        task = asyncio.get_running_loop().create_task(self._run(job, salt), name=job.id)
+        entry: dict[str, Any] = {"kind": kind, "salt": salt} if salt is not None else {"kind": kind}
+        self._pending[target] = entry | {"tiers": tiers}
+        task = asyncio.get_running_loop().create_task(self._run(job, salt, target), name=job.id)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
 
-    async def _run(self, job: PurgeJob, salt: str | None) -> None:
+    async def _run(self, job: PurgeJob, salt: str | None, target: str) -> None:
         try:
+            await self._save()
             if L1 in job.tiers:
                 job.l1_chunks = self.engine.clear(salt)
             for tier in self._adapters():
@@ -161,6 +210,9 @@ class PurgeJobs:
                     if salt is None:
                         self.events.emit(Kind.CLEARED, tier=tier.name, op="clear", detail=progress.removed)
             job.state = "done"
+            if self._latest.get(target) == job.id:
+                self._pending.pop(target, None)
+            await self._save()
         except asyncio.CancelledError:
             job.state, job.error = "failed", "cancelled (the sidecar stopped); ask again to finish"
             raise
@@ -171,6 +223,17 @@ class PurgeJobs:
             job.finished_at = time.time()
             log.info("purge_ended", job=job.id, state=job.state, l1_chunks=job.l1_chunks,
                      removed={n: p.removed for n, p in job.progress.items()})  # fmt: skip
+
+    async def _save(self) -> None:
+        """The jobs not finished, to `path` (a restart resumes them); a failed write is logged."""
+        if self.path is None:
+            return
+        data = json.dumps({"version": 1, "pending": list(self._pending.values())}).encode()
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, write_atomically, self.path, data)
+        except OSError as exc:
+            log.warning("purge_file_not_written", path=str(self.path), error=str(exc))
 
     async def _tier(self, tier: Tier, salt: str | None, progress: TierProgress) -> None:
         adapter = tier.adapter
@@ -192,7 +255,8 @@ class PurgeJobs:
     async def _keys(self, tier: Tier) -> AsyncIterator[list[str]]:
         adapter = tier.adapter
         if isinstance(adapter, RedisAdapter):
-            async for batch in scan_blobs(adapter.router, adapter.config.key_prefix, self.keys_per_s):
+            rate = adapter.config.scan_keys_per_s
+            async for batch in scan_blobs(adapter.router, adapter.config.key_prefix, rate):
                 yield batch
             return
         keys = adapter.held_keys()

@@ -159,8 +159,9 @@ class RedisAdapterConfig(BaseModel):
         description="Fleet scope: how often the ledger is reconciled with a SCAN of the prefix; "
         "None: only on POST /l2/adapters/{name}/reconcile.",
     )
-    reconcile_keys_per_s: int = Field(
-        2000, ge=1, le=1_000_000, description="Fleet scope: keys the reconcile scans a second, at most."
+    scan_keys_per_s: int = Field(
+        2000, ge=1, le=1_000_000,
+        description="Keys a SCAN of the prefix reads a second, at most: the reconcile, a purge, a clear.",
     )
 
     @model_validator(mode="after")

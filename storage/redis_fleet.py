@@ -274,17 +274,17 @@ class FleetLedger:
 
     async def scan(self, keys_per_s: int) -> tuple[dict[str, dict[str, int]], set[str], int]:
         """Every blob of the prefix by tenant (key -> STRLEN), the tenants with meta keys, and the
-        number of keys scanned; at most `keys_per_s` keys a second."""
+        number of keys of the prefix seen; at most `keys_per_s` keys examined a second (Pace)."""
         found: dict[str, dict[str, int]] = {}
         metas: set[str] = set()
         scanned = 0
         pattern = glob_escape(self.prefix) + "*"
-        started = time.monotonic()
+        pace = Pace(keys_per_s)
         for node in await self._nodes():
             cursor = 0
             while True:
                 try:
-                    cursor, names = await node.client.scan(cursor, match=pattern, count=200)
+                    cursor, names = await node.client.scan(cursor, match=pattern, count=pace.count)
                 except Exception as exc:
                     raise BackendError(f"redis fleet reconcile: scan {node.describe}: {exc}") from exc
                 blobs: list[tuple[str, str]] = []
@@ -306,9 +306,7 @@ class FleetLedger:
                         if isinstance(size, int) and size > 0:
                             found.setdefault(salt, {})[key] = size
                 scanned += len(names)
-                ahead = scanned / keys_per_s - (time.monotonic() - started)
-                if ahead > 0:
-                    await asyncio.sleep(ahead)
+                await pace.step()
                 if int(cursor) == 0:
                     break
         return found, metas, scanned
@@ -350,24 +348,37 @@ async def scan_blobs(router: RedisRouter, prefix: str, keys_per_s: int) -> Async
     smap = router.slot_map
     nodes = [router.first] if smap is None else [router.node_at(n) for n in smap.nodes]
     pattern = glob_escape(prefix) + "*"
-    started = time.monotonic()
-    scanned = 0
+    pace = Pace(keys_per_s)
     for node in nodes:
         cursor = 0
         while True:
             try:
-                cursor, names = await node.client.scan(cursor, match=pattern, count=200)
+                cursor, names = await node.client.scan(cursor, match=pattern, count=pace.count)
             except Exception as exc:
                 raise BackendError(f"redis scan {node.describe}: {type(exc).__name__}: {exc}") from exc
             batch = [n[len(prefix) :] for n in map(_text, names) if not n.startswith(prefix + META)]
-            scanned += len(names)
             if batch:
                 yield batch
-            ahead = scanned / keys_per_s - (time.monotonic() - started)
-            if ahead > 0:
-                await asyncio.sleep(ahead)
+            await pace.step()
             if int(cursor) == 0:
                 break
+
+
+class Pace:
+    """At most `keys_per_s` keys examined a second: each SCAN asks for `count` (<= 200) keys of the
+    whole keyspace (matching or not) and is followed by the sleep that keeps the rate."""
+
+    def __init__(self, keys_per_s: int) -> None:
+        self.count = max(1, min(200, keys_per_s))
+        self.keys_per_s = keys_per_s
+        self.examined = 0
+        self.started = time.monotonic()
+
+    async def step(self) -> None:
+        self.examined += self.count
+        ahead = self.examined / self.keys_per_s - (time.monotonic() - self.started)
+        if ahead > 0:
+            await asyncio.sleep(ahead)
 
 
 def _each(keys: list[bytes], command: str, pipe: Pipeline, i: int) -> object:

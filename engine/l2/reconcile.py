@@ -2,7 +2,7 @@
 
 Role: one supervised loop for all adapters, those attached at run time included: each fleet-scope
 adapter with a `reconcile_interval_s` is reconciled that often (first one interval after it was
-seen), one adapter at a time, the scan bounded by its `reconcile_keys_per_s`. A failed round (Redis
+seen), one adapter at a time, the scan bounded by its `scan_keys_per_s`. A failed round (Redis
 down) is logged and tried again at the next interval; it never ends the loop.
 
 State: when each adapter is due (by adapter identity, forgotten once it is detached). Event loop.
@@ -44,7 +44,7 @@ async def reconcile_due(tiers: L2Tiers, due: dict[int, float], now: float) -> in
             continue
         due[ident] = now + config.reconcile_interval_s
         try:
-            report = await fleet.reconcile(config.reconcile_keys_per_s)
+            report = await fleet.reconcile(config.scan_keys_per_s)
         except Exception as exc:
             log.warning("l2_reconcile_failed", adapter=tier.name, error=f"{type(exc).__name__}: {exc}")
             continue

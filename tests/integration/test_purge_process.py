@@ -25,7 +25,7 @@ from engine.keys import ObjectKey
 from kvdepot_connector.client import KVDepotClient
 from storage.redis_fleet import META
 from tests.integration.conftest import StartSidecar
-from tests.integration.l2_helpers import blob_files
+from tests.integration.l2_helpers import PrivateRedis, blob_files
 from tests.integration.tenant_traffic import http
 from tests.integration.test_kv_events_sidecar import LAYOUT, TOKEN, Events, env, free_ports, metric, of_type
 from tests.integration.waiting import wait_for
@@ -93,7 +93,7 @@ def written_behind(sc: SidecarProcess) -> bool:
 
 
 def finished(sc: SidecarProcess, path: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while True:
         status, job = call(sc, "GET", path)
         assert status == 200, job
@@ -211,3 +211,51 @@ def test_a_purge_on_another_sidecar_finds_in_redis_what_the_first_wrote(
     # Again: nothing left to remove, the same answer otherwise.
     assert call(second, "DELETE", "/tenants/p/cache")[0] == 202
     assert finished(second, "/tenants/p/cache/purge")["progress"]["shared"]["removed"] == 0
+
+
+def test_a_purge_interrupted_by_a_restart_goes_on_by_itself(
+    sidecar_factory: StartSidecar, tmp_path: Path
+) -> None:
+    """A private Redis scanned at 10 keys a second (the bound on shared tiers): the purge is still
+    running when the sidecar stops; started again on the same data_dir it finishes the purge."""
+    server = PrivateRedis()
+    server.start()
+    try:
+        adapters = json.dumps([{"type": "redis", "name": "shared", "url": server.url, "key_prefix": "kv:",
+                                "scan_keys_per_s": 10}])  # fmt: skip
+        data_dir = tmp_path / "data"
+        sc = sidecar_factory(data_dir=data_dir, env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
+        c = KVDepotClient(sc.url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
+        for tag, salt in enumerate(("p", "q")):
+            for seed in range(8):
+                c.store(tokens(seed), data(tag, seed), request_id=f"{salt}{seed}", cache_salt=salt)
+        c.close()
+        wait_for(lambda: written_behind(sc), what="write-behind")
+
+        def blobs() -> dict[str, set[str]]:
+            out: dict[str, set[str]] = {}
+            with redis.Redis.from_url(server.url) as r:
+                for raw in r.scan_iter(match="kv:*"):
+                    key = raw.decode()[3:]
+                    if not key.startswith(META):
+                        out.setdefault(ObjectKey.parse(key).salt, set()).add(key)
+            return out
+
+        before = blobs()
+        assert len(before["p"]) == len(before["q"]) == 8 * CHUNKS
+        assert call(sc, "DELETE", "/tenants/p/cache")[0] == 202
+        time.sleep(1.0)  # a second of a purge that needs several: the restart interrupts it
+        assert call(sc, "GET", "/tenants/p/cache/purge")[1]["state"] == "running"
+        sc.stop()
+        assert blobs().get("p"), "the purge ended before the restart: nothing to resume"
+        pending = json.loads((data_dir / "purges.json").read_text())["pending"]
+        assert [(p["kind"], p["salt"]) for p in pending] == [("purge", "p")]
+
+        sc = sidecar_factory(data_dir=data_dir, env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
+        job = finished(sc, "/tenants/p/cache/purge")  # resumed at start, nobody asked again
+        assert job["state"] == "done", job
+        after = blobs()
+        assert "p" not in after and after["q"] == before["q"]
+        assert json.loads((data_dir / "purges.json").read_text())["pending"] == []
+    finally:
+        server.kill()
