@@ -1,0 +1,195 @@
+"""Scorer: for a request's token ids, the longest prefix each live instance can serve, per tier.
+
+For each namespace the live instances of the request's model registered (rank 0, group 0: one
+engine's view; the layout fingerprint and chunk size may differ between instances), the chunk
+keys are computed as the sidecars compute them (fleet/hashing.py: rolling blake3 chain, seed of
+model, layout and tenant) and looked up in the index. An instance's prefix ends at the first chunk
+that none of its holders hold: its L1, its own L2 tiers, or any holder (its own or another
+instance's) on a shared tier it is attached to. Each prefix chunk counts for the best tier holding
+it (L1 > local L2 > shared L2); the score is the weighted share of the request's tokens,
+minus the configured load penalties:
+
+    score = (w_l1 * t_l1 + w_local * t_local + w_shared * t_shared) / len(token_ids)
+            - load_weight_l1 * l1_usage - load_weight_queue * q / (q + 8)
+
+Tenants: the tenant is in every key's seed, so a salted request can only match that tenant's
+chunks. An instance whose events do not tell tenants apart (`salt_mode=omit`), or whose tenants are
+hashed with another deployment key than the directory's, is never credited for a salted request
+(it is listed with prefix 0). A LoRA request (`lora_name`) is keyed with each extra key the events
+showed for that adapter name (the longest match wins); a name never seen matches nothing.
+Multimodal: the request's token ids are keyed without extra keys, so the prefix stops at the first
+chunk that overlaps a multimodal item (its key carries the item).
+
+State: none of its own (reads the registry and the index). Event loop only.
+
+Primitives: Scorer(registry, namer, lora, config).score(model, token_ids, salt, lora, now) -> Scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from app.errors import InvalidInput
+from fleet.hashing import TenantNamer, first_blocks, seed_of
+from fleet.ingest import LoraBook
+from fleet.registry import Instance, InstanceRegistry, Tier
+from fleet.spec import DirectoryConfig, NamespaceSpec
+from kvdepot_connector.protocol import encode_tokens
+
+TIERS = (Tier.L1, Tier.LOCAL_L2, Tier.SHARED_L2)
+
+
+@dataclass(slots=True)
+class InstanceScore:
+    id: str
+    url: str
+    engine_url: str | None
+    prefix_tokens: int
+    tiers: dict[str, int]
+    score: float
+    queue_depth: int
+    l1_usage: float
+
+
+@dataclass(slots=True)
+class Scores:
+    chunk_size: int
+    instances: list[InstanceScore] = field(default_factory=list)
+
+
+class Scorer:
+    def __init__(
+        self, registry: InstanceRegistry, namer: TenantNamer, lora: LoraBook, config: DirectoryConfig,
+        key_id: str | None,
+    ) -> None:  # fmt: skip
+        self.registry = registry
+        self.namer = namer
+        self.lora = lora
+        self.config = config
+        self.key_id = key_id
+        self.requests = 0
+
+    def _namespace(self, inst: Instance, model: str) -> NamespaceSpec | None:
+        for ns in inst.spec.namespaces:
+            if ns.model == model and ns.kv_rank == 0 and ns.group == 0:
+                return ns
+        return None
+
+    def _tenant_ok(self, inst: Instance, salt: str) -> bool:
+        if not salt:
+            return True
+        mode = inst.spec.salt_mode
+        if mode == "omit":
+            return False
+        if mode == "hashed":
+            return self.namer.hashed_ok and inst.spec.salt_key_id == self.key_id
+        return True
+
+    def score(
+        self, model: str, token_ids: Sequence[int] | bytes, salt: str | None, lora_name: str | None,
+        now: float,
+    ) -> Scores:  # fmt: skip
+        self.requests += 1
+        salt = salt or ""
+        if len(token_ids) > self.config.max_tokens * (4 if isinstance(token_ids, bytes) else 1):
+            raise InvalidInput(f"at most {self.config.max_tokens} token ids are scored")
+        try:
+            data = encode_tokens(token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+        n_tokens = len(data) // 4
+        candidates: list[tuple[Instance, NamespaceSpec | None]] = [
+            (inst, self._namespace(inst, model)) for inst in self.registry.live(now)
+        ]
+        candidates = [(i, ns) for i, ns in candidates if ns is not None]
+        extras: list[bytes] = [b""]
+        if lora_name:
+            extras = self.lora.extras(lora_name)
+        index = self.registry.index
+        shared_bits = self._shared_bits()
+        keys_cache: dict[tuple[str, int, str, bytes], list[int]] = {}
+        out: list[InstanceScore] = []
+        chunk_size = 0
+        w = self.config.weights
+        weight = {Tier.L1: w.l1, Tier.LOCAL_L2: w.local_l2, Tier.SHARED_L2: w.shared_l2}
+        for inst, ns in candidates:
+            assert ns is not None
+            chunk_size = chunk_size or ns.chunk_size
+            best = (0, {t: 0 for t in TIERS})
+            if self._tenant_ok(inst, salt):
+                tenant = self.namer.tenant(salt, inst.spec.salt_mode)
+                l1, local, shared = self._masks(inst, shared_bits)
+                for extra in extras:
+                    ck = (ns.layout_fp, ns.chunk_size, tenant, extra)
+                    found_masks = keys_cache.get(ck)
+                    if found_masks is None:
+                        seed = seed_of(model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
+                        get = index.masks.get
+                        found_masks = keys_cache[ck] = [
+                            get(h, 0) for h in first_blocks(data, ns.chunk_size, seed, extra)
+                        ]
+                    found = _walk(found_masks, l1, local, shared, ns.chunk_size)
+                    if found[0] > best[0]:
+                        best = found
+            prefix, per_tier = best
+            value = sum(weight[t] * per_tier[t] for t in TIERS) / max(n_tokens, 1)
+            q = inst.spec.queue_depth
+            value -= self.config.load_weight_l1 * inst.spec.l1_usage
+            value -= self.config.load_weight_queue * q / (q + 8)
+            out.append(
+                InstanceScore(
+                    id=inst.id,
+                    url=inst.spec.url,
+                    engine_url=inst.spec.engine_url,
+                    prefix_tokens=prefix,
+                    tiers={t.value: per_tier[t] for t in TIERS},
+                    score=round(value, 6),
+                    queue_depth=q,
+                    l1_usage=inst.spec.l1_usage,
+                )
+            )
+        out.sort(key=lambda s: (-s.score, -s.prefix_tokens, s.queue_depth, s.id))
+        return Scores(chunk_size=chunk_size, instances=out)
+
+    def _shared_bits(self) -> dict[str, int]:
+        """Shared tier fingerprint -> mask of every holder on it (any instance, live or not)."""
+        out: dict[str, int] = {}
+        for inst in self.registry.instances.values():
+            for medium, fp in inst.shared.items():
+                bit = inst.holders.get(medium)
+                if bit is not None:
+                    out[fp] = out.get(fp, 0) | (1 << bit)
+        return out
+
+    @staticmethod
+    def _masks(inst: Instance, shared_bits: dict[str, int]) -> tuple[int, int, int]:
+        l1 = local = shared = 0
+        for medium, bit in inst.holders.items():
+            tier = inst.tier_of(medium)
+            if tier is Tier.L1:
+                l1 |= 1 << bit
+            elif tier is Tier.LOCAL_L2:
+                local |= 1 << bit
+        for fp in set(inst.shared.values()):
+            shared |= shared_bits.get(fp, 0)
+        return l1, local, shared
+
+
+def _walk(masks: list[int], l1: int, local: int, shared: int, chunk_size: int) -> tuple[int, dict[Tier, int]]:
+    """The servable prefix (tokens) and its tokens per best tier, from the chunks' holder masks."""
+    counts = {Tier.L1: 0, Tier.LOCAL_L2: 0, Tier.SHARED_L2: 0}
+    every = l1 | local | shared
+    n = 0
+    for mask in masks:
+        m = mask & every
+        if not m:
+            break
+        if m & l1:
+            counts[Tier.L1] += chunk_size
+        elif m & local:
+            counts[Tier.LOCAL_L2] += chunk_size
+        else:
+            counts[Tier.SHARED_L2] += chunk_size
+        n += 1
+    return n * chunk_size, counts
