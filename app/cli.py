@@ -1,4 +1,5 @@
-"""The `kvdepot` command: `serve` runs the sidecar, `bench ...` runs the benchmarks.
+"""The `kvdepot` command: `serve` runs the sidecar, `directory` the fleet directory, `bench ...`
+runs the benchmarks.
 
 Bad settings end the process with status 2 and one line on stderr that names the setting.
 """
@@ -24,6 +25,13 @@ def _serve_parser(sub: Any) -> None:
     sp.add_argument("--data-plane", help="ZMQ URL (default ipc://<data-dir>/dataplane.sock)")
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sp.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's format) on this ZMQ endpoint")
+
+
+def _directory_parser(sub: Any) -> None:
+    dp = sub.add_parser("directory", help="run the fleet directory (registry, KV-event index, /v1/score)")
+    dp.add_argument("--config", type=Path, help="TOML file with the directory's settings")
+    dp.add_argument("--http-host", help="address to listen on (default 127.0.0.1)")
+    dp.add_argument("--http-port", type=int, help="port (default 8090)")
 
 
 def _bench_parser(sub: Any) -> None:
@@ -61,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdepot", description="KV-cache sidecar for LLM inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _directory_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -96,11 +105,31 @@ def _run_serve(args: argparse.Namespace) -> int:
         return runner.run(main())
 
 
+def _run_directory(args: argparse.Namespace) -> int:
+    from app.directory import DirectoryService, load_directory_settings
+    from app.logs import configure_logging
+
+    settings = load_directory_settings({"host": args.http_host, "port": args.http_port}, args.config)
+    configure_logging(settings.logging)
+
+    async def main() -> int:
+        service = DirectoryService(settings)
+        service.build()
+        return await service.run()
+
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "directory":
+            return _run_directory(args)
         from app.bench import run_bench
 
         return run_bench(args)

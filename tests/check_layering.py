@@ -40,7 +40,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "engine": ("api", "fleet"),
 }
 # modules only the wiring may import
-WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench")
+WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench", "app.directory")
 # the benchmarks play the engine: they drive the sidecar through the connector's client
 ENGINE_SIDE = ("app.bench",)
 
