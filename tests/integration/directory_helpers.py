@@ -22,7 +22,8 @@ class DirectoryProcess:
     def __init__(self, config: Path, port: int | None = None) -> None:
         self.port = port or free_port()
         self.http = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "app.cli", "directory", "--config", str(config), "--http-port", str(self.port)]
+        cmd = [sys.executable, "-m", "app.cli", "directory", "--config", str(config)]
+        cmd += ["--http-port", str(self.port)]
         self.log = open(config.with_suffix(f".{self.port}.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
