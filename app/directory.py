@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import signal
 import socket
 import time
@@ -149,6 +150,7 @@ class DirectoryService:
             raise RuntimeError("build() first")
         s = self.settings
         d = self.directory
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per inventory fetch
         subs = Subscriptions(d, s.directory)
         registry = CollectorRegistry()
         registry.register(DirectoryCollector(d))

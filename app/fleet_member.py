@@ -2,7 +2,7 @@
 
 A supervised task posts the sidecar's InstanceSpec (fleet/spec.py) to `<directory>/v1/instances`
 every `fleet.directory_heartbeat_s`: its id, HTTP URL, KV-event endpoints, the namespaces its
-engines registered (kept once seen: chunks outlive their engine's registration), its salt mode and
+engines registered (every one registered since the start: chunks outlive their engine's registration), its salt mode and
 the id of the deployment key hashing tenants, its L2 tiers (a Redis tier is shared, named by a
 fingerprint of its address: host, port, database and key prefix, never the password), its L1 usage,
 queue depth (requests holding read locks) and KV-event incarnation and last sequence (so the
@@ -70,8 +70,7 @@ class DirectoryMember:
         self._down = False
 
     def spec(self) -> InstanceSpec:
-        for reg in self.engine.engines.all():
-            ns, layout = reg.namespace, reg.layout
+        for ns, layout in self.engine.engines.namespaces_seen.items():
             key = (ns.model, ns.layout_fp.hex(), ns.kv_rank, ns.group)
             if key not in self._namespaces:
                 self._namespaces[key] = NamespaceSpec(
