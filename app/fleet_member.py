@@ -2,8 +2,8 @@
 
 A supervised task posts the sidecar's InstanceSpec (fleet/spec.py) to `<directory>/v1/instances`
 every `fleet.directory_heartbeat_s`: its id, HTTP URL, KV-event endpoints, the namespaces its
-engines registered (every one registered since the start: chunks outlive their engine's registration), its salt mode and
-the id of the deployment key hashing tenants, its L2 tiers (a Redis tier is shared, named by a
+engines registered (every one since the start: chunks outlive their engine's registration), its
+salt mode and the id of the deployment key hashing tenants, its L2 tiers (a Redis tier is shared, named by a
 fingerprint of its address: host, port, database and key prefix, never the password), its L1 usage,
 queue depth (requests holding read locks) and KV-event incarnation and last sequence (so the
 directory notices a lost batch on a quiet stream).
