@@ -58,6 +58,11 @@ def _bench_parser(sub: Any) -> None:
     bench_footprint.add_arguments(
         bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
     )
+    from app.bench import directory as bench_directory
+
+    bench_directory.add_arguments(
+        bsub.add_parser("directory", help="the directory's index: score, ingest, rebuild, memory")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(

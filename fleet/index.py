@@ -146,6 +146,13 @@ class Resync:
         masks, counts = index.masks, index.counts
         empty: set[int] = set()
         bits = [(bit, 1 << bit, self.seen.get(bit, empty)) for bit in _bits_of(mask)]
+        # a holder holding exactly what was listed has nothing to lose: no pass over the index
+        bits = [b for b in bits if counts.get(b[0], 0) > len(b[2])]
+        if not bits:
+            return 0
+        mask = 0
+        for _bit, flag, _seen in bits:
+            mask |= flag
         gone = 0
         for h, m in list(masks.items()):
             if not m & mask:

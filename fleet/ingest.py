@@ -51,19 +51,25 @@ class Batch(msgspec.Struct, array_like=True, gc=False):
     incarnation: str = ""
 
 
-class InventoryLine(msgspec.Struct, gc=False):
-    kind: str
-    incarnation: str | None = None
-    seq: int | None = None
-    salt: str | None = None
+class ListedChunk(msgspec.Struct, tag_field="kind", tag="chunk", gc=False):
+    block_hashes: list[int]
     medium: str | None = None
-    block_size: int | None = None
-    block_hashes: list[int] | None = None
-    chunks: int | None = None
+    block_size: int = 0
 
 
+class ListingHeader(msgspec.Struct, tag_field="kind", tag="header", gc=False):
+    incarnation: str
+    seq: int = -1
+
+
+class ListingEnd(msgspec.Struct, tag_field="kind", tag="end", gc=False):
+    chunks: int = 0
+
+
+InventoryLine = ListedChunk | ListingHeader | ListingEnd
 batch_decoder = msgspec.msgpack.Decoder(Batch)
 line_decoder = msgspec.json.Decoder(InventoryLine)
+page_decoder = msgspec.json.Decoder(list[InventoryLine])
 _extra_decoder = msgspec.msgpack.Decoder(list[list[str | int] | None] | None)
 
 
@@ -108,6 +114,77 @@ class LoraBook:
                         self.learn(name, bytes.fromhex(text))
                     except ValueError:
                         return
+
+
+class InventoryReader:
+    """One `GET /inventory` listing of one instance, line by line, into a resync of its holders:
+    `feed(line)` each NDJSON line, then `finish()` -> (incarnation, seq) once the end line came
+    (None when the listing was cut short: the resync is abandoned, nothing is removed)."""
+
+    def __init__(self, registry: InstanceRegistry, inst: Instance) -> None:
+        self.registry = registry
+        self.inst = inst
+        self.resync = registry.index.begin_resync(inst.mask())
+        self.incarnation: str | None = None
+        self.seq = -1
+        self.ended = False
+        self.gone = 0
+        self._pending: dict[str, list[int]] = {}
+        """medium -> first block hashes listed, not yet added (added in slices: fewer calls)."""
+        self._steps: dict[tuple[int, int], int] = {}
+
+    def feed(self, raw: bytes | str) -> None:
+        """One NDJSON line (DecodeError when it is none of the listing's lines)."""
+        self._take([line_decoder.decode(raw)])
+
+    def feed_page(self, lines: list[bytes]) -> None:
+        """Several NDJSON lines at once (without their newlines), decoded in one call."""
+        if lines:
+            self._take(page_decoder.decode(b"[" + b",".join(lines) + b"]"))
+
+    def _take(self, lines: list[InventoryLine]) -> None:
+        medium = None
+        pending: list[int] = []
+        for line in lines:
+            if type(line) is ListedChunk:
+                hashes = line.block_hashes
+                if not hashes:
+                    continue
+                if line.medium != medium:
+                    medium = line.medium
+                    pending = self._pending.setdefault(medium or L1_MEDIUM, [])
+                shape = (line.block_size, len(hashes))
+                step = self._steps.get(shape)
+                if step is None:
+                    step = self._steps[shape] = chunk_step(self.inst, shape[0], shape[1])
+                if step >= len(hashes):
+                    pending.append(hashes[0])
+                else:
+                    pending.extend(hashes[::step])
+            elif type(line) is ListingHeader:
+                self.incarnation = line.incarnation
+                self.seq = line.seq
+            elif type(line) is ListingEnd:
+                self.ended = True
+        if sum(len(p) for p in self._pending.values()) >= 8192:
+            self._flush()
+
+    def _flush(self) -> None:
+        inst = self.inst
+        for medium, heads in self._pending.items():
+            if heads:
+                bit = inst.holders.get(medium)
+                if bit is None:
+                    bit = self.registry.holder_bit(inst, medium)
+                self.resync.add(bit, heads)
+        self._pending = {}
+
+    def finish(self) -> tuple[str, int] | None:
+        self._flush()
+        if not self.ended or self.incarnation is None:
+            return None
+        self.gone = self.resync.finish()
+        return self.incarnation, self.seq
 
 
 def chunk_step(inst: Instance, block_size: int, n: int) -> int:

@@ -178,18 +178,19 @@ class Scorer:
 
 def _walk(masks: list[int], l1: int, local: int, shared: int, chunk_size: int) -> tuple[int, dict[Tier, int]]:
     """The servable prefix (tokens) and its tokens per best tier, from the chunks' holder masks."""
-    counts = {Tier.L1: 0, Tier.LOCAL_L2: 0, Tier.SHARED_L2: 0}
     every = l1 | local | shared
-    n = 0
+    n = in_l1 = in_local = 0
     for mask in masks:
-        m = mask & every
-        if not m:
+        if not mask & every:
             break
-        if m & l1:
-            counts[Tier.L1] += chunk_size
-        elif m & local:
-            counts[Tier.LOCAL_L2] += chunk_size
-        else:
-            counts[Tier.SHARED_L2] += chunk_size
+        if mask & l1:
+            in_l1 += 1
+        elif mask & local:
+            in_local += 1
         n += 1
+    counts = {
+        Tier.L1: in_l1 * chunk_size,
+        Tier.LOCAL_L2: in_local * chunk_size,
+        Tier.SHARED_L2: (n - in_l1 - in_local) * chunk_size,
+    }
     return n * chunk_size, counts

@@ -38,7 +38,7 @@ import zmq
 import zmq.asyncio
 
 from fleet.directory import Directory
-from fleet.ingest import Batch, apply_batch, batch_decoder, chunk_step, line_decoder
+from fleet.ingest import Batch, InventoryReader, apply_batch, batch_decoder
 from fleet.registry import Instance
 from fleet.spec import DirectoryConfig
 from fleet.stream import Action
@@ -213,10 +213,7 @@ class Subscription:
         if token is not None:
             headers["Authorization"] = f"Bearer {token.get_secret_value()}"
         started = time.monotonic()
-        resync = d.index.begin_resync(inst.mask())
-        incarnation: str | None = None
-        seq = -1
-        ended = False
+        reader = InventoryReader(d.registry, inst)
         lines = 0
         timeout = httpx.Timeout(self.owner.config.inventory_timeout_s, connect=5.0)
         async with self.owner.http.stream(
@@ -224,30 +221,25 @@ class Subscription:
         ) as resp:
             if resp.status_code != 200:
                 raise ResyncFailed(f"GET /inventory answered {resp.status_code}")
-            async for raw in resp.aiter_lines():
-                if not raw:
-                    continue
-                line = line_decoder.decode(raw)
-                if line.kind == "chunk" and line.block_hashes:
-                    medium = line.medium or "CPU"
-                    bit = inst.holders.get(medium)
-                    if bit is None:
-                        bit = d.registry.holder_bit(inst, medium)
-                    hashes = line.block_hashes
-                    resync.add(bit, hashes[:: chunk_step(inst, line.block_size or 0, len(hashes))])
-                elif line.kind == "header":
-                    incarnation, seq = line.incarnation, line.seq if line.seq is not None else -1
-                elif line.kind == "end":
-                    ended = True
-                lines += 1
-                if lines % _YIELD_EVERY == 0:
+            rest = b""
+            async for data in resp.aiter_bytes():
+                lines_ = (rest + data).split(b"\n")
+                rest = lines_.pop()
+                reader.feed_page([line for line in lines_ if line])
+                lines += len(lines_)
+                if lines >= _YIELD_EVERY:
+                    lines = 0
                     await asyncio.sleep(0)
-        if not ended or incarnation is None:
+            if rest.strip():
+                reader.feed(rest)
+        done = reader.finish()
+        if done is None:
             raise ResyncFailed("the inventory listing ended early")
-        gone = resync.finish()
+        incarnation, seq = done
         inst.tracker.resynced(incarnation, seq)
         log.info(
-            "directory_resynced", instance=self.id, reason=reason, chunks=resync.listed, gone=gone,
+            "directory_resynced", instance=self.id, reason=reason, chunks=reader.resync.listed,
+            gone=reader.gone,
             seq=seq, ms=round((time.monotonic() - started) * 1000, 1),
         )  # fmt: skip
 
