@@ -141,5 +141,8 @@ class DirectoryConfig(BaseModel):
         2.0, gt=0, le=600,
         description="a heartbeat's sequence ahead of what arrived this long: ask the replay socket",
     )  # fmt: skip
+    probe_s: float = Field(
+        10.0, gt=0, le=3600, description="a stream quiet this long: ask the replay socket what came after"
+    )
     max_tokens: int = Field(1 << 20, ge=1, le=1 << 24, description="longest request scored")
     max_lora_candidates: int = Field(4, ge=1, le=64, description="extra keys tried per adapter name")

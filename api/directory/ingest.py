@@ -12,7 +12,11 @@ batches in sequence order, as the instance's StreamTracker (fleet/stream.py) say
     the other tiers) or nothing known yet: the inventory replaces the holdings, its header says
     from which sequence on the live batches apply;
   - a heartbeat saying the sidecar published past what arrived (`nudge`, after a grace): a replay,
-    or the inventory for an incarnation never seen.
+    or the inventory for an incarnation never seen;
+  - the SUB connection dropped and came back (a socket monitor): the sidecar may have restarted
+    and said nothing yet: the inventory;
+  - a stream quiet for `directory.probe_s`: the replay socket is asked from the next sequence
+    expected (a last batch lost on a quiet stream shows there; nothing newer: nothing to do).
 
 While a task repairs, the live batches wait in the SUB socket's queue (`RCVHWM`); those dropped
 beyond it are one more gap, repaired the same way. Any failure (sidecar down, a listing cut short)
@@ -36,6 +40,7 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from fleet.directory import Directory
 from fleet.ingest import Batch, InventoryReader, apply_batch, batch_decoder
@@ -95,20 +100,40 @@ class Subscription:
             sub.setsockopt(zmq.RCVHWM, _RCVHWM)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sub.connect(inst.spec.events_endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             inst.tracker.need_resync(inst.tracker.resync_reason or "start")
             await self._resync(inst.tracker.resync_reason or "start")
+            lost = False
+            probe_s = self.owner.config.probe_s
+            quiet_since = time.monotonic()
             while True:
-                if await sub.poll(250):
+                ready = dict(await poller.poll(250))
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        lost = True  # the sidecar went (or the network): anything may be missed
+                    elif event == zmq.EVENT_CONNECTED and lost:
+                        lost = False
+                        await self._resync("reconnect")  # a restarted sidecar may have said nothing yet
+                if sub in ready:
                     frames = await sub.recv_multipart()
                     await self._on_frames(frames)
+                    quiet_since = time.monotonic()
                 if self.nudged is not None:
                     action, self.nudged = self.nudged, None
                     if action is Action.RESYNC:
                         await self._resync("incarnation")
                     elif action is Action.REPLAY:
                         await self._replay(None, "catchup")
+                elif time.monotonic() - quiet_since >= probe_s:
+                    quiet_since = time.monotonic()
+                    await self._replay(None, "probe")  # a last batch lost on a quiet stream
         finally:
+            sub.disable_monitor()
             sub.close(0)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
@@ -196,6 +221,8 @@ class Subscription:
         finally:
             dealer.close(0)
         closed = tracker.expected is not None and (trigger is None or tracker.expected > trigger)
+        if first is None and why == "probe":
+            return  # nothing published since: up to date
         if first is None or tracker.gap_unfilled(first) or not closed:
             await self._resync("replay_short")
             return

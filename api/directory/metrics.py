@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from fleet.directory import Directory
 
-_GAP_REASONS = ("replay_short", "replay_timeout", "no_replay", "catchup", "gap")
+_GAP_REASONS = ("replay_short", "replay_timeout", "no_replay", "reconnect")
 
 
 class DirectoryCollector(Collector):

@@ -99,6 +99,20 @@ def held(sc: SidecarProcess) -> dict[str, int]:
     return out
 
 
+def metric(sc: SidecarProcess, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(sc.http + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def sent(sc: SidecarProcess) -> int:
+    return int(metric(sc, "kvdepot_kv_events_sent_total"))
+
+
 def converged(d: DirectoryProcess, sidecars: dict[str, SidecarProcess]) -> bool:
     known = d.instances()
     for name, sc in sidecars.items():
@@ -151,6 +165,8 @@ def test_dropped_batches_restarts_and_a_restarted_directory_all_converge(fleet: 
     assert d.prefixes(p1, "another-tenant") == {"s1": 0, "s2": 0}
 
     # batches lost between the sidecars and the directory: stores, and a removal
+    lag1 = sent(s1) - f1.forwarded  # what a forwarder missed before it subscribed, if anything
+    lag2 = sent(s2) - f2.forwarded
     f1.dropping.set()
     f2.dropping.set()
     store(s1, p3)
@@ -159,7 +175,10 @@ def test_dropped_batches_restarts_and_a_restarted_directory_all_converge(fleet: 
     for seed in range(10, 14):  # s2: more batches than its replay buffer keeps
         store(s2, prefix(seed, 1))
     store(s2, p4)
-    wait_for(lambda: f1.dropped >= 3 and f2.dropped >= 5, 20, "the drops")
+    # every batch published meanwhile went through the forwarders (and was dropped there)
+    wait_for(lambda: sent(s1) == f1.forwarded + f1.dropped + lag1, 20, "s1's batches dropped")
+    wait_for(lambda: sent(s2) == f2.forwarded + f2.dropped + lag2, 20, "s2's batches dropped")
+    assert f1.dropped >= 2 and f2.dropped >= 3  # s2: more than its replay buffer keeps
     f1.dropping.clear()
     f2.dropping.clear()
     store(s1, p5)  # the next live batch shows the gap
@@ -178,6 +197,9 @@ def test_dropped_batches_restarts_and_a_restarted_directory_all_converge(fleet: 
     s2 = fleet["sidecars"]["s2"] = fleet["factory"](
         "--http-port", str(http), data_dir=fleet["tmp"] / "s2", env=sidecar_env(pub, replay), l1_size_gb=0.02
     )  # fmt: skip
+    # the forwarder's subscription reaches the new process first (PUB/SUB: before it, a batch is
+    # lost for every subscriber; the directory would learn of it at the next batch or the probe)
+    wait_for(lambda: metric(s2, "kvdepot_kv_events_subscribers") >= 1, 20, "the forwarder resubscribed")
     p6 = prefix(6, 3)
     store(s2, p6)
     wait_for(lambda: d.prefixes(p6, "t")["s2"] == 48, 30, "p6 on the new s2")
