@@ -96,6 +96,7 @@ class Subscription:
     async def _run_once(self) -> None:
         inst = self._instance()
         sub = self.owner.zctx.socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
         try:
             sub.setsockopt(zmq.RCVHWM, _RCVHWM)
             sub.setsockopt(zmq.LINGER, 0)
@@ -133,7 +134,9 @@ class Subscription:
                     quiet_since = time.monotonic()
                     await self._replay(None, "probe")  # a last batch lost on a quiet stream
         finally:
-            sub.disable_monitor()
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
             sub.close(0)
 
     async def _on_frames(self, frames: list[bytes]) -> None:

@@ -38,15 +38,18 @@ class DirectoryProcess:
             assert time.monotonic() < deadline, "directory did not start"
             time.sleep(0.05)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def stop(self) -> int | None:
+        """SIGTERM; the exit status (None: it had to be killed after 10 s)."""
+        code: int | None = self.proc.poll()
+        if code is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                code = self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        return code
 
     def logs(self) -> str:
         return Path(self.log.name).read_text()

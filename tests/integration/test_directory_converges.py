@@ -209,7 +209,7 @@ def test_dropped_batches_restarts_and_a_restarted_directory_all_converge(fleet: 
 
     # the directory restarts: everything relearnt from the inventories
     before = {name: i["chunks"] for name, i in d.instances().items()}
-    d.stop()
+    assert d.stop() == 0  # SIGTERM: a clean, prompt exit
     d = fleet["directory"] = DirectoryProcess(fleet["config"])
     wait_for(lambda: all(i["synced"] for i in d.instances().values()), 30, "resynced after restart")
     assert {name: i["chunks"] for name, i in d.instances().items()} == before
