@@ -108,7 +108,7 @@ class Scorer:
             extras = self.lora.extras(lora_name)
         index = self.registry.index
         shared_bits = self._shared_bits()
-        keys_cache: dict[tuple[str, int, str, bytes], list[int]] = {}
+        keys_cache: dict[tuple[str, int, str, bytes], list[tuple[int, int]]] = {}
         out: list[InstanceScore] = []
         chunk_size = 0
         w = self.config.weights
@@ -122,14 +122,13 @@ class Scorer:
                 l1, local, shared = self._masks(inst, shared_bits)
                 for extra in extras:
                     ck = (ns.layout_fp, ns.chunk_size, tenant, extra)
-                    found_masks = keys_cache.get(ck)
-                    if found_masks is None:
+                    runs = keys_cache.get(ck)
+                    if runs is None:
                         seed = seed_of(model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
-                        get = index.masks.get
-                        found_masks = keys_cache[ck] = [
-                            get(h, 0) for h in first_blocks(data, ns.chunk_size, seed, extra)
-                        ]
-                    found = _walk(found_masks, l1, local, shared, ns.chunk_size)
+                        runs = keys_cache[ck] = _runs(
+                            index.masks, first_blocks(data, ns.chunk_size, seed, extra)
+                        )
+                    found = _walk(runs, l1, local, shared, ns.chunk_size)
                     if found[0] > best[0]:
                         best = found
             prefix, per_tier = best
@@ -176,18 +175,42 @@ class Scorer:
         return l1, local, shared
 
 
-def _walk(masks: list[int], l1: int, local: int, shared: int, chunk_size: int) -> tuple[int, dict[Tier, int]]:
-    """The servable prefix (tokens) and its tokens per best tier, from the chunks' holder masks."""
+def _runs(masks: dict[int, int], heads: list[int]) -> list[tuple[int, int]]:
+    """The chunks' holder masks, run-length encoded up to the first chunk nobody holds: prefixes
+    held are nested, so a 32k-token request is a handful of runs, walked once per instance."""
+    out: list[tuple[int, int]] = []
+    get = masks.get
+    last = -1
+    count = 0
+    for h in heads:
+        m = get(h, 0)
+        if not m:
+            break
+        if m == last:
+            count += 1
+            continue
+        if count:
+            out.append((last, count))
+        last, count = m, 1
+    if count:
+        out.append((last, count))
+    return out
+
+
+def _walk(
+    runs: list[tuple[int, int]], l1: int, local: int, shared: int, chunk_size: int
+) -> tuple[int, dict[Tier, int]]:
+    """The servable prefix (tokens) and its tokens per best tier."""
     every = l1 | local | shared
     n = in_l1 = in_local = 0
-    for mask in masks:
+    for mask, count in runs:
         if not mask & every:
             break
         if mask & l1:
-            in_l1 += 1
+            in_l1 += count
         elif mask & local:
-            in_local += 1
-        n += 1
+            in_local += count
+        n += count
     counts = {
         Tier.L1: in_l1 * chunk_size,
         Tier.LOCAL_L2: in_local * chunk_size,
