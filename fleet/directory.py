@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from fleet.hashing import TenantNamer
 from fleet.index import ChunkIndex
 from fleet.ingest import LoraBook
+from fleet.match import Matchers
 from fleet.registry import InstanceRegistry
 from fleet.score import Scorer
 from fleet.spec import DirectoryConfig
@@ -43,6 +44,8 @@ class Directory:
         self.lora = LoraBook(per_name=config.max_lora_candidates)
         self.scorer = Scorer(self.registry, TenantNamer(deployment_key), self.lora, config, key_id)
         self.stats = DirectoryStats()
+        self.matchers = Matchers(config.match_slots, config.match_max_scopes) if config.match else None
+        self.scorer.matchers = self.matchers
 
     def count_resync(self, reason: str) -> None:
         self.stats.resyncs[reason] = self.stats.resyncs.get(reason, 0) + 1

@@ -24,7 +24,9 @@ from collections import OrderedDict
 import msgspec
 
 from fleet.index import ChunkIndex
+from fleet.match import Matchers
 from fleet.registry import L1_MEDIUM, Instance, InstanceRegistry
+from kvdepot_connector.protocol import encode_tokens
 
 
 class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
@@ -33,6 +35,12 @@ class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: msgspec.Raw = msgspec.Raw()
+
+
+class StoredTokens(Stored, tag="BlockStored"):
+    """A store with its token ids (decoded only when the non-prefix matcher is on)."""
+
+    token_ids: list[int] = []
 
 
 class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
@@ -67,7 +75,15 @@ class ListingEnd(msgspec.Struct, tag_field="kind", tag="end", gc=False):
 
 
 InventoryLine = ListedChunk | ListingHeader | ListingEnd
+class BatchTokens(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[StoredTokens | Removed | Cleared]
+    data_parallel_rank: int | None = None
+    incarnation: str = ""
+
+
 batch_decoder = msgspec.msgpack.Decoder(Batch)
+batch_tokens_decoder = msgspec.msgpack.Decoder(BatchTokens)
 line_decoder = msgspec.json.Decoder(InventoryLine)
 page_decoder = msgspec.json.Decoder(list[InventoryLine])
 _extra_decoder = msgspec.msgpack.Decoder(list[list[str | int] | None] | None)
@@ -197,28 +213,61 @@ def chunk_step(inst: Instance, block_size: int, n: int) -> int:
     return max(n, 1)
 
 
-def apply_batch(registry: InstanceRegistry, inst: Instance, batch: Batch, lora: LoraBook) -> tuple[int, bool]:
+def tenant_of(raw: msgspec.Raw, lora_name: str | None) -> str | None:
+    """The tenant a store's `extra_keys` name (its entries: the LoRA name, the extra key as 64 hex
+    digits, the tenant, each when present); "" for none; None when unreadable."""
+    try:
+        entries = _extra_decoder.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not entries or not entries[0]:
+        return ""
+    items = [str(x) for x in entries[0]]
+    if lora_name and items and items[0] == lora_name:
+        items = items[1:]
+    if len(items) >= 2:
+        return items[1]
+    if len(items) == 1 and not (len(items[0]) == 64 and _is_hex(items[0])):
+        return items[0]
+    return ""
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
+def apply_batch(
+    registry: InstanceRegistry, inst: Instance, batch: Batch | BatchTokens, lora: LoraBook,
+    matchers: Matchers | None = None,
+) -> tuple[int, bool]:  # fmt: skip
     """Apply one batch. Answers (chunk events applied, whether the instance's holdings were
-    cleared: a resync should relearn its other tiers)."""
+    cleared: a resync should relearn its other tiers). `matchers`: stores with token ids teach the
+    non-prefix matcher too."""
     index: ChunkIndex = registry.index
     holders = inst.holders
     chunks = 0
     cleared = False
     for ev in batch.events:
         kind = type(ev)
-        if kind is Stored or kind is Removed:
+        if kind is Stored or kind is Removed or kind is StoredTokens:
             medium = ev.medium or L1_MEDIUM  # type: ignore[union-attr]
             bit = holders.get(medium)
             if bit is None:
                 bit = registry.holder_bit(inst, medium)
             hashes = ev.block_hashes  # type: ignore[union-attr]
-            if kind is Stored:
+            if kind is not Removed:
                 assert isinstance(ev, Stored)
                 step = chunk_step(inst, ev.block_size, len(hashes))
                 heads = hashes[::step]
                 index.add_many(bit, heads)
                 if ev.lora_name and medium == L1_MEDIUM:
                     lora.learn_raw(ev.lora_name, ev.extra_keys)
+                if matchers is not None and isinstance(ev, StoredTokens) and ev.token_ids and len(heads) == 1:
+                    _learn(matchers, inst, ev, heads[0])
             else:
                 heads = hashes[:: chunk_step(inst, 0, len(hashes))]
                 for h in heads:
@@ -228,3 +277,21 @@ def apply_batch(registry: InstanceRegistry, inst: Instance, batch: Batch, lora: 
             index.clear(inst.mask())
             cleared = True
     return chunks, cleared
+
+
+def _learn(matchers: Matchers, inst: Instance, ev: StoredTokens, head: int) -> None:
+    spaces = inst.spec.namespaces
+    if not spaces:
+        return
+    tenant = tenant_of(ev.extra_keys, ev.lora_name)
+    if tenant is None:
+        return
+    try:
+        tokens = encode_tokens(ev.token_ids)
+    except (OverflowError, TypeError):
+        return
+    if len(ev.token_ids) != spaces[0].chunk_size:
+        return
+    matcher = matchers.get(len(ev.token_ids))
+    if matcher is not None:
+        matcher.learn((spaces[0].model, tenant, ev.lora_name or ""), tokens, head)

@@ -30,9 +30,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from app.errors import InvalidInput
+from app.errors import InvalidInput, NotFound
 from fleet.hashing import TenantNamer, first_blocks, seed_of
 from fleet.ingest import LoraBook
+from fleet.match import Matchers
 from fleet.registry import Instance, InstanceRegistry, Tier
 from fleet.spec import DirectoryConfig, NamespaceSpec
 from kvdepot_connector.protocol import encode_tokens
@@ -53,6 +54,15 @@ class InstanceScore:
 
 
 @dataclass(slots=True)
+class InstanceMatches:
+    id: str
+    url: str
+    chunk_size: int
+    matches: list[tuple[int, str]] = field(default_factory=list)
+    """(token offset in the request, tier) of each window found."""
+
+
+@dataclass(slots=True)
 class Scores:
     chunk_size: int
     instances: list[InstanceScore] = field(default_factory=list)
@@ -69,6 +79,8 @@ class Scorer:
         self.config = config
         self.key_id = key_id
         self.requests = 0
+        self.matchers: Matchers | None = None
+        self.match_requests = 0
 
     def _namespace(self, inst: Instance, model: str) -> NamespaceSpec | None:
         for ns in inst.spec.namespaces:
@@ -150,6 +162,64 @@ class Scorer:
             )
         out.sort(key=lambda s: (-s.score, -s.prefix_tokens, s.queue_depth, s.id))
         return Scores(chunk_size=chunk_size, instances=out)
+
+    def match(
+        self, model: str, token_ids: Sequence[int], salt: str | None, lora_name: str | None, now: float,
+        *, max_per_instance: int = 256,
+    ) -> list[InstanceMatches]:  # fmt: skip
+        """Per live instance of the model: where windows of the request equal chunks it holds, at
+        any offset (greedy, non-overlapping, ascending), with the tier holding each."""
+        self.match_requests += 1
+        if self.matchers is None:
+            raise NotFound("the non-prefix matcher is off (directory.match = false)")
+        salt = salt or ""
+        if len(token_ids) > self.config.max_tokens:
+            raise InvalidInput(f"at most {self.config.max_tokens} token ids are matched")
+        try:
+            data = encode_tokens(token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+        masks = self.registry.index.masks
+        shared_bits = self._shared_bits()
+        found: dict[tuple[int, str, str], list[tuple[int, int]]] = {}
+        out: list[InstanceMatches] = []
+        for inst in self.registry.live(now):
+            ns = self._namespace(inst, model)
+            if ns is None:
+                continue
+            row = InstanceMatches(inst.id, inst.spec.url, ns.chunk_size)
+            out.append(row)
+            matcher = self.matchers.get(ns.chunk_size, create=False)
+            if matcher is None or not self._tenant_ok(inst, salt):
+                continue
+            tenant = self.namer.tenant(salt, inst.spec.salt_mode)
+            key = (ns.chunk_size, tenant, lora_name or "")
+            hits = found.get(key)
+            if hits is None:
+                hits = found[key] = matcher.find((model, tenant, lora_name or ""), data)
+            l1, local, shared = self._masks(inst, shared_bits)
+            end = -1
+            for offset, head in hits:
+                if offset < end:
+                    continue
+                m = masks.get(head, 0)
+                tier = (
+                    Tier.L1
+                    if m & l1
+                    else Tier.LOCAL_L2
+                    if m & local
+                    else Tier.SHARED_L2
+                    if m & shared
+                    else None
+                )
+                if tier is None:
+                    continue
+                row.matches.append((offset, tier.value))
+                end = offset + ns.chunk_size
+                if len(row.matches) >= max_per_instance:
+                    break
+        out.sort(key=lambda r: (-len(r.matches), r.id))
+        return out
 
     def _shared_bits(self) -> dict[str, int]:
         """Shared tier fingerprint -> mask of every holder on it (any instance, live or not)."""

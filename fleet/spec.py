@@ -144,5 +144,11 @@ class DirectoryConfig(BaseModel):
     probe_s: float = Field(
         10.0, gt=0, le=3600, description="a stream quiet this long: ask the replay socket what came after"
     )
+    match: bool = Field(
+        False, description="keep the non-prefix matcher's tables (/v1/match): decodes the token ids "
+        "of every store (ingest costs more)",
+    )
+    match_slots: int = Field(1 << 15, ge=1 << 8, le=1 << 24, description="slots per matcher scope (2^n)")
+    match_max_scopes: int = Field(64, ge=1, le=4096, description="(model, tenant, adapter) scopes kept")
     max_tokens: int = Field(1 << 20, ge=1, le=1 << 24, description="longest request scored")
     max_lora_candidates: int = Field(4, ge=1, le=64, description="extra keys tried per adapter name")

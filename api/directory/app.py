@@ -4,6 +4,7 @@
   DELETE /v1/instances/{id}     forget an instance and what it holds (admin token)
   GET    /v1/instances          the instances: liveness, sync state, chunks per medium, load
   POST   /v1/score              the instances that serve the longest prefix of a request, best first
+  POST   /v1/match              where the request's content is held at other offsets (directory.match)
   GET    /health, GET /metrics
 
 A score request is decoded with msgspec (a 32k-token body parses in a fraction of pydantic's
@@ -135,16 +136,7 @@ async def instances(ctx: Ctx) -> dict[str, Any]:
 
 @router.post("/v1/score", summary="The instances serving the longest prefix of a request, best first")
 async def score(request: Request, ctx: Ctx) -> Response:
-    body = await request.body()
-    try:
-        req = _score_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"bad score request: {exc}") from None
-    if not req.model or len(req.model) > 256:
-        raise InvalidInput("model must be 1..256 characters")
-    for name, value in (("cache_salt", req.cache_salt), ("lora_name", req.lora_name)):
-        if value is not None and len(value) > 1024:
-            raise InvalidInput(f"{name} must be at most 1024 characters")
+    req = _decode_request(await request.body())
     result = ctx.directory.scorer.score(
         req.model, req.token_ids, req.cache_salt, req.lora_name, time.monotonic()
     )
@@ -152,6 +144,40 @@ async def score(request: Request, ctx: Ctx) -> Response:
     rows = [{name: getattr(s, name) for name in fields} for s in result.instances]
     answer = {"chunk_size": result.chunk_size, "instances": rows}
     return Response(_encoder.encode(answer), media_type="application/json")
+
+
+@router.post("/v1/match", summary="Where the request's content is held at other offsets (reports only)")
+async def match(request: Request, ctx: Ctx) -> Response:
+    req = _decode_request(await request.body())
+    rows = ctx.directory.scorer.match(
+        req.model, req.token_ids, req.cache_salt, req.lora_name, time.monotonic()
+    )
+    answer = {
+        "instances": [
+            {
+                "id": r.id,
+                "url": r.url,
+                "chunk_size": r.chunk_size,
+                "matched_tokens": len(r.matches) * r.chunk_size,
+                "matches": [{"offset": o, "tokens": r.chunk_size, "tier": t} for o, t in r.matches],
+            }
+            for r in rows
+        ]
+    }
+    return Response(_encoder.encode(answer), media_type="application/json")
+
+
+def _decode_request(body: bytes) -> ScoreRequest:
+    try:
+        req = _score_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"bad request body: {exc}") from None
+    if not req.model or len(req.model) > 256:
+        raise InvalidInput("model must be 1..256 characters")
+    for name, value in (("cache_salt", req.cache_salt), ("lora_name", req.lora_name)):
+        if value is not None and len(value) > 1024:
+            raise InvalidInput(f"{name} must be at most 1024 characters")
+    return req
 
 
 def create_directory_app(ctx: DirectoryContext) -> FastAPI:

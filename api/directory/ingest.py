@@ -43,7 +43,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from fleet.directory import Directory
-from fleet.ingest import Batch, InventoryReader, apply_batch, batch_decoder
+from fleet.ingest import Batch, BatchTokens, InventoryReader, apply_batch, batch_decoder, batch_tokens_decoder
 from fleet.registry import Instance
 from fleet.spec import DirectoryConfig
 from fleet.stream import Action
@@ -146,7 +146,7 @@ class Subscription:
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
         try:
-            batch = batch_decoder.decode(frames[2])
+            batch = self.owner.decode(frames[2])
         except msgspec.DecodeError:
             d.stats.bad_batches += 1
             return
@@ -161,9 +161,9 @@ class Subscription:
         else:
             await self._resync(inst.tracker.resync_reason or "incarnation")
 
-    def _apply(self, inst: Instance, batch: Batch) -> None:
+    def _apply(self, inst: Instance, batch: Batch | BatchTokens) -> None:
         d = self.directory
-        chunks, cleared = apply_batch(d.registry, inst, batch, d.lora)
+        chunks, cleared = apply_batch(d.registry, inst, batch, d.lora, d.matchers)
         d.stats.batches += 1
         d.stats.chunk_events += chunks
         if cleared:
@@ -211,7 +211,7 @@ class Subscription:
                         break  # the buffer no longer has the first missing batch
                 last = seq
                 try:
-                    batch = batch_decoder.decode(frames[3])
+                    batch = self.owner.decode(frames[3])
                 except msgspec.DecodeError:
                     d.stats.bad_batches += 1
                     continue
@@ -281,6 +281,8 @@ class Subscriptions:
         self.zctx = zmq.asyncio.Context()
         self.http = httpx.AsyncClient()
         self.subs: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
+        # the matcher needs the token ids of stores; without it msgspec skips them unbuilt
+        self.decode = batch_tokens_decoder.decode if directory.matchers is not None else batch_decoder.decode
 
     def start(self, instance_id: str) -> None:
         self.stop(instance_id)

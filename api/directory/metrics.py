@@ -3,7 +3,9 @@
 `kvdepot_directory_batches_total`, `kvdepot_directory_chunk_events_total` (chunk events applied),
 `kvdepot_directory_duplicates_total`, `kvdepot_directory_gaps_repaired_total{by}` (replay,
 inventory), `kvdepot_directory_resyncs_total{reason}`, `kvdepot_directory_bad_batches_total`,
-`kvdepot_directory_registrations_total`, `kvdepot_directory_score_requests_total`."""
+`kvdepot_directory_registrations_total`, `kvdepot_directory_score_requests_total`,
+`kvdepot_directory_match_requests_total`; with the matcher on, `kvdepot_directory_repeated_chunks_total`,
+`kvdepot_directory_match_collisions_total`, `kvdepot_directory_match_entries`."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class DirectoryCollector(Collector):
             ("bad_batches", "Messages that were not KV-event batches.", s.bad_batches),
             ("registrations", "Registrations and heartbeats received.", s.registrations),
             ("score_requests", "Score requests answered.", d.scorer.requests),
+            ("match_requests", "Match requests answered.", d.scorer.match_requests),
         ):
             yield CounterMetricFamily(f"kvdepot_directory_{name}", doc, value=value)
         gaps = CounterMetricFamily(
@@ -53,3 +56,17 @@ class DirectoryCollector(Collector):
         for reason, n in sorted(s.resyncs.items()):
             resyncs.add_metric([reason], n)
         yield resyncs
+        if d.matchers is not None:
+            t = d.matchers.totals()
+            yield CounterMetricFamily(
+                "kvdepot_directory_repeated_chunks",
+                "Chunks stored whose tokens were already held under another prefix (content computed "
+                "again that prefix caching could not reuse).", value=t["repeated"],
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "kvdepot_directory_match_collisions", "Fingerprint matches the full-hash check rejected.",
+                value=t["collisions"],
+            )  # fmt: skip
+            yield GaugeMetricFamily(
+                "kvdepot_directory_match_entries", "Chunks in the matcher's tables.", value=t["entries"]
+            )
