@@ -44,7 +44,7 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
     config = tmp_path / "directory.toml"
     config.write_text(
         f'[http]\nadmin_token = "{DIR_TOKEN}"\n[directory]\nsidecar_token = "{TOKEN}"\n'
-        f'deployment_keys = ["{DEPLOYMENT}"]\ninstance_timeout_s = 2.0\n'
+        f'deployment_keys = ["{DEPLOYMENT}"]\ninstance_timeout_s = 2.0\nmatch = true\n'
     )
     # the directory is not there yet: the sidecars start and serve all the same, then register
     url = f"http://127.0.0.1:{port}"
@@ -68,6 +68,26 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
         # an attacker who knows the victim's tokens, with any other salt or none, sees nothing
         for salt in ("attacker", None, "VICTIM", "victim "):
             assert d.prefixes(victim, salt) == {"a": 0, "b": 0}, salt
+
+        # a document a stores after its prompt (live: the matcher learns from stores' token ids),
+        # found after another prompt at an unaligned offset
+        doc = prefix(40, 3)
+        store(a, prefix(41, 1) + doc, salt="victim")
+        wait_for(lambda: d.prefixes(prefix(41, 1) + doc, "victim") == {"a": 64, "b": 64}, 20, "doc")
+        request = prefix(30, 1)[:5] + doc + prefix(31, 1)
+        status, found = post(url + "/v1/match", {"model": "test-model", "token_ids": request,
+                                                   "cache_salt": "victim"})  # fmt: skip
+        assert status == 200
+        rows = {r["id"]: r for r in found["instances"]}
+        assert [m["offset"] for m in rows["a"]["matches"]] == [5, 21, 37]
+        assert rows["a"]["matched_tokens"] == 48 and rows["a"]["matches"][0]["tier"] == "l1"
+        assert [m["tier"] for m in rows["b"]["matches"]] == ["shared_l2"] * 3  # b reaches a's Redis
+        status, other = post(url + "/v1/match", {"model": "test-model", "token_ids": request,
+                                                  "cache_salt": "attacker"})  # fmt: skip
+        assert status == 200 and all(r["matches"] == [] for r in other["instances"])
+        # the same document stored after another prompt: content computed again, counted
+        store(b, prefix(32, 1) + doc, salt="victim")
+        wait_for(lambda: d.metric("kvdepot_directory_repeated_chunks_total") >= 3, 20, "repeated content")
 
         # registration needs the token; bad bodies are 4xx and the directory keeps serving
         spec = {"id": "x", "url": "http://127.0.0.1:1", "events_endpoint": "tcp://127.0.0.1:1"}
