@@ -41,11 +41,9 @@ _NAMESPACES_KEPT = 64
 
 def shared_fingerprint(config: RedisAdapterConfig) -> str:
     """Which Redis a tier is: its nodes (host:port), database and key prefix, never credentials."""
-    nodes = []
-    netloc_db = config.url.split("://", 1)[-1]
-    hosts, _, path = netloc_db.partition("/")
-    for node in hosts.rpartition("@")[2].split(","):  # user:password@ dropped
-        nodes.append(node.lower())
+    rest = config.url.split("://", 1)[-1].rsplit("@", 1)[-1]  # user:password@ dropped first
+    hosts, _, path = rest.partition("/")
+    nodes = [node.lower() for node in hosts.split(",")]
     db = path.split("?", 1)[0] or "0"
     scheme = urlsplit(config.url).scheme
     canonical = f"{scheme}|{','.join(sorted(nodes))}|{db}|{config.key_prefix}"

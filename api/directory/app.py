@@ -22,16 +22,17 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from api.directory.ingest import Subscriptions
 from api.http.deps import token_ok
-from api.http.errors import install_error_handlers
+from api.http.errors import error_body, install_error_handlers
 from api.http.guard import RequestGuard
 from app import __version__
-from app.errors import InvalidInput, NotFound, Unauthorized
+from app.errors import InvalidInput, NotFound, Overloaded, Unauthorized
 from app.settings import HttpSettings
 from fleet.directory import Directory
 from fleet.registry import Registered
@@ -184,6 +185,11 @@ def create_directory_app(ctx: DirectoryContext) -> FastAPI:
     app = FastAPI(title="kvdepot directory", version=__version__, docs_url="/docs")
     app.state.ctx = ctx
     install_error_handlers(app)
+
+    @app.exception_handler(Overloaded)
+    async def _full(_: Request, exc: Overloaded) -> JSONResponse:  # the directory is full: retry later
+        return JSONResponse(error_body(exc.code, exc.message), status_code=503)
+
     app.include_router(router)
     # The body cap before anything is read; tokens are checked per route (scores need none).
     app.add_middleware(RequestGuard, max_body_bytes=ctx.http.max_body_bytes, token_ok=lambda _h: True)

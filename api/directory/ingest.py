@@ -59,6 +59,10 @@ class ResyncFailed(Exception):
     pass
 
 
+class Forgotten(Exception):
+    """The instance was forgotten while its task ran: the task ends."""
+
+
 class Subscription:
     def __init__(self, owner: Subscriptions, instance_id: str) -> None:
         self.owner = owner
@@ -75,7 +79,7 @@ class Subscription:
     def _instance(self) -> Instance:
         inst = self.directory.registry.get(self.id)
         if inst is None:
-            raise asyncio.CancelledError  # forgotten meanwhile
+            raise Forgotten(self.id)
         return inst
 
     async def run(self) -> None:
@@ -83,6 +87,8 @@ class Subscription:
         while True:
             try:
                 await self._run_once()
+            except Forgotten:
+                return
             except Exception as exc:  # any failure: a fresh subscription and listing after a pause
                 self.failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]

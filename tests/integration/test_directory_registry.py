@@ -45,6 +45,7 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
     config.write_text(
         f'[http]\nadmin_token = "{DIR_TOKEN}"\n[directory]\nsidecar_token = "{TOKEN}"\n'
         f'deployment_keys = ["{DEPLOYMENT}"]\ninstance_timeout_s = 2.0\nmatch = true\n'
+        "max_instances = 4\n"
     )
     # the directory is not there yet: the sidecars start and serve all the same, then register
     url = f"http://127.0.0.1:{port}"
@@ -100,6 +101,15 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
             status, body = post(url + "/v1/instances", bad, token=DIR_TOKEN)
             assert status == 422 and body["error"]["code"] == "invalid_input", (bad, body)
         assert post(url + "/v1/instances", b"{not json", token=DIR_TOKEN)[0] == 422
+        # a flood of registrations: the directory is full (503, retry later), not broken
+        for i in range(2):
+            assert post(url + "/v1/instances", {**spec, "id": f"x{i}"}, token=DIR_TOKEN)[0] == 200
+        status, body = post(url + "/v1/instances", {**spec, "id": "x2"}, token=DIR_TOKEN)
+        assert status == 503 and body["error"]["code"] == "overloaded"
+        for i in range(2):
+            assert post(url + f"/v1/instances/x{i}", b"", token=DIR_TOKEN, method="DELETE")[0] == 204
+        assert post(url + "/v1/instances/x0", b"", token=DIR_TOKEN, method="DELETE")[0] == 404
+        assert post(url + "/v1/instances/a", b"", method="DELETE")[0] == 401
         for bad_score in (
             {"model": "test-model", "token_ids": [-1]}, {"model": "test-model", "token_ids": [1 << 32]},
             {"model": "test-model", "token_ids": "abc"}, {"token_ids": [1]}, {"model": "", "token_ids": []},
