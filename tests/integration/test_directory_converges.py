@@ -139,7 +139,7 @@ def fleet(tmp_path: Path, sidecar_factory: StartSidecar) -> Iterator[dict[str, A
     path = tmp_path / "directory.toml"
     path.write_text(
         f"[directory]\nsidecar_token = {toml_str(TOKEN)}\ndeployment_keys = [{toml_str(DEPLOYMENT)}]\n"
-        "catchup_grace_s = 0.5\nreplay_timeout_s = 2.0\n" + config
+        "catchup_grace_s = 0.5\nreplay_timeout_s = 2.0\nprobe_s = 1.0\n" + config
     )
     d = DirectoryProcess(path)
     env = {"ports": ports, "sidecars": scs, "forwarders": fwd, "directory": d, "config": path,
@@ -206,6 +206,18 @@ def test_dropped_batches_restarts_and_a_restarted_directory_all_converge(fleet: 
     assert d.prefixes(p4, "t")["s2"] == 0  # what the old incarnation held is gone
     assert d.metric('kvdepot_directory_resyncs_total{reason="incarnation"}') >= 1
     wait_for(lambda: converged(d, fleet["sidecars"]), 20, "converged after the restart")
+
+    # the last batch of a stream lost, nothing after it: the quiet stream is probed on the replay
+    # socket and the batch comes from there
+    lag1 = sent(s1) - f1.forwarded - f1.dropped
+    f1.dropping.set()
+    p7 = prefix(7, 2)
+    store(s1, p7)
+    wait_for(lambda: sent(s1) == f1.forwarded + f1.dropped + lag1, 20, "s1's last batch dropped")
+    f1.dropping.clear()
+    replayed = d.metric('kvdepot_directory_gaps_repaired_total{by="replay"}')
+    wait_for(lambda: d.prefixes(p7, "t")["s1"] == 32, 20, "p7 through the probe")
+    assert d.metric('kvdepot_directory_gaps_repaired_total{by="replay"}') == replayed + 1
 
     # the directory restarts: everything relearnt from the inventories
     before = {name: i["chunks"] for name, i in d.instances().items()}
