@@ -11,7 +11,8 @@ One JSON object:
   each a chunk of `--chunk-size` tokens as `chunk-size / block-size` block hashes with token ids,
   parent, tenant extra keys; 3 stores to 1 removal) decoded and applied to the populated index.
   Baseline: decoding the same bytes with the full wire structs (what any consumer pays):
-  `ingest_vs_full_decode`.
+  `ingest_vs_full_decode`. `ingest_with_match_events_per_s`: the same with the non-prefix
+  matcher on (token ids decoded, every store fingerprinted into its scope's table).
 - `rebuild_s`: the whole index rebuilt from inventory NDJSON lines (the sidecar's format, pages of
   256 lines per instance) into a fresh directory: the time in the reader only (the lines are
   generated page by page beside it, untimed).
@@ -37,7 +38,8 @@ from api.kvevents.wire import BlockRemoved, BlockStored, KVEventBatch, decode_ba
 from engine.keys import KVLayout, TokenHasher
 from fleet.directory import Directory
 from fleet.hashing import TenantNamer, first_blocks, seed_of
-from fleet.ingest import InventoryReader, apply_batch, batch_decoder
+from fleet.ingest import InventoryReader, apply_batch, batch_decoder, batch_tokens_decoder
+from fleet.match import Matchers
 from fleet.spec import DirectoryConfig, InstanceSpec, NamespaceSpec, TierSpec
 from kvdepot_connector.protocol import encode_tokens
 
@@ -213,6 +215,12 @@ def run(args: argparse.Namespace) -> int:
     for payload in payloads:
         decode_batch(payload)
     full_decode_s = time.perf_counter() - t0
+    matchers = Matchers()  # the same batches with the non-prefix matcher on (directory.match)
+    t0 = time.perf_counter()
+    for payload in payloads:
+        apply_batch(d.registry, inst, batch_tokens_decoder.decode(payload), d.lora, matchers)
+    match_ingest_s = time.perf_counter() - t0
+    learnt = matchers.totals()["learnt"]
     del payloads
 
     # rebuild from inventory lines into a fresh directory
@@ -239,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
         assert done == ("x", 5)
     rebuilt = len(fresh.index)
 
+    stores = args.events - args.events // 4
     ok = got == expected and applied == args.events and rebuilt == per_inst * args.instances
+    ok = ok and learnt == stores
     result = {
         "chunks_indexed": indexed, "instances": args.instances, "request_tokens": args.tokens,
         "chunk_size": args.chunk_size,
@@ -249,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         "ingest_events_per_s": round(applied / ingest_s),
         "full_decode_events_per_s": round(applied / full_decode_s),
         "ingest_vs_full_decode": round(full_decode_s / ingest_s, 3),
+        "ingest_with_match_events_per_s": round(applied / match_ingest_s),
         "rebuild_s": round(rebuild_s, 3), "rebuilt_chunks": rebuilt,
         "rss_mb_per_million_chunks": round(rss_per_m, 1),
         "best": answer.instances[0].id if answer.instances else None, "ok": ok,

@@ -30,6 +30,7 @@ def test_bench_directory_prints_one_sane_object() -> None:
         assert got[name] > 0, name
     assert got["score_p99_ms"] >= got["score_p50_ms"]
     assert got["ingest_events_per_s"] > 0 and got["full_decode_events_per_s"] > 0
+    assert got["ingest_with_match_events_per_s"] > 0
     # i05 put the whole prefix in the shared tier (every instance serves it from there); i03 holds
     # the most of it in its own L1 (10 of 16 chunks): the best score
     assert got["best"] == "i03"
