@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from api.directory.ingest import Subscriptions
 from api.http.deps import token_ok
+from api.http.docs import install_docs
 from api.http.errors import error_body, install_error_handlers
 from api.http.guard import RequestGuard
 from app import __version__
@@ -182,7 +183,8 @@ def _decode_request(body: bytes) -> ScoreRequest:
 
 
 def create_directory_app(ctx: DirectoryContext) -> FastAPI:
-    app = FastAPI(title="kvdepot directory", version=__version__, docs_url="/docs")
+    app = FastAPI(title="kvdepot directory", version=__version__, docs_url=None, redoc_url=None)
+    install_docs(app)  # the sidecar's /docs pages: no request leaves the host
     app.state.ctx = ctx
     install_error_handlers(app)
 

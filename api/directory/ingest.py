@@ -133,7 +133,7 @@ class Subscription:
                 if self.nudged is not None:
                     action, self.nudged = self.nudged, None
                     if action is Action.RESYNC:
-                        await self._resync("incarnation")
+                        await self._resync(inst.tracker.resync_reason or "incarnation")
                     elif action is Action.REPLAY:
                         await self._replay(None, "catchup")
                 elif time.monotonic() - quiet_since >= probe_s:
@@ -243,6 +243,8 @@ class Subscription:
         """Replace the instance's holdings with its inventory."""
         d = self.directory
         inst = self._instance()
+        if self.nudged is Action.RESYNC:
+            self.nudged = None  # this one answers it
         d.count_resync(reason)
         headers = {}
         token = self.owner.config.sidecar_token
