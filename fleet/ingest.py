@@ -251,6 +251,7 @@ def apply_batch(
     holders = inst.holders
     chunks = 0
     cleared = False
+    learning: list[tuple[StoredTokens, int]] = []
     for ev in batch.events:
         kind = type(ev)
         if kind is Stored or kind is Removed or kind is StoredTokens:
@@ -267,7 +268,7 @@ def apply_batch(
                 if ev.lora_name and medium == L1_MEDIUM:
                     lora.learn_raw(ev.lora_name, ev.extra_keys)
                 if matchers is not None and isinstance(ev, StoredTokens) and ev.token_ids and len(heads) == 1:
-                    _learn(matchers, inst, ev, heads[0])
+                    learning.append((ev, heads[0]))
             else:
                 heads = hashes[:: chunk_step(inst, 0, len(hashes))]
                 for h in heads:
@@ -276,22 +277,34 @@ def apply_batch(
         else:
             index.clear(inst.mask())
             cleared = True
+    if learning and matchers is not None:
+        _learn(matchers, inst, learning)
     return chunks, cleared
 
 
-def _learn(matchers: Matchers, inst: Instance, ev: StoredTokens, head: int) -> None:
+def _learn(matchers: Matchers, inst: Instance, stores: list[tuple[StoredTokens, int]]) -> None:
+    """Teach the matcher a batch's stores: (scope, tokens, first block hash) each."""
     spaces = inst.spec.namespaces
     if not spaces:
         return
-    tenant = tenant_of(ev.extra_keys, ev.lora_name)
-    if tenant is None:
+    size = spaces[0].chunk_size
+    matcher = matchers.get(size)
+    if matcher is None:
         return
-    try:
-        tokens = encode_tokens(ev.token_ids)
-    except (OverflowError, TypeError):
-        return
-    if len(ev.token_ids) != spaces[0].chunk_size:
-        return
-    matcher = matchers.get(len(ev.token_ids))
-    if matcher is not None:
-        matcher.learn((spaces[0].model, tenant, ev.lora_name or ""), tokens, head)
+    tenants: dict[tuple[bytes, str | None], str | None] = {}  # a request's chunks share extra keys
+    items = []
+    for ev, head in stores:
+        if len(ev.token_ids) != size:
+            continue
+        key = (bytes(ev.extra_keys), ev.lora_name)
+        if key not in tenants:
+            tenants[key] = tenant_of(ev.extra_keys, ev.lora_name)
+        tenant = tenants[key]
+        if tenant is None:
+            continue
+        try:
+            tokens = encode_tokens(ev.token_ids)
+        except (OverflowError, TypeError):
+            continue
+        items.append(((spaces[0].model, tenant, ev.lora_name or ""), tokens, head))
+    matcher.learn_many(items)

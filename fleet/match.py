@@ -99,22 +99,35 @@ class Matcher:
 
     def learn(self, scope: Scope, tokens: bytes, head: int) -> None:
         """A chunk of `w` tokens (uint32 LE) stored under first block hash `head`."""
-        if len(tokens) != 4 * self.w:
+        self.learn_many([(scope, tokens, head)])
+
+    def learn_many(self, items: list[tuple[Scope, bytes, int]]) -> None:
+        """Several chunks at once (one batch's stores): their fingerprints in one numpy pass."""
+        size = 4 * self.w
+        items = [item for item in items if len(item[1]) == size]
+        if not items:
             return
-        table = self._table(scope, True)
-        assert table is not None
-        fp = self.fingerprint(tokens)
-        full = _full(tokens)
-        slot = fp & (self.slots - 1)
-        if int(table.fp[slot]) == fp and _same(table.full[slot], full):
-            if int(table.head[slot]) != head:
-                self.repeated += 1
-        elif int(table.fp[slot]) == 0:
-            table.used += 1
-        table.fp[slot] = fp
-        table.full[slot] = full
-        table.head[slot] = head
-        self.learnt += 1
+        pw, _ = self._powers(self.w)
+        rows = np.frombuffer(b"".join(t for _, t, _ in items), dtype="<u4").reshape(len(items), self.w)
+        with np.errstate(over="ignore"):
+            sums: U64 = np.sum((rows.astype(np.uint64) + np.uint64(1)) * pw, axis=1, dtype=np.uint64)
+        fps: list[int] = sums.tolist()
+        mask = self.slots - 1
+        for (scope, tokens, head), fp in zip(items, fps, strict=True):
+            table = self._table(scope, True)
+            assert table is not None
+            full = _full(tokens)
+            slot = fp & mask
+            old = int(table.fp[slot])
+            if old == fp and _same(table.full[slot], full):
+                if int(table.head[slot]) != head:
+                    self.repeated += 1
+            elif old == 0:
+                table.used += 1
+            table.fp[slot] = fp
+            table.full[slot] = full
+            table.head[slot] = head
+        self.learnt += len(items)
 
     def find(self, scope: Scope, token_bytes: bytes) -> list[tuple[int, int]]:
         """(offset, head) of every window of the request whose tokens equal a chunk in the scope's
