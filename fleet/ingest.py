@@ -12,9 +12,17 @@ without building them, which is most of a batch's bytes. `apply_batch` walks the
   AllBlocksCleared  every holder of the instance cleared; the caller resyncs from the inventory to
                     relearn the tiers that were not cleared (vLLM's event names no medium).
 
-`InventoryLine` decodes one NDJSON line of `GET /inventory`.
+With the non-prefix matcher on, `BatchTokens` decodes the token ids too, and each batch's stores
+(chunk tokens, first block hash, scope: model, tenant from `extra_keys`, adapter) go to the
+Matchers in one call (fleet/match.py).
+
+`InventoryReader` reads one `GET /inventory` listing (NDJSON lines, a page decoded in one call)
+into a resync of the instance's holders.
 
 State: the LoraBook (adapter name -> recent extra keys, bounded). Event loop only.
+
+Primitives: batch_decoder.decode(payload) -> apply_batch(registry, inst, batch, lora, matchers);
+InventoryReader(registry, inst) -> feed_page(lines)/feed(line) ... -> finish().
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ non-prefix KV, and for operators measuring repeated content), never to serve.
 State: scope -> table (bounded: `max_scopes`, least recently used dropped), powers of B (grown to
 the longest request seen), counters. Event loop only.
 
-Primitives: Matcher(chunk_size, slots, max_scopes) -> learn(scope, tokens, head) ...
+Primitives: Matcher(chunk_size, slots, max_scopes) -> learn(scope, tokens, head) | learn_many(items) ...
             find(scope, token_bytes) -> [(offset, head)].
 """
 

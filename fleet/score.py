@@ -22,7 +22,11 @@ chunk that overlaps a multimodal item (its key carries the item).
 
 State: none of its own (reads the registry and the index). Event loop only.
 
-Primitives: Scorer(registry, namer, lora, config).score(model, token_ids, salt, lora, now) -> Scores.
+`match` answers `/v1/match` with the same eligibility rules (fleet/match.py finds the windows; the
+index says who holds each chunk found, in which tier).
+
+Primitives: Scorer(registry, namer, lora, config, key_id).score(model, token_ids, salt, lora, now)
+-> Scores; .match(model, token_ids, salt, lora, now) -> [InstanceMatches].
 """
 
 from __future__ import annotations
