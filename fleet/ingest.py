@@ -126,18 +126,21 @@ class LoraBook:
         return list(known) if known else []
 
     def learn_raw(self, name: str, raw: msgspec.Raw) -> None:
+        """From a store's `extra_keys` (the adapter's name first, then its extra key as 64 hex
+        digits). A store naming the adapter without an extra key was keyed like the base model
+        (the client gave none): the empty key is learnt for the name then."""
         try:
             entries = _extra_decoder.decode(raw)
         except msgspec.DecodeError:
             return
         for entry in (entries or [])[:1]:
-            if entry and len(entry) >= 2 and entry[0] == name and isinstance(entry[1], str):
-                text = entry[1]
-                if len(text) == 64:
-                    try:
-                        self.learn(name, bytes.fromhex(text))
-                    except ValueError:
-                        return
+            if not entry or entry[0] != name:
+                return
+            text = entry[1] if len(entry) >= 2 else None
+            if isinstance(text, str) and len(text) == 64 and _is_hex(text):
+                self.learn(name, bytes.fromhex(text))
+            else:
+                self.learn(name, b"")
 
 
 class InventoryReader:

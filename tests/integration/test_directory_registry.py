@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.directory_helpers import DirectoryProcess, post
 from tests.integration.l2_helpers import free_port
-from tests.integration.test_directory_converges import DEPLOYMENT, TOKEN, prefix, store
+from tests.integration.test_directory_converges import DEPLOYMENT, LAYOUT, TOKEN, data, prefix, store
 from tests.integration.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,20 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
         store(b, prefix(32, 1) + doc, salt="victim")
         wait_for(lambda: d.metric("kvdepot_directory_repeated_chunks_total") >= 3, 20, "repeated content")
 
+        # a LoRA adapter's chunks, scored by the adapter's name (its extra key learnt from events)
+        adapter_key = bytes(range(32))
+        lora_prompt = prefix(50, 2)
+        c = KVDepotClient(a.url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
+        try:
+            stored = c.store(lora_prompt, data(2), request_id="l", cache_salt="victim",
+                             extra_keys=[adapter_key] * 2, lora_name="sql-adapter")  # fmt: skip
+            assert stored.stored == 2
+        finally:
+            c.close()
+        wait_for(lambda: lora_score(d, lora_prompt, "sql-adapter")["a"] == 32, 20, "the adapter's chunks")
+        assert d.prefixes(lora_prompt, "victim")["a"] == 0  # the base model holds none of them
+        assert lora_score(d, lora_prompt, "other-adapter")["a"] == 0
+
         # registration needs the token; bad bodies are 4xx and the directory keeps serving
         spec = {"id": "x", "url": "http://127.0.0.1:1", "events_endpoint": "tcp://127.0.0.1:1"}
         assert post(url + "/v1/instances", spec)[0] == 401
@@ -146,3 +161,7 @@ def declared_too_large(port: int, length: int) -> bytes:
             f"Content-Length: {length}\r\n\r\n".encode()
         )
         return sock.recv(4096)
+
+
+def lora_score(d: DirectoryProcess, tokens: list[int], adapter: str) -> dict[str, int]:
+    return {i["id"]: i["prefix_tokens"] for i in d.score(tokens, "victim", lora=adapter)["instances"]}
