@@ -1,8 +1,10 @@
 """Sidecars that register themselves (`fleet.directory_url`) with a real directory: the token is
-required, bad bodies are 4xx and leave the directory serving; chunks one sidecar wrote to a shared
-Redis count for the other sidecar attached to it; a tenant's chunks never count for another
-tenant's score; a sidecar killed leaves the scores after `instance_timeout_s`; a directory that is
-down never affects the sidecar's data plane."""
+required, bad bodies are 4xx and leave the directory serving, a flood of registrations is 503;
+chunks one sidecar wrote to a shared Redis count for the other sidecar attached to it; a tenant's
+chunks never count for another tenant's score or match; a document is found at another offset
+(`/v1/match`) and its recomputation counted; a LoRA adapter is scored by name; a sidecar killed
+leaves the scores after `instance_timeout_s`; a directory that is down never affects the
+sidecar's data plane."""
 
 from __future__ import annotations
 

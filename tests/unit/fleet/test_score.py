@@ -188,6 +188,15 @@ def test_lora_is_scored_by_adapter_name_learnt_from_events() -> None:
     assert d.scorer.score(MODEL, toks, None, "other", now).instances[0].prefix_tokens == 0
 
 
+def test_an_adapter_named_without_an_extra_key_scores_like_the_base_model() -> None:
+    d = directory()
+    now = time.monotonic()
+    d.registry.register(spec("a"), now)
+    toks = tokens(6, 2)
+    feed(d, "a", batch_of(stored_events(toks, "", lora="plain-adapter")))  # the client gave no key
+    assert d.scorer.score(MODEL, toks, None, "plain-adapter", now).instances[0].prefix_tokens == 32
+
+
 def test_bad_token_ids_are_invalid_input() -> None:
     d = directory(max_tokens=64)
     d.registry.register(spec("a"), 0.0)
