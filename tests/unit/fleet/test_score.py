@@ -138,6 +138,26 @@ def test_a_shared_tier_counts_for_every_attached_instance_only() -> None:
     assert by["r"].score == pytest.approx(0.25)
 
 
+def test_load_weights_prefer_the_idle_instance_among_equal_prefixes() -> None:
+    toks = tokens(7, 2)
+
+    def scored(**weights: float) -> list[tuple[str, int, float]]:
+        d = directory(**weights)
+        now = time.monotonic()
+        d.registry.register(spec("busy", queue=40), now)
+        d.registry.register(spec("idle", queue=0), now)
+        for name in ("busy", "idle"):
+            feed(d, name, batch_of(stored_events(toks, "")))
+        return [(s.id, s.prefix_tokens, s.score) for s in d.scorer.score(MODEL, toks, None, None, now).instances]
+
+    # no load weight: equal scores, the shorter queue first
+    assert scored() == [("idle", 32, 1.0), ("busy", 32, 1.0)]
+    # with one: the busy instance's score drops by 0.5 * 40 / (40 + 8)
+    (first, _, top), (second, _, low) = scored(load_weight_queue=0.5)
+    assert (first, second) == ("idle", "busy") and top == 1.0
+    assert low == pytest.approx(1.0 - 0.5 * 40 / 48, abs=1e-6)
+
+
 def test_a_timed_out_instance_leaves_the_scores() -> None:
     d = directory(instance_timeout_s=5.0)
     d.registry.register(spec("a"), 100.0)
