@@ -148,7 +148,8 @@ def test_load_weights_prefer_the_idle_instance_among_equal_prefixes() -> None:
         d.registry.register(spec("idle", queue=0), now)
         for name in ("busy", "idle"):
             feed(d, name, batch_of(stored_events(toks, "")))
-        return [(s.id, s.prefix_tokens, s.score) for s in d.scorer.score(MODEL, toks, None, None, now).instances]
+        answer = d.scorer.score(MODEL, toks, None, None, now)
+        return [(s.id, s.prefix_tokens, s.score) for s in answer.instances]
 
     # no load weight: equal scores, the shorter queue first
     assert scored() == [("idle", 32, 1.0), ("busy", 32, 1.0)]
