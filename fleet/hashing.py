@@ -17,17 +17,20 @@ State: a bounded seed cache. Event loop only (or one thread).
 
 Primitives: TenantNamer(deployment_key).tenant(salt, mode) -> str;
             first_blocks(token_bytes, chunk_size, seed, extras, limit) -> list[int];
+            iter_first_blocks(...) the same, lazily;
             seed_of(model, layout_fp, kv_rank, group, tenant) -> bytes.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import blake3
 
-from engine.keys import TokenHasher
+from engine.keys import SEED, TokenHasher
 from fleet.spec import SaltMode
+from kvdepot_connector.protocol import TOKEN_BYTES
 
 SCHEME = b"kvdepot/kv-events/v1"
 _BLOCK0 = struct.pack(">I", 0)
@@ -62,6 +65,18 @@ def seed_of(model: str, layout_fp: bytes, kv_rank: int, group: int, tenant: str)
 
 def block_of(seed: bytes, chunk_hash: bytes, j: int = 0) -> int:
     return int.from_bytes(blake3.blake3(seed + chunk_hash + struct.pack(">I", j)).digest(length=8), "big")
+
+
+def iter_first_blocks(token_bytes: bytes, chunk_size: int, seed: bytes, extra: bytes = b"") -> Iterator[int]:
+    """`first_blocks`, lazily: the chain is hashed only as far as it is read (a score stops at the
+    first chunk nobody holds). The same chain as engine/keys.py's TokenHasher (checked in tests)."""
+    step = chunk_size * TOKEN_BYTES
+    new = blake3.blake3
+    prev = SEED
+    tail = _BLOCK0
+    for start in range(0, len(token_bytes) - step + 1, step):
+        prev = new(prev + token_bytes[start : start + step] + extra).digest()
+        yield int.from_bytes(new(seed + prev + tail).digest(length=8), "big")
 
 
 _hashers: dict[int, TokenHasher] = {}

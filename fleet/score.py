@@ -31,11 +31,11 @@ Primitives: Scorer(registry, namer, lora, config, key_id).score(model, token_ids
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from app.errors import InvalidInput, NotFound
-from fleet.hashing import TenantNamer, first_blocks, seed_of
+from fleet.hashing import TenantNamer, iter_first_blocks, seed_of
 from fleet.ingest import LoraBook
 from fleet.match import Matchers
 from fleet.registry import Instance, InstanceRegistry, Tier
@@ -142,7 +142,7 @@ class Scorer:
                     if runs is None:
                         seed = seed_of(model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
                         runs = keys_cache[ck] = _runs(
-                            index.masks, first_blocks(data, ns.chunk_size, seed, extra)
+                            index.masks, iter_first_blocks(data, ns.chunk_size, seed, extra)
                         )
                     found = _walk(runs, l1, local, shared, ns.chunk_size)
                     if found[0] > best[0]:
@@ -249,7 +249,7 @@ class Scorer:
         return l1, local, shared
 
 
-def _runs(masks: dict[int, int], heads: list[int]) -> list[tuple[int, int]]:
+def _runs(masks: dict[int, int], heads: Iterable[int]) -> list[tuple[int, int]]:
     """The chunks' holder masks, run-length encoded up to the first chunk nobody holds: prefixes
     held are nested, so a 32k-token request is a handful of runs, walked once per instance."""
     out: list[tuple[int, int]] = []

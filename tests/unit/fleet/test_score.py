@@ -15,7 +15,7 @@ from app.errors import InvalidInput
 from engine.events import L1_TIER, Event, Kind
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from fleet.directory import Directory
-from fleet.hashing import TenantNamer, first_blocks, seed_of
+from fleet.hashing import TenantNamer, first_blocks, iter_first_blocks, seed_of
 from fleet.ingest import apply_batch, batch_decoder
 from fleet.spec import DirectoryConfig, InstanceSpec, NamespaceSpec, TierSpec
 
@@ -93,6 +93,9 @@ def test_first_blocks_are_the_sidecars_block_hashes(mode: str) -> None:
     seed = seed_of(MODEL, LAYOUT.fingerprint, 0, 0, tenant)
     data = b"".join(t.to_bytes(4, "little") for t in toks)
     assert first_blocks(data, 16, seed) == [s.block_hashes[0] for s in sidecar if s is not None]
+    assert list(iter_first_blocks(data + b"\1\0\0\0", 16, seed)) == first_blocks(data, 16, seed)
+    extra = bytes(range(32))
+    assert list(iter_first_blocks(data, 16, seed, extra)) == first_blocks(data, 16, seed, extra)
 
 
 def test_score_walks_the_longest_prefix_per_tier_best_first() -> None:
