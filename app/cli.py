@@ -1,5 +1,5 @@
 """The `kvdepot` command: `serve` runs the sidecar, `status` summarizes a running one,
-`bench ...` runs the benchmarks.
+`directory` runs the fleet directory, `bench ...` runs the benchmarks.
 
 Bad settings end the process with status 2 and one line on stderr that names the setting.
 """
@@ -27,6 +27,13 @@ def _serve_parser(sub: Any) -> None:
     sp.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's format) on this ZMQ endpoint")
 
 
+def _directory_parser(sub: Any) -> None:
+    dp = sub.add_parser("directory", help="run the fleet directory (registry, KV-event index, /v1/score)")
+    dp.add_argument("--config", type=Path, help="TOML file with the directory's settings")
+    dp.add_argument("--http-host", help="address to listen on (default 127.0.0.1)")
+    dp.add_argument("--http-port", type=int, help="port (default 8090)")
+
+
 def _bench_parser(sub: Any) -> None:
     bp = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = bp.add_subparsers(dest="bench", required=True)
@@ -51,6 +58,11 @@ def _bench_parser(sub: Any) -> None:
     bench_footprint.add_arguments(
         bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
     )
+    from app.bench import directory as bench_directory
+
+    bench_directory.add_arguments(
+        bsub.add_parser("directory", help="the directory's index: score, ingest, rebuild, memory")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(
@@ -62,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdepot", description="KV-cache sidecar for LLM inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _directory_parser(sub)
     _bench_parser(sub)
     from app import status_cli
 
@@ -100,11 +113,31 @@ def _run_serve(args: argparse.Namespace) -> int:
         return runner.run(main())
 
 
+def _run_directory(args: argparse.Namespace) -> int:
+    from app.directory import DirectoryService, load_directory_settings
+    from app.logs import configure_logging
+
+    settings = load_directory_settings({"host": args.http_host, "port": args.http_port}, args.config)
+    configure_logging(settings.logging)
+
+    async def main() -> int:
+        service = DirectoryService(settings)
+        service.build()
+        return await service.run()
+
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "directory":
+            return _run_directory(args)
         if args.command == "status":
             from app import status_cli
 
