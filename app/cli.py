@@ -1,4 +1,5 @@
-"""The `kvdepot` command: `serve` runs the sidecar, `bench ...` runs the benchmarks.
+"""The `kvdepot` command: `serve` runs the sidecar, `route` the reference router, `bench ...` the
+benchmarks.
 
 Bad settings end the process with status 2 and one line on stderr that names the setting.
 """
@@ -24,6 +25,22 @@ def _serve_parser(sub: Any) -> None:
     sp.add_argument("--data-plane", help="ZMQ URL (default ipc://<data-dir>/dataplane.sock)")
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sp.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's format) on this ZMQ endpoint")
+
+
+def _route_parser(sub: Any) -> None:
+    rp = sub.add_parser(
+        "route", help="cache-aware OpenAI-compatible router in front of engines (asks the directory)"
+    )
+    rp.add_argument("--config", type=Path, help="TOML file: engines, directory_url, timeouts (see README)")
+    rp.add_argument(
+        "--engine", action="append", metavar="URL[=SIDECAR_ID]",
+        help="an engine's URL and the id of its sidecar in the directory; repeat per engine "
+        "(replaces the file's engines)",
+    )  # fmt: skip
+    rp.add_argument("--directory-url", help="the directory's URL (unset: route by load only)")
+    rp.add_argument("--http-host", help="address to listen on (default 127.0.0.1)")
+    rp.add_argument("--http-port", type=int, help="port (default 8100)")
+    rp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
 def _bench_parser(sub: Any) -> None:
@@ -61,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdepot", description="KV-cache sidecar for LLM inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _route_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -96,11 +114,30 @@ def _run_serve(args: argparse.Namespace) -> int:
         return runner.run(main())
 
 
+def _run_route(args: argparse.Namespace) -> int:
+    from app.route import load_router_settings, parse_engine_flag, run_router
+
+    engines = None if not args.engine else [parse_engine_flag(e) for e in args.engine]
+    settings = load_router_settings(
+        args.config,
+        {
+            "engines": engines,
+            "directory_url": args.directory_url,
+            "host": args.http_host,
+            "port": args.http_port,
+            "log_level": args.log_level,
+        },
+    )
+    return run_router(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "route":
+            return _run_route(args)
         from app.bench import run_bench
 
         return run_bench(args)

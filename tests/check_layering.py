@@ -1,4 +1,5 @@
-"""Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; the connector
+"""Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; fleet/ (pure logic of
+the directory and the router) never imports api/; the connector
 imports none of the sidecar, and the sidecar uses only the connector's pure modules (the wire
 protocol and the layout arithmetic); storage/, gpu/ and engine/ own their config types and use
 only app's error vocabulary (never app.settings). Parses every module (function-level imports
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("app", "api", "engine", "storage", "gpu", "kvdepot_connector")
+PACKAGES = ("app", "api", "engine", "storage", "gpu", "fleet", "kvdepot_connector")
 # where a package lives, when not at the root (the connector is a distribution of its own)
 HOMES = {"kvdepot_connector": ROOT / "connector"}
 SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every layer may use of app/
@@ -26,7 +27,7 @@ CONNECTOR_PURE = (
     "kvdepot_connector.protocol", "kvdepot_connector.wire", "kvdepot_connector.kv_sharing",
     "kvdepot_connector.layout", "kvdepot_connector.lifeline",
 )  # fmt: skip
-SIDECAR = ("app", "api", "engine", "storage", "gpu")
+SIDECAR = ("app", "api", "engine", "storage", "gpu", "fleet")
 
 # package -> packages it must never import (prefix match on dotted names)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -34,10 +35,11 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "gpu": ("engine", "api", "storage"),
     "engine": ("api",),
     "api": ("storage", "gpu"),
-    "kvdepot_connector": ("app", "api", "engine", "storage", "gpu"),
+    "kvdepot_connector": ("app", "api", "engine", "storage", "gpu", "fleet"),
+    "fleet": ("api",),
 }
 # modules only the wiring may import
-WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench")
+WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench", "app.route")
 # the benchmarks play the engine: they drive the sidecar through the connector's client
 ENGINE_SIDE = ("app.bench",)
 

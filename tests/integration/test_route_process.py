@@ -1,0 +1,327 @@
+"""`kvdepot route` as a real process in front of fake engines and a fake directory, each a real
+HTTP server in its own process: it routes to the directory's best instance, falls back to the least
+loaded engine (directory down, hung, answering garbage or nothing), retries a killed engine without
+failing the request, relays streams chunk by chunk, bounds an engine that hangs mid-stream, refuses
+hostile input with a clear 4xx and keeps serving, and counts all of it in /metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.route_fakes import fake_tokens
+from tests.integration.route_helpers import Proc, engines_toml, fake_directory, fake_engine, metric, router
+from tests.integration.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+class Fleet:
+    def __init__(self, tmp_path: Path, extra: str = "", engines: int = 2) -> None:
+        self.engines: list[Proc] = []
+        self.directory: Proc | None = None
+        self.router: Proc | None = None
+        try:
+            self.engines = [fake_engine(chr(ord("A") + i)) for i in range(engines)]
+            self.directory = fake_directory()
+            config = f'directory_url = "{self.directory.url}"\nread_timeout_s = 2\n{extra}\n'
+            self.router = router(tmp_path, config + engines_toml(*self.engines))
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    def answer(self, **prefixes: int) -> None:
+        """The directory's next answers: `sc_0=512` says engine 0's sidecar holds 512 tokens."""
+        assert self.directory is not None
+        instances = [
+            {"id": name.replace("_", "-"), "url": "http://sidecar", "prefix_tokens": n,
+             "tiers": {"l1": n}, "score": float(n)}
+            for name, n in sorted(prefixes.items(), key=lambda kv: -kv[1])
+        ]  # fmt: skip
+        httpx.put(self.directory.url + "/_answer", json={"chunk_size": 256, "instances": instances})
+
+    def mode(self, mode: str) -> None:
+        assert self.directory is not None
+        httpx.put(self.directory.url + "/_mode", json={"mode": mode})
+
+    def scored(self) -> list[dict[str, Any]]:
+        assert self.directory is not None
+        got: list[dict[str, Any]] = self.directory.get("/_requests")
+        return got
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def stop(self) -> None:
+        for p in [self.router, self.directory, *self.engines]:
+            if p is not None:
+                p.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("route"))
+    yield f
+    f.stop()
+
+
+def complete(url: str, body: dict[str, Any], path: str = "/v1/completions") -> httpx.Response:
+    # a bound on the whole request: a router that hangs fails the test, never the suite
+    return httpx.post(url + path, json={"model": "base", "max_tokens": 2, **body}, timeout=30)
+
+
+def served_by(resp: httpx.Response) -> str:
+    assert resp.status_code == 200, resp.text
+    engine: str = resp.json()["engine"]
+    assert resp.headers["x-kvdepot-engine"].startswith("http://127.0.0.1:")
+    return engine
+
+
+def test_routes_to_the_instance_the_directory_scores_best(fleet: Fleet) -> None:
+    before = fleet.metrics()
+    for best, expect in (("sc_1", "B"), ("sc_0", "A"), ("sc_1", "B")):
+        fleet.answer(**{best: 512, ("sc_0" if best == "sc_1" else "sc_1"): 256})
+        resp = complete(fleet.url, {"prompt": "hello world", "cache_salt": "tenant-1"})
+        assert served_by(resp) == expect
+        assert resp.headers["x-kvdepot-route"] == "prefix"
+    # the directory was asked with the engine's own tokens, the tenant and the model
+    asked = fleet.scored()[-1]
+    assert asked == {"model": "base", "token_ids": fake_tokens({"prompt": "hello world"}),
+                     "cache_salt": "tenant-1", "lora_name": None}  # fmt: skip
+    after = fleet.metrics()
+    routed = sum(
+        metric(after, "kvdepot_route_routed_total", engine=e.url)
+        - metric(before, "kvdepot_route_routed_total", engine=e.url)
+        for e in fleet.engines
+    )
+    assert routed == 3
+
+
+def test_tokenizes_as_the_engine_does_and_passes_lora_and_salt(fleet: Fleet) -> None:
+    fleet.answer(sc_0=256)
+    ids = [5, 6, 7, 8]
+    tokenized_before = sum(e.get("/_seen")["tokenize"] for e in fleet.engines)
+    assert served_by(complete(fleet.url, {"prompt": ids, "model": "adapter-x"})) == "A"
+    assert fleet.scored()[-1] == {"model": "base", "token_ids": ids, "cache_salt": None,
+                                  "lora_name": "adapter-x"}  # fmt: skip
+    # token ids need no /tokenize
+    assert sum(e.get("/_seen")["tokenize"] for e in fleet.engines) == tokenized_before
+    # a string prompt without special tokens; a chat with its template's fields
+    complete(fleet.url, {"prompt": "abc", "add_special_tokens": False})
+    assert fleet.scored()[-1]["token_ids"] == [97, 98, 99]
+    messages = [{"role": "user", "content": "hi"}]
+    resp = complete(fleet.url, {"messages": messages, "add_generation_prompt": False, "cache_salt": "t2"},
+                    path="/v1/chat/completions")  # fmt: skip
+    assert served_by(resp) == "A"
+    asked = fleet.scored()[-1]
+    assert asked["token_ids"] == fake_tokens({"messages": messages, "add_generation_prompt": False})
+    assert asked["cache_salt"] == "t2"
+    # the request itself reaches the engine unchanged
+    last = fleet.engines[0].get("/_seen")["bodies"][-1]
+    assert last["messages"] == messages and last["cache_salt"] == "t2"
+
+
+def test_no_prefix_goes_to_the_least_loaded_engine(fleet: Fleet) -> None:
+    fleet.answer(sc_0=0, sc_1=0)
+    before = fleet.metrics()
+    # a request held on one engine makes it the busier one
+    with httpx.Client(timeout=30) as client, client.stream(
+        "POST", fleet.url + "/v1/completions",
+        json={"model": "base", "prompt": "x", "stream": True, "fake": {"gate": "nopfx"}},
+    ) as held:  # fmt: skip
+        first = held.headers["x-kvdepot-engine"]
+        busy = next(e for e in fleet.engines if e.url == first)
+        idle = next(e for e in fleet.engines if e.url != first)
+        for _ in range(3):
+            resp = complete(fleet.url, {"prompt": "y"})
+            assert resp.headers["x-kvdepot-engine"] == idle.url
+            assert resp.headers["x-kvdepot-route"] == "no_prefix"
+        httpx.post(busy.url + "/_release/nopfx")
+        assert b"[DONE]" in held.read()
+    after = fleet.metrics()
+    assert metric(after, "kvdepot_route_fallback_total", reason="no_prefix") - metric(
+        before, "kvdepot_route_fallback_total", reason="no_prefix"
+    ) == 4
+
+
+@pytest.mark.parametrize(("mode", "reason"), [
+    ("hang", "directory_timeout"), ("error", "directory_down"), ("garbage", "directory_down"),
+])  # fmt: skip
+def test_a_failing_directory_never_fails_or_hangs_a_request(fleet: Fleet, mode: str, reason: str) -> None:
+    fleet.answer(sc_1=1024)
+    fleet.mode(mode)
+    try:
+        before = fleet.metrics()
+        for _ in range(2):
+            resp = complete(fleet.url, {"prompt": "tell me"})
+            assert resp.status_code == 200
+            assert resp.headers["x-kvdepot-route"] == reason
+        after = fleet.metrics()
+        assert metric(after, "kvdepot_route_fallback_total", reason=reason) - metric(
+            before, "kvdepot_route_fallback_total", reason=reason
+        ) == 2
+    finally:
+        fleet.mode("ok")
+    assert complete(fleet.url, {"prompt": "tell me"}).headers["x-kvdepot-route"] == "prefix"
+
+
+def test_an_unknown_instance_or_an_empty_answer_is_routed_by_load(fleet: Fleet) -> None:
+    fleet.answer(sc_9=4096)
+    assert complete(fleet.url, {"prompt": "p"}).headers["x-kvdepot-route"] == "unknown_instance"
+    fleet.answer()
+    assert complete(fleet.url, {"prompt": "p"}).headers["x-kvdepot-route"] == "no_prefix"
+
+
+def test_stream_chunks_arrive_before_the_engine_finishes(fleet: Fleet) -> None:
+    fleet.answer(sc_1=512)
+    engine = fleet.engines[1]
+    body = {"model": "base", "prompt": "s", "stream": True, "fake": {"gate": "stream1", "chunks": 3}}
+    with httpx.Client(timeout=30) as client, client.stream(
+        "POST", fleet.url + "/v1/completions", json=body
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()
+        first = next(lines)
+        # the first event is here while the engine still holds the rest of the stream
+        assert first.startswith("data: ") and '"tok0"' in first
+        assert engine.get("/_seen")["waiting"] == ["stream1"]
+        httpx.post(engine.url + "/_release/stream1")
+        rest = [line for line in lines if line]
+    assert [r for r in rest if "tok" in r] == [r for r in rest if '"tok1"' in r or '"tok2"' in r]
+    assert rest[-1] == "data: [DONE]"
+
+
+def test_an_engine_hanging_mid_stream_is_cut_off(fleet: Fleet) -> None:
+    fleet.answer(sc_0=512)
+    before = fleet.metrics()
+    body = {"model": "base", "prompt": "h", "stream": True, "fake": {"hang_after": 1, "chunks": 3}}
+    resp = httpx.post(fleet.url + "/v1/completions", json=body, timeout=30)  # read_timeout_s = 2
+    events = [line for line in resp.text.splitlines() if line]
+    assert '"tok0"' in events[0]
+    assert '"engine_failed"' in events[-1] and "[DONE]" not in resp.text
+    after = fleet.metrics()
+    assert metric(after, "kvdepot_route_errors_total", kind="midstream") - metric(
+        before, "kvdepot_route_errors_total", kind="midstream"
+    ) == 1
+    # the engine was marked failed; its health poll brings it back
+    wait_for(lambda: complete(fleet.url, {"prompt": "h"}).headers["x-kvdepot-route"] == "prefix",
+             what="engine healthy again")  # fmt: skip
+
+
+def test_a_5xx_before_any_byte_is_retried_on_another_engine(fleet: Fleet) -> None:
+    fleet.answer(sc_0=512)
+    before = fleet.metrics()
+    # both engines answer 503 to this body: the second answer is relayed as it is
+    resp = complete(fleet.url, {"prompt": "r", "fake": {"status": 503}})
+    assert resp.status_code == 503 and resp.json()["engine"] == "B"
+    after = fleet.metrics()
+    assert metric(after, "kvdepot_route_retries_total") - metric(before, "kvdepot_route_retries_total") == 1
+    # a 4xx is the client's: relayed, not retried
+    resp = complete(fleet.url, {"prompt": "r", "fake": {"status": 400}})
+    assert resp.status_code == 400
+    retries = "kvdepot_route_retries_total"
+    assert metric(fleet.metrics(), retries) == metric(after, retries)
+    wait_for(lambda: complete(fleet.url, {"prompt": "h"}).headers["x-kvdepot-route"] == "prefix",
+             what="engine healthy again")  # fmt: skip
+
+
+def test_hostile_input_gets_a_clear_4xx_and_the_router_goes_on(fleet: Fleet) -> None:
+    url = fleet.url + "/v1/completions"
+    for content in (b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe"):
+        resp = httpx.post(url, content=content, headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "bad_json"
+    big = b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}'
+    resp = httpx.post(url, content=big, timeout=30)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "payload_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * (1024 * 1024)
+
+    resp = httpx.post(url, content=chunked(), timeout=30)
+    assert resp.status_code == 413
+    assert httpx.get(fleet.url + "/v1/nothing").status_code == 404
+    assert httpx.get(fleet.url + "/v1/nothing").json()["error"]["code"] == "not_found"
+    assert httpx.get(url).status_code == 405
+    # shapes the router cannot score are the engine's to judge: routed by load, relayed
+    resp = complete(fleet.url, {"prompt": {"odd": 1}})
+    assert resp.status_code == 200 and resp.headers["x-kvdepot-route"] == "bad_request"
+    assert complete(fleet.url, {"prompt": "still fine"}).status_code == 200
+    assert metric(fleet.metrics(), "kvdepot_route_errors_total", kind="bad_json") >= 4
+
+
+def test_models_health_status_and_metrics(fleet: Fleet) -> None:
+    models = httpx.get(fleet.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["base", "adapter-x"]
+    assert httpx.get(fleet.url + "/health").text == "OK"
+    status = httpx.get(fleet.url + "/status").json()
+    assert [e["url"] for e in status["engines"]] == [e.url for e in fleet.engines]
+    text = fleet.metrics()
+    for name in ("kvdepot_route_upstream_first_byte_seconds_count", "kvdepot_route_in_flight"):
+        assert metric(text, name, engine=fleet.engines[0].url) >= 0
+    assert metric(text, "kvdepot_route_upstream_first_byte_seconds_count", engine=fleet.engines[0].url) > 0
+    for e in fleet.engines:  # every relayed request gave its slot back
+        assert metric(text, "kvdepot_route_in_flight", engine=e.url) == 0
+
+
+def test_a_killed_engine_fails_no_request(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        a, b = fleet.engines
+        fleet.answer(sc_0=2048, sc_1=0)
+        # held by A before their first byte (the stream after its headers went out); A is killed
+        bodies = [
+            {"prompt": "k", "stream": True, "fake": {"gate": "k1", "gate_at": 0, "only": "A"}},
+            {"prompt": "k", "fake": {"gate": "k2", "only": "A"}},
+        ]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(complete, fleet.url, body) for body in bodies]
+            wait_for(lambda: len(a.get("/_seen")["waiting"]) == 2, what="A holds both requests")
+            a.kill()
+            answers = [f.result() for f in futures]
+        for resp in answers:
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvdepot-engine"] == b.url
+        assert "B" in answers[1].json()["engine"]
+        assert '"engine": "B"' in answers[0].text and "[DONE]" in answers[0].text
+        # later requests for A's prefix go to B at once (A is unhealthy, then refuses connections)
+        for _ in range(3):
+            assert served_by(complete(fleet.url, {"prompt": "k"})) == "B"
+        text = fleet.metrics()
+        assert metric(text, "kvdepot_route_retries_total") >= 2
+        assert metric(text, "kvdepot_route_errors_total", kind="engine_broken") >= 1
+        assert metric(text, "kvdepot_route_in_flight", engine=a.url) == 0
+    finally:
+        fleet.stop()
+
+
+def test_bad_settings_are_refused_with_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.route_helpers import REPO
+
+    bad = tmp_path / "bad.toml"
+    for text, name in (
+        ('[[engines]]\nurl = "ftp://x"\n', "engines.0.url"),
+        ("retries = 3\n", "engines"),
+        ('directory_url = "nope"\n[[engines]]\nurl = "http://a:1"\n', "directory_url"),
+        ('colour = 1\n[[engines]]\nurl = "http://a:1"\n', "colour"),
+    ):
+        bad.write_text(text)
+        args = [sys.executable, "-m", "app.cli", "route", "--config", str(bad)]
+        out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 2, out.stderr
+        assert len(out.stderr.splitlines()) == 1 and name in out.stderr, out.stderr
