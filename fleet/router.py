@@ -4,15 +4,16 @@ Role: pure logic. `Engines` holds what the router knows of each engine (requests
 this router, health); `parse_scores` checks the directory's `/v1/score` answer; `Engines.choose`
 turns scores into a decision:
 
-1. the directory's instances, best first, each mapped to its engine by `sidecar_id` (the router's
-   config); the first one that holds a prefix (`prefix_tokens > 0`), is healthy and not excluded is
-   chosen (reason `prefix`), unless it has `max_imbalance` more requests in flight than the least
-   loaded engine (then `imbalance`, below);
+1. the directory's instances, best first, each mapped to its configured engine: by the engine's
+   `sidecar_id` (the instance's `id`), else its `sidecar_url` (the instance's `url`), else its `url`
+   (the instance's `engine_url`, when the sidecar advertises one); the first one that holds a
+   prefix (`prefix_tokens > 0`), is healthy and not excluded is chosen (reason `prefix`), unless
+   it has `max_imbalance` more requests in flight than the least loaded engine (then `imbalance`);
 2. otherwise the least loaded healthy engine (fewest in flight; ties to the one used least
    recently), with the reason a metric counts: `no_prefix`, `unknown_instance` (the directory names
    only sidecars no configured engine has), `imbalance`, or the reason the caller gives
-   (`directory_down`, `directory_timeout`, `no_directory`, `tokenize_failed`, an Unscorable's `why`,
-   `retry`).
+   (`directory_down`, `directory_timeout`, `no_directory`, `no_model`, `tokenize_failed`, an
+   Unscorable's `why`; `retry` for a retry without scores).
 
 Unhealthy engines (a failed request or health poll marks one for `unhealthy_s`) are avoided unless
 every engine is; `exclude` (those already tried for this request) always wins.
@@ -47,6 +48,8 @@ class Score:
     id: str
     prefix_tokens: int
     score: float
+    url: str | None = None
+    engine_url: str | None = None
 
 
 def parse_scores(answer: Any) -> list[Score]:
@@ -66,7 +69,12 @@ def parse_scores(answer: Any) -> list[Score]:
             raise ProtocolError("directory answer: an instance lacks a string `id` or int `prefix_tokens`")
         if not isinstance(score, (int, float)) or isinstance(score, bool):
             raise ProtocolError("directory answer: an instance's `score` is not a number")
-        out.append(Score(ident, prefix, float(score)))
+        url, engine_url = item.get("url"), item.get("engine_url")
+        out.append(Score(
+            ident, prefix, float(score),
+            url.rstrip("/") if isinstance(url, str) else None,
+            engine_url.rstrip("/") if isinstance(engine_url, str) else None,
+        ))  # fmt: skip
     return out
 
 
@@ -77,6 +85,7 @@ class Engine:
     index: int
     url: str
     sidecar_id: str | None
+    sidecar_url: str | None = None
     in_flight: int = 0
     served: int = 0
     unhealthy_until: float = 0.0
@@ -108,15 +117,25 @@ class Engines:
     clock: Callable[[], float] = time.monotonic
     all: list[Engine] = field(init=False)
     _by_sidecar: dict[str, Engine] = field(init=False)
+    _by_sidecar_url: dict[str, Engine] = field(init=False)
+    _by_url: dict[str, Engine] = field(init=False)
     _ticks: itertools.count[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.all = [Engine(i, e.url, e.sidecar_id) for i, e in enumerate(self.entries)]
+        self.all = [Engine(i, e.url, e.sidecar_id, e.sidecar_url) for i, e in enumerate(self.entries)]
         self._by_sidecar = {e.sidecar_id: e for e in self.all if e.sidecar_id is not None}
+        self._by_sidecar_url = {e.sidecar_url: e for e in self.all if e.sidecar_url is not None}
+        self._by_url = {e.url: e for e in self.all}
         self._ticks = itertools.count(1)
 
-    def by_sidecar(self, sidecar_id: str) -> Engine | None:
-        return self._by_sidecar.get(sidecar_id)
+    def engine_of(self, score: Score) -> Engine | None:
+        """The configured engine an instance of the directory's answer stands for, if any."""
+        engine = self._by_sidecar.get(score.id)
+        if engine is None and score.url is not None:
+            engine = self._by_sidecar_url.get(score.url)
+        if engine is None and score.engine_url is not None:
+            engine = self._by_url.get(score.engine_url)
+        return engine
 
     def candidates(self, exclude: Iterable[Engine] = ()) -> list[Engine]:
         """Engines not excluded, the healthy ones if any is, else all of them (a fleet that failed
@@ -147,7 +166,7 @@ class Engines:
         pool = {e.index for e in self.candidates(excluded)}
         named = False
         for score in scores:
-            engine = self._by_sidecar.get(score.id)
+            engine = self.engine_of(score)
             if engine is None:
                 continue
             named = True

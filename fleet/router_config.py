@@ -27,8 +27,10 @@ def _http_url(value: str, name: str) -> str:
 
 
 class EngineEntry(BaseModel):
-    """One engine behind the router: its OpenAI server's URL and the id of the sidecar beside it
-    (the `id` the directory answers with; unset = the directory's answers never name it)."""
+    """One engine behind the router: its OpenAI server's URL and how the directory names the sidecar
+    beside it: its `id` (`sidecar_id`), or its HTTP URL (`sidecar_url`); with neither, an instance
+    is matched to it only when the directory's answer carries the engine's URL (`engine_url`,
+    advertised by the sidecar's `fleet.engine_url`)."""
 
     model_config = _FROZEN
 
@@ -36,11 +38,20 @@ class EngineEntry(BaseModel):
     sidecar_id: str | None = Field(
         None, min_length=1, max_length=256, description="Id of the engine's sidecar in the directory."
     )
+    sidecar_url: str | None = Field(
+        None, min_length=8, max_length=2048,
+        description="The sidecar's HTTP URL as the directory lists it (matched when no id is given).",
+    )  # fmt: skip
 
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
         return _http_url(value, "url")
+
+    @field_validator("sidecar_url")
+    @classmethod
+    def _sidecar_url(cls, value: str | None) -> str | None:
+        return None if value is None else _http_url(value, "sidecar_url")
 
 
 class RouterSettings(BaseModel):

@@ -31,8 +31,8 @@ class RouterMetrics:
         self.fallback = Counter(
             "kvdepot_route_fallback",
             "Requests sent to the least loaded engine instead, by reason (no_prefix, unknown_instance, "
-            "imbalance, directory_down, directory_timeout, no_directory, tokenize_failed, bad_request, "
-            "prompt_embeds, retry).",
+            "imbalance, directory_down, directory_timeout, no_directory, no_model, tokenize_failed, "
+            "bad_request, prompt_embeds).",
             ["reason"], registry=r,
         )  # fmt: skip
         self.errors = Counter(

@@ -99,8 +99,9 @@ class Upstream:
             return tuple(tokens)
         except Exception as exc:
             self.metrics.errors.labels("tokenize").inc()
-            if isinstance(exc, httpx.ConnectError):
-                self.engines.mark_failed(engine, _describe(exc))
+            if isinstance(exc, (httpx.ConnectError, httpx.TimeoutException, TimeoutError)):
+                # an engine's frontend answers /tokenize at once even while it computes: it is down
+                self.engines.mark_failed(engine, f"tokenize: {_describe(exc)}")
             log.warning("tokenize_failed", engine=engine.url, error=_describe(exc))
             return "tokenize_failed"
         finally:

@@ -303,6 +303,12 @@ def test_a_killed_engine_fails_no_request(tmp_path: Path) -> None:
         assert metric(text, "kvdepot_route_retries_total") >= 2
         assert metric(text, "kvdepot_route_errors_total", kind="engine_broken") >= 1
         assert metric(text, "kvdepot_route_in_flight", engine=a.url) == 0
+        # the directory killed too: routed by load, still answered
+        assert fleet.directory is not None
+        fleet.directory.kill()
+        for _ in range(2):
+            resp = complete(fleet.url, {"prompt": "k"})
+            assert served_by(resp) == "B" and resp.headers["x-kvdepot-route"] == "directory_down"
     finally:
         fleet.stop()
 

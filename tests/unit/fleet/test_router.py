@@ -109,7 +109,7 @@ def test_scores_keep_the_directorys_order() -> None:
         {"id": "b", "url": "u", "prefix_tokens": 512, "tiers": {"l1": 512}, "score": 2.0},
         {"id": "a", "url": "u", "prefix_tokens": 256, "tiers": {"l2": 256}, "score": 0.5},
     ]}  # fmt: skip
-    assert parse_scores(answer) == [Score("b", 512, 2.0), Score("a", 256, 0.5)]
+    assert parse_scores(answer) == [Score("b", 512, 2.0, "u"), Score("a", 256, 0.5, "u")]
 
 
 @pytest.mark.parametrize(
@@ -127,3 +127,21 @@ def test_scores_keep_the_directorys_order() -> None:
 def test_settings_refuse_what_cannot_work(values: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         RouterSettings(**values)
+
+
+def test_instances_map_to_engines_by_id_then_sidecar_url_then_engine_url() -> None:
+    entries = [
+        EngineEntry(url="http://e0:8000", sidecar_id="sc0"),
+        EngineEntry(url="http://e1:8000", sidecar_url="http://s1:8080"),
+        EngineEntry(url="http://e2:8000"),
+    ]
+    engines = Engines(entries, unhealthy_s=5.0, max_imbalance=0)
+    answer = {"instances": [
+        {"id": "x", "url": "http://s1:8080/", "prefix_tokens": 256, "score": 3.0},
+        {"id": "y", "url": "http://s9:8080", "engine_url": "http://e2:8000", "prefix_tokens": 256,
+         "score": 2.0},
+        {"id": "sc0", "url": "http://s0:8080", "prefix_tokens": 256, "score": 1.0},
+    ]}  # fmt: skip
+    got = [engines.engine_of(s) for s in parse_scores(answer)]
+    assert [None if e is None else e.index for e in got] == [1, 2, 0]
+    assert engines.engine_of(Score("z", 1, 1.0, "http://nowhere:1", "http://nowhere:2")) is None
