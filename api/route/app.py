@@ -61,16 +61,38 @@ def _state(request: Request) -> RouterState:
 
 
 async def completion(request: Request) -> Response:
+    """Relay one request. A client that goes away before the answer starts cancels the work: the
+    engine's connection is closed (vLLM aborts the request) and its in-flight slot is freed."""
     st = _state(request)
     path = request.url.path
     endpoint = "chat" if path == CHAT else "completions"
-    response = await _completion(st, request, path)
+    raw = await request.body()
+    work = asyncio.create_task(_completion(st, request, path, raw))
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        st.metrics.errors.labels("client_gone").inc()
+        response: Response = error_response(499, "client_closed", "the client went away")
+    else:
+        response = work.result()
     st.metrics.requests.labels(endpoint, f"{response.status_code // 100}xx").inc()
     return response
 
 
-async def _completion(st: RouterState, request: Request, path: str) -> Response:
-    raw = await request.body()
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (its body was read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _completion(st: RouterState, request: Request, path: str, raw: bytes) -> Response:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

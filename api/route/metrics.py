@@ -39,7 +39,8 @@ class RouterMetrics:
             "kvdepot_route_errors",
             "Failures, by kind: engine_connect, engine_timeout, engine_status, engine_broken (before "
             "any byte was sent back: retried), midstream (after: the client's stream is cut), "
-            "no_engine, too_large, bad_json, directory, tokenize.",
+            "no_engine, too_large, bad_json, directory, tokenize, client_gone (the client left before "
+            "the answer started: the engine's request is dropped).",
             ["kind"], registry=r,
         )  # fmt: skip
         self.retries = Counter(

@@ -7,6 +7,7 @@ hostile input with a clear 4xx and keeps serving, and counts all of it in /metri
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,11 @@ class Fleet:
         try:
             self.engines = [fake_engine(chr(ord("A") + i)) for i in range(engines)]
             self.directory = fake_directory()
-            config = f'directory_url = "{self.directory.url}"\nread_timeout_s = 2\n{extra}\n'
+            # deadlines far above what a loaded machine takes, yet short enough for the hang tests
+            config = (
+                f'directory_url = "{self.directory.url}"\ndirectory_timeout_ms = 1000\nread_timeout_s = 2\n'
+                f"{extra}\n"
+            )
             self.router = router(tmp_path, config + engines_toml(*self.engines))
         except BaseException:
             self.stop()
@@ -140,6 +145,7 @@ def test_no_prefix_goes_to_the_least_loaded_engine(fleet: Fleet) -> None:
         json={"model": "base", "prompt": "x", "stream": True, "fake": {"gate": "nopfx"}},
     ) as held:  # fmt: skip
         first = held.headers["x-kvdepot-engine"]
+        assert held.headers["x-kvdepot-route"] == "no_prefix"
         busy = next(e for e in fleet.engines if e.url == first)
         idle = next(e for e in fleet.engines if e.url != first)
         for _ in range(3):
@@ -331,3 +337,23 @@ def test_bad_settings_are_refused_with_one_line(tmp_path: Path) -> None:
         out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
         assert out.returncode == 2, out.stderr
         assert len(out.stderr.splitlines()) == 1 and name in out.stderr, out.stderr
+
+
+def test_a_client_leaving_before_the_answer_frees_the_engine(fleet: Fleet) -> None:
+    import socket
+
+    fleet.answer(sc_1=512)
+    engine = fleet.engines[1]
+    body = json.dumps({"model": "base", "prompt": "bye", "fake": {"gate": "gone1"}}).encode()
+    assert fleet.router is not None
+    with socket.create_connection(("127.0.0.1", fleet.router.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        wait_for(lambda: engine.get("/_seen")["waiting"] == ["gone1"], what="the engine holds the request")
+        in_flight = {e["url"]: e["in_flight"] for e in httpx.get(fleet.url + "/status").json()["engines"]}
+        assert in_flight[engine.url] == 1
+    # the client is gone: the router drops the engine's request and frees its slot
+    wait_for(lambda: {e["url"]: e["in_flight"] for e in httpx.get(fleet.url + "/status").json()["engines"]}
+             [engine.url] == 0, what="the slot freed")  # fmt: skip
+    assert metric(fleet.metrics(), "kvdepot_route_errors_total", kind="client_gone") == 1
+    httpx.post(engine.url + "/_release/gone1")
