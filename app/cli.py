@@ -67,6 +67,11 @@ def _bench_parser(sub: Any) -> None:
     bench_footprint.add_arguments(
         bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
     )
+    from app.bench import route as bench_route
+
+    bench_route.add_arguments(
+        bsub.add_parser("route", help="what `kvdepot route` adds to a request, against the engine directly")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(

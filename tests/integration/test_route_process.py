@@ -357,3 +357,21 @@ def test_a_client_leaving_before_the_answer_frees_the_engine(fleet: Fleet) -> No
              [engine.url] == 0, what="the slot freed")  # fmt: skip
     assert metric(fleet.metrics(), "kvdepot_route_errors_total", kind="client_gone") == 1
     httpx.post(engine.url + "/_release/gone1")
+
+
+def test_the_bench_prints_one_json_object() -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.route_helpers import REPO
+
+    args = [sys.executable, "-m", "app.cli", "bench", "route", "--rounds", "5", "--stream-rounds", "1",
+            "--stream-chunks", "50", "--prompt-tokens", "64"]  # fmt: skip
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    for key in ("direct_p50_ms", "ids_p50_ms", "text_p50_ms", "score_p50_ms", "router_own_p50_ms",
+                "stream_routed_vs_direct"):  # fmt: skip
+        assert isinstance(result[key], float), key
+    assert result["stream_events_per_s_routed"] > 0
