@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 __all__ = ["EngineEntry", "RouterSettings"]
 
@@ -106,6 +106,11 @@ class RouterSettings(BaseModel):
     models_ttl_s: float = Field(
         10.0, gt=0, le=3600, description="How long the engines' /v1/models list (LoRA parents) is kept."
     )
+    engine_api_key: SecretStr | None = Field(
+        None, min_length=1,
+        description="Bearer token of the router's own calls to the engines (/tokenize, /v1/models, "
+        "/health) when they run with vLLM's --api-key; requests relayed carry the client's own header.",
+    )  # fmt: skip
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @field_validator("directory_url")

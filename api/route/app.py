@@ -138,7 +138,7 @@ def _count(st: RouterState, decision: Decision) -> None:
 
 
 async def models(request: Request) -> Response:
-    status, body = await _state(request).upstream.models()
+    status, body = await _state(request).upstream.models(request.headers.get("authorization"))
     if status == 0:
         return error_response(503, "engines_unavailable", "no engine answered /v1/models")
     return Response(body, status_code=status, media_type="application/json")

@@ -59,13 +59,22 @@ class Upstream:
         self._default_model: str | None = None
         self._models_at = -1e18
 
-    async def _post_json(self, url: str, body: dict[str, Any], deadline_s: float, cap: int) -> Any:
+    def _headers(self, to_engine: bool) -> dict[str, str]:
+        """The router's own calls to an engine carry `engine_api_key` (vLLM's `--api-key`)."""
+        key = self.settings.engine_api_key
+        if to_engine and key is not None:
+            return {"authorization": f"Bearer {key.get_secret_value()}"}
+        return {}
+
+    async def _post_json(
+        self, url: str, body: dict[str, Any], deadline_s: float, cap: int, *, to_engine: bool
+    ) -> Any:
         """POST `body`, the parsed JSON answer; any failure (deadline included) raises."""
         async with asyncio.timeout(deadline_s):
+            headers = {"content-type": "application/json", **self._headers(to_engine)}
             req = self.client.build_request(
-                "POST", url, content=orjson.dumps(body), headers={"content-type": "application/json"},
-                timeout=httpx.Timeout(deadline_s),
-            )  # fmt: skip
+                "POST", url, content=orjson.dumps(body), headers=headers, timeout=httpx.Timeout(deadline_s)
+            )
             resp = await self.client.send(req, stream=True)
             try:
                 data = await _read_capped(resp, cap)
@@ -89,7 +98,7 @@ class Upstream:
         try:
             deadline = self.settings.tokenize_timeout_s
             answer = await self._post_json(
-                engine.url + "/tokenize", plan.tokenize_body, deadline, MAX_SMALL_ANSWER
+                engine.url + "/tokenize", plan.tokenize_body, deadline, MAX_SMALL_ANSWER, to_engine=True
             )
             tokens = answer.get("tokens") if isinstance(answer, dict) else None
             if not isinstance(tokens, list) or len(tokens) > MAX_TOKENS or not all(
@@ -117,6 +126,9 @@ class Upstream:
         return lora_split(model, self._parents)
 
     async def _refresh_models(self) -> None:
+        """The engines' model list; when none answers, the old one stays for another TTL (a fleet
+        whose /v1/models fails must not cost every request a round of failing calls)."""
+        self._models_at = time.monotonic()
         for engine in self.engines.candidates():
             status, body = await self._get(engine, "/v1/models", self.settings.tokenize_timeout_s)
             if status != 200:
@@ -128,8 +140,8 @@ class Upstream:
                 continue
             self._parents = parents
             self._default_model = next((m for m, p in parents.items() if p is None), None)
-            self._models_at = time.monotonic()
             return
+        log.warning("models_unknown", error="no engine answered GET /v1/models")
 
     async def score(
         self, model: str | None, tokens: tuple[int, ...], salt: str | None, lora: str | None
@@ -144,8 +156,9 @@ class Upstream:
         body = {"model": model, "token_ids": list(tokens), "cache_salt": salt, "lora_name": lora}
         start = time.perf_counter()
         try:
+            deadline = self.settings.directory_timeout_ms / 1000
             answer = await self._post_json(
-                url + "/v1/score", body, self.settings.directory_timeout_ms / 1000, MAX_SMALL_ANSWER
+                url + "/v1/score", body, deadline, MAX_SMALL_ANSWER, to_engine=False
             )
             return parse_scores(answer)
         except TimeoutError:
@@ -158,14 +171,18 @@ class Upstream:
         finally:
             self.metrics.directory_seconds.observe(time.perf_counter() - start)
 
-    async def _get(self, engine: Engine, path: str, deadline_s: float) -> tuple[int, bytes]:
-        """GET an engine's `path`: (status, body); (0, b"") when it did not answer in time."""
+    async def _get(
+        self, engine: Engine, path: str, deadline_s: float, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """GET an engine's `path` (with the router's own key, or `headers`): (status, body);
+        (0, b"") when it did not answer in time."""
         try:
             async with asyncio.timeout(deadline_s):
-                resp = await self.client.send(
-                    self.client.build_request("GET", engine.url + path, timeout=httpx.Timeout(deadline_s)),
-                    stream=True,
+                req = self.client.build_request(
+                    "GET", engine.url + path, headers=self._headers(True) if headers is None else headers,
+                    timeout=httpx.Timeout(deadline_s),
                 )
+                resp = await self.client.send(req, stream=True)
                 try:
                     return resp.status_code, await _read_capped(resp, MAX_SMALL_ANSWER)
                 finally:
@@ -173,10 +190,12 @@ class Upstream:
         except Exception:
             return 0, b""
 
-    async def models(self) -> tuple[int, bytes]:
-        """GET /v1/models of the first healthy engine that answers it."""
+    async def models(self, authorization: str | None) -> tuple[int, bytes]:
+        """GET /v1/models of the first healthy engine that answers it, for a client: with the
+        client's own Authorization header, never the router's key."""
+        headers = {} if authorization is None else {"authorization": authorization}
         for engine in self.engines.candidates():
-            status, body = await self._get(engine, "/v1/models", self.settings.connect_timeout_s)
+            status, body = await self._get(engine, "/v1/models", self.settings.connect_timeout_s, headers)
             if status != 0:
                 return status, body
         return 0, b""

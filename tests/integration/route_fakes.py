@@ -9,7 +9,7 @@
   plain: wait before answering),
   `hang_after` (stream that many chunks, then hang), `status` (answer that HTTP status), `chunks`;
   `only` (an engine's name: the others ignore `fake`).
-  GET /_seen tells what it received and which gates are waiting.
+  GET /_seen tells what it received and which gates are waiting. `--api-key`: /v1 paths need it.
 - `directory`: answers POST /v1/score with what PUT /_answer set, or per PUT /_mode: `hang`,
   `error` (500), `garbage`; GET /_requests lists the score requests received.
 
@@ -26,6 +26,8 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -46,7 +48,7 @@ def fake_tokens(body: dict[str, Any]) -> list[int]:
     return bos + [ord(c) for c in body["prompt"]]
 
 
-def engine_app(name: str) -> Starlette:
+def engine_app(name: str, api_key: str | None = None) -> Starlette:
     seen: dict[str, Any] = {"requests": 0, "tokenize": 0, "tokenize_bodies": [], "bodies": []}
     gates: dict[str, asyncio.Event] = {}
     waiting: set[str] = set()
@@ -112,7 +114,15 @@ def engine_app(name: str) -> Starlette:
         gates.setdefault(request.path_params["key"], asyncio.Event()).set()
         return PlainTextResponse("released")
 
-    return Starlette(routes=[
+    async def guard(request: Request, call_next: Any) -> Response:
+        # as vLLM's --api-key: every /v1 path needs the bearer token, /tokenize and /health do not
+        wanted = f"Bearer {api_key}"
+        if api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != wanted:
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        response: Response = await call_next(request)
+        return response
+
+    return Starlette(middleware=[Middleware(BaseHTTPMiddleware, dispatch=guard)], routes=[
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/v1/completions", complete, methods=["POST"]),
         Route("/v1/chat/completions", complete, methods=["POST"]),
@@ -161,8 +171,9 @@ def main() -> None:
     parser.add_argument("kind", choices=["engine", "directory"])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="engine")
+    parser.add_argument("--api-key")
     args = parser.parse_args()
-    app = engine_app(args.name) if args.kind == "engine" else directory_app()
+    app = engine_app(args.name, args.api_key) if args.kind == "engine" else directory_app()
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

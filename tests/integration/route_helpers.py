@@ -33,7 +33,11 @@ class Proc:
         )  # fmt: skip
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
-        self._wait(ready_path)
+        try:
+            self._wait(ready_path)
+        except BaseException:
+            self.stop()
+            raise
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
@@ -76,10 +80,10 @@ class Proc:
             self.proc.stdout.close()
 
 
-def fake_engine(name: str) -> Proc:
+def fake_engine(name: str, api_key: str | None = None) -> Proc:
     port = free_port()
-    return Proc(["-m", "tests.integration.route_fakes", "engine", "--port", str(port), "--name", name],
-                port, "/health")  # fmt: skip
+    args = ["-m", "tests.integration.route_fakes", "engine", "--port", str(port), "--name", name]
+    return Proc(args + (["--api-key", api_key] if api_key else []), port, "/health")
 
 
 def fake_directory() -> Proc:

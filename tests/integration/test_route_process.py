@@ -23,12 +23,12 @@ pytestmark = pytest.mark.slow
 
 
 class Fleet:
-    def __init__(self, tmp_path: Path, extra: str = "", engines: int = 2) -> None:
+    def __init__(self, tmp_path: Path, extra: str = "", engines: int = 2, api_key: str | None = None) -> None:
         self.engines: list[Proc] = []
         self.directory: Proc | None = None
         self.router: Proc | None = None
         try:
-            self.engines = [fake_engine(chr(ord("A") + i)) for i in range(engines)]
+            self.engines = [fake_engine(chr(ord("A") + i), api_key) for i in range(engines)]
             self.directory = fake_directory()
             # deadlines far above what a loaded machine takes, yet short enough for the hang tests
             config = (
@@ -375,3 +375,23 @@ def test_the_bench_prints_one_json_object() -> None:
                 "stream_routed_vs_direct"):  # fmt: skip
         assert isinstance(result[key], float), key
     assert result["stream_events_per_s_routed"] > 0
+
+
+def test_engines_behind_an_api_key(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, extra='engine_api_key = "sekrit"', api_key="sekrit")
+    try:
+        fleet.answer(sc_1=256)
+        key = {"Authorization": "Bearer sekrit"}
+        # the client's own header is relayed; the router's key serves only its own calls
+        resp = httpx.post(fleet.url + "/v1/completions", json={"model": "adapter-x", "prompt": "hi"},
+                          headers=key, timeout=30)  # fmt: skip
+        assert resp.status_code == 200 and resp.json()["engine"] == "B"
+        # /v1/models (the router's key) told it adapter-x is a LoRA adapter of `base`
+        assert fleet.scored()[-1]["model"] == "base" and fleet.scored()[-1]["lora_name"] == "adapter-x"
+        resp = httpx.post(fleet.url + "/v1/completions", json={"model": "base", "prompt": "hi"}, timeout=30)
+        assert resp.status_code == 401
+        assert httpx.get(fleet.url + "/v1/models").status_code == 401
+        assert httpx.get(fleet.url + "/v1/models", headers=key).status_code == 200
+        assert httpx.get(fleet.url + "/health").text == "OK"
+    finally:
+        fleet.stop()
