@@ -134,6 +134,10 @@ def test_tokenizes_as_the_engine_does_and_passes_lora_and_salt(fleet: Fleet) -> 
     # the request itself reaches the engine unchanged
     last = fleet.engines[0].get("/_seen")["bodies"][-1]
     assert last["messages"] == messages and last["cache_salt"] == "t2"
+    # a streamed chat is relayed as a stream
+    resp = complete(fleet.url, {"messages": messages, "stream": True}, path="/v1/chat/completions")
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["x-kvdepot-route"] == "prefix" and resp.text.rstrip().endswith("data: [DONE]")
 
 
 def test_no_prefix_goes_to_the_least_loaded_engine(fleet: Fleet) -> None:
