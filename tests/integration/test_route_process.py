@@ -399,3 +399,29 @@ def test_engines_behind_an_api_key(tmp_path: Path) -> None:
         assert httpx.get(fleet.url + "/health").text == "OK"
     finally:
         fleet.stop()
+
+
+def test_a_crowd_of_clients_some_leaving_midway_leaves_no_slot_behind(fleet: Fleet) -> None:
+    import asyncio
+
+    fleet.answer(sc_0=256, sc_1=128)
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "base", "prompt": f"crowd {i}", "stream": i % 2 == 0, "fake": {"chunks": 20}}
+        if i % 3 == 0:  # leaves after the first bytes of the answer
+            async with client.stream("POST", fleet.url + "/v1/completions", json=body) as resp:
+                async for _ in resp.aiter_bytes():
+                    return "left"
+        resp = await client.post(fleet.url + "/v1/completions", json=body)
+        return "ok" if resp.status_code == 200 and "tok" in resp.text else f"bad {resp.status_code}"
+
+    async def crowd() -> list[str]:
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(120)))
+
+    results = asyncio.run(crowd())
+    assert results.count("ok") == 80 and results.count("left") == 40
+    wait_for(lambda: all(e["in_flight"] == 0 for e in httpx.get(fleet.url + "/status").json()["engines"]),
+             what="every slot given back")  # fmt: skip
+    assert complete(fleet.url, {"prompt": "after the crowd"}).status_code == 200
