@@ -5,8 +5,8 @@ Sources, highest precedence first: flags (`--engine URL[=SIDECAR_ID]` repeated, 
 fleet/router_config.RouterSettings at its top level, engines as `[[engines]]` tables), then the
 defaults. Bad settings and a port in use raise ConfigError with one line naming the setting.
 
-State: none past start-up; the app owns its state. uvicorn handles SIGTERM/SIGINT (stop accepting,
-finish the requests in flight for a few seconds, then stop).
+State: none past start-up; the app owns its state. SIGTERM/SIGINT: stop accepting, finish the
+requests in flight (5 s at most), stop the background task, exit 0.
 
 Primitives in call order: load_router_settings(config_file, overrides) -> RouterSettings;
 run_router(settings) -> exit status.
@@ -14,9 +14,13 @@ run_router(settings) -> exit status.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
+import signal
 import socket
 import tomllib
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from app.errors import ConfigError
 from app.logs import configure_logging
 from app.settings import LoggingSettings
 from app.settings_load import describe_validation_error
+from app.supervisor import Supervisor
 from fleet.router_config import RouterSettings
 
 __all__ = ["load_router_settings", "parse_engine_flag", "run_router"]
@@ -76,14 +81,37 @@ def run_router(settings: RouterSettings) -> int:
     configure_logging(LoggingSettings(level=settings.log_level))
     sock = _bind(settings.host, settings.port)
     config = uvicorn.Config(
-        create_router_app(settings), log_config=None, access_log=False, lifespan="on",
+        create_router_app(settings, Supervisor()), log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=5,
     )  # fmt: skip
-    server = uvicorn.Server(config)
+    server = _Server(config)
     host, port = sock.getsockname()[:2]
     log.info(
         "route_listening", host=host, port=port, engines=[e.url for e in settings.engines],
         directory=settings.directory_url,
     )  # fmt: skip
-    server.run(sockets=[sock])
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_exit)
+        await server.serve(sockets=[sock])
+
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve())
+    log.info("route_stopped")
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling (it re-raises the signal at exit): SIGTERM and
+    SIGINT stop accepting, let the requests in flight finish (5 s at most), and exit 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    def request_exit(self) -> None:
+        self.should_exit = True

@@ -4,24 +4,26 @@
 not an object), plan the scoring (fleet/tokenize.py), get the tokens (the request's, or an engine's
 /tokenize), ask the directory (fleet/router.py decides), relay (api/route/proxy.py).
 `GET /v1/models` (the first healthy engine's), `GET /health` (`OK` while an engine is healthy, 503
-when none is), `GET /status` (the engines as the router sees them), `GET /metrics`. Any other path
-is a 404, another method a 405, a body over `max_body_bytes` a 413 (api/http/guard.RequestGuard),
-all as `{"error": {"code", "message"}}`.
+when none is or when a background task died), `GET /status` (the engines as the router sees
+them), `GET /metrics`. Any other path is a 404, another method a 405, a body over
+`max_body_bytes` a 413 (api/http/guard.RequestGuard), all as `{"error": {"code", "message"}}`.
 
-State: `RouterState` (settings, engines, the httpx client, metrics, the health-poll task), built
-by create_router_app and opened/closed by the app's lifespan. Everything runs on one event loop.
+State: `RouterState` (settings, engines, the httpx client, metrics, the supervisor of its
+background task), built by create_router_app and opened/closed by the app's lifespan. Everything
+runs on one event loop.
 
-Primitives in call order: create_router_app(settings) -> Starlette; lifespan: the client opens and
-the health poll starts; per request: completion(request); on shutdown: poll cancelled, client
-closed.
+Primitives in call order: create_router_app(settings, supervisor) -> Starlette; lifespan: the
+health poll starts under the supervisor; per request: completion(request); on shutdown: the poll
+cancelled, the client closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -41,9 +43,21 @@ from fleet.router import Decision, Engines, Score
 from fleet.router_config import RouterSettings
 from fleet.tokenize import CHAT, COMPLETIONS, Unscorable, plan_request
 
-__all__ = ["RouterState", "create_router_app"]
+__all__ = ["BackgroundTasks", "RouterState", "create_router_app"]
 
 log = structlog.get_logger("kvdepot.route")
+
+
+class BackgroundTasks(Protocol):
+    """What the router needs of app.supervisor.Supervisor."""
+
+    def start(
+        self, name: str, coro: Coroutine[Any, Any, Any], *, drain: bool = True
+    ) -> asyncio.Task[Any]: ...
+
+    def failures(self) -> dict[str, str]: ...
+
+    async def stop(self, drain_s: float) -> None: ...
 
 @dataclass
 class RouterState:
@@ -53,6 +67,7 @@ class RouterState:
     client: httpx.AsyncClient
     upstream: Upstream
     proxy: Proxy
+    tasks: BackgroundTasks
 
 
 def _state(request: Request) -> RouterState:
@@ -146,6 +161,9 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     st = _state(request)
+    dead = st.tasks.failures()
+    if dead:
+        return PlainTextResponse(f"background task died: {dead}"[:500], status_code=503)
     now = st.engines.clock()
     if any(e.healthy(now) for e in st.engines.all):
         return PlainTextResponse("OK")
@@ -176,7 +194,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, code, str(exc.detail))
 
 
-def create_router_app(settings: RouterSettings) -> Starlette:
+def create_router_app(settings: RouterSettings, tasks: BackgroundTasks) -> Starlette:
     """The router's app; its client and health poll live as long as the app's lifespan."""
     engines = Engines(settings.engines, settings.unhealthy_s, settings.max_imbalance)
     metrics_ = RouterMetrics([e.url for e in settings.engines])
@@ -186,19 +204,16 @@ def create_router_app(settings: RouterSettings) -> Starlette:
     )
     state = RouterState(
         settings, engines, metrics_, client,
-        Upstream(settings, client, engines, metrics_), Proxy(settings, client, engines, metrics_),
+        Upstream(settings, client, engines, metrics_), Proxy(settings, client, engines, metrics_), tasks,
     )  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        poll = asyncio.create_task(state.upstream.run_health_poll(), name="route-health-poll")
-        poll.add_done_callback(_report_crash)
+        tasks.start("route-health-poll", state.upstream.run_health_poll(), drain=False)
         try:
             yield
         finally:
-            poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poll
+            await tasks.stop(1.0)
             await client.aclose()
 
     app = Starlette(
@@ -219,7 +234,3 @@ def create_router_app(settings: RouterSettings) -> Starlette:
     app.state.router = state
     return app
 
-
-def _report_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("route_health_poll_died", error=repr(task.exception()))

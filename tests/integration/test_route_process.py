@@ -425,3 +425,22 @@ def test_a_crowd_of_clients_some_leaving_midway_leaves_no_slot_behind(fleet: Fle
     wait_for(lambda: all(e["in_flight"] == 0 for e in httpx.get(fleet.url + "/status").json()["engines"]),
              what="every slot given back")  # fmt: skip
     assert complete(fleet.url, {"prompt": "after the crowd"}).status_code == 200
+
+
+def test_health_follows_the_engines_and_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    import signal
+
+    engine = fake_engine("solo")
+    route = router(tmp_path, f'health_interval_s = 0.2\n[[engines]]\nurl = "{engine.url}"\n')
+    try:
+        assert httpx.get(route.url + "/health").text == "OK"
+        assert complete(route.url, {"prompt": "x"}).headers["x-kvdepot-route"] == "no_directory"
+        engine.kill()
+        wait_for(lambda: httpx.get(route.url + "/health").status_code == 503, what="no healthy engine")
+        resp = complete(route.url, {"prompt": "x"})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engines_unavailable"
+        route.proc.send_signal(signal.SIGTERM)
+        assert route.proc.wait(15) == 0
+    finally:
+        route.stop()
+        engine.stop()
