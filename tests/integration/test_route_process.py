@@ -341,6 +341,18 @@ def test_bad_settings_are_refused_with_one_line(tmp_path: Path) -> None:
         out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
         assert out.returncode == 2, out.stderr
         assert len(out.stderr.splitlines()) == 1 and name in out.stderr, out.stderr
+    # a port already taken
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        args = [sys.executable, "-m", "app.cli", "route", "--engine", "http://127.0.0.1:1"]
+        out = subprocess.run([*args, "--http-port", port], cwd=REPO, capture_output=True, text=True,
+                             timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [f"kvdepot: port: 127.0.0.1:{port} is already in use"]
 
 
 def test_a_client_leaving_before_the_answer_frees_the_engine(fleet: Fleet) -> None:
