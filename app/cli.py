@@ -1,5 +1,5 @@
-"""The `kvdepot` command: `serve` runs the sidecar, `route` the reference router, `bench ...` the
-benchmarks.
+"""The `kvdepot` command: `serve` runs the sidecar, `status` summarizes a running one, `route`
+runs the reference router, `bench ...` runs the benchmarks.
 
 Bad settings end the process with status 2 and one line on stderr that names the setting.
 """
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _route_parser(sub)
     _bench_parser(sub)
+    from app import status_cli
+
+    status_cli.add_arguments(sub.add_parser("status", help="a terminal summary of a running sidecar"))
     return parser
 
 
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_serve(args)
         if args.command == "route":
             return _run_route(args)
+        if args.command == "status":
+            from app import status_cli
+
+            return status_cli.run(args)
         from app.bench import run_bench
 
         return run_bench(args)
