@@ -12,6 +12,8 @@ that changes the tokens, or takes the token ids a completion request already car
 - chat: `messages` with the chat-template fields (`add_generation_prompt`, `continue_final_message`,
   `add_special_tokens` (default false), `chat_template`, `chat_template_kwargs`, `tools`,
   `mm_processor_kwargs`, `media_io_kwargs`), as vLLM's `TokenizeChatRequest` takes them.
+- a prompt of more than MAX_SCORED_TOKENS token ids is not scored (`too_long`), nor checked id by
+  id: the engine judges it.
 
 State: none. Any thread.
 
@@ -35,6 +37,9 @@ CHAT_TOKEN_FIELDS = (
     "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs",
 )  # fmt: skip
 MAX_TOKEN_ID = 2**63 - 1
+# Longer prompts are not scored (the directory's own default limit): checking each id costs the
+# loop time, and no engine serves such a prompt.
+MAX_SCORED_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +65,7 @@ class Unscorable:
 def _is_token_list(value: Any) -> bool:
     return (
         isinstance(value, list)
-        and len(value) > 0
+        and 0 < len(value) <= MAX_SCORED_TOKENS
         and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value)
     )
 
@@ -97,6 +102,8 @@ def _plan_completion(
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and (isinstance(prompt[0], (str, list))):
         prompt = prompt[0]  # a batch: scored (and routed) by its first prompt
+    if isinstance(prompt, list) and len(prompt) > MAX_SCORED_TOKENS:
+        return Unscorable("too_long", stream)
     if isinstance(prompt, list) and _is_token_list(prompt):
         return RequestPlan(model, salt, stream, token_ids=tuple(prompt))
     if isinstance(prompt, str) and prompt:

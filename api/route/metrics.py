@@ -32,7 +32,7 @@ class RouterMetrics:
             "kvdepot_route_fallback",
             "Requests sent to the least loaded engine instead, by reason (no_prefix, unknown_instance, "
             "imbalance, directory_down, directory_timeout, no_directory, no_model, tokenize_failed, "
-            "bad_request, prompt_embeds).",
+            "bad_request, prompt_embeds, too_long, unsupported_path).",
             ["reason"], registry=r,
         )  # fmt: skip
         self.errors = Counter(

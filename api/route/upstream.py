@@ -26,13 +26,12 @@ from api.route.metrics import RouterMetrics
 from app.errors import ProtocolError
 from fleet.router import Engine, Engines, Score, parse_scores
 from fleet.router_config import RouterSettings
-from fleet.tokenize import RequestPlan, lora_split
+from fleet.tokenize import MAX_SCORED_TOKENS, RequestPlan, lora_split
 
 __all__ = ["Upstream"]
 
 log = structlog.get_logger("kvdepot.route")
 
-MAX_TOKENS = 1 << 22  # a /tokenize answer longer than this is refused (no engine serves such a prompt)
 MAX_SMALL_ANSWER = 16 * 1024 * 1024  # /v1/score, /v1/models
 
 
@@ -101,9 +100,9 @@ class Upstream:
                 engine.url + "/tokenize", plan.tokenize_body, deadline, MAX_SMALL_ANSWER, to_engine=True
             )
             tokens = answer.get("tokens") if isinstance(answer, dict) else None
-            if not isinstance(tokens, list) or len(tokens) > MAX_TOKENS or not all(
-                type(t) is int for t in tokens
-            ):
+            if isinstance(tokens, list) and len(tokens) > MAX_SCORED_TOKENS:
+                return "too_long"
+            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                 raise ProtocolError("/tokenize answer has no list of int `tokens`")
             return tuple(tokens)
         except Exception as exc:

@@ -268,6 +268,9 @@ def test_hostile_input_gets_a_clear_4xx_and_the_router_goes_on(fleet: Fleet) -> 
     # shapes the router cannot score are the engine's to judge: routed by load, relayed
     resp = complete(fleet.url, {"prompt": {"odd": 1}})
     assert resp.status_code == 200 and resp.headers["x-kvdepot-route"] == "bad_request"
+    # more token ids than any engine takes: not checked id by id, not scored
+    resp = complete(fleet.url, {"prompt": [7] * ((1 << 20) + 1)})
+    assert resp.status_code == 200 and resp.headers["x-kvdepot-route"] == "too_long"
     assert complete(fleet.url, {"prompt": "still fine"}).status_code == 200
     assert metric(fleet.metrics(), "kvdepot_route_errors_total", kind="bad_json") >= 4
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from fleet.tokenize import CHAT, COMPLETIONS, RequestPlan, Unscorable, lora_split, plan_request
+from fleet.tokenize import (
+    CHAT,
+    COMPLETIONS,
+    MAX_SCORED_TOKENS,
+    RequestPlan,
+    Unscorable,
+    lora_split,
+    plan_request,
+)
 
 
 def test_token_ids_are_used_as_they_are() -> None:
@@ -43,6 +51,7 @@ def test_what_cannot_be_scored_says_why() -> None:
         (COMPLETIONS, {"prompt": {"a": 1}}, "bad_request"),
         (CHAT, {"messages": "hi"}, "bad_request"),
         ("/v1/embeddings", {"input": "x"}, "unsupported_path"),
+        (COMPLETIONS, {"prompt": [1] * (MAX_SCORED_TOKENS + 1)}, "too_long"),
     ):
         plan = plan_request(path, body)
         assert isinstance(plan, Unscorable) and plan.why == why
