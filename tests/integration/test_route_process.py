@@ -459,3 +459,22 @@ def test_health_follows_the_engines_and_sigterm_stops_cleanly(tmp_path: Path) ->
     finally:
         route.stop()
         engine.stop()
+
+
+def test_an_engine_that_never_answers_is_left_after_read_timeout(fleet: Fleet) -> None:
+    fleet.answer(sc_0=512)
+    a, b = fleet.engines
+    before = fleet.metrics()
+    plain = {"prompt": "mute", "fake": {"gate": "never1", "only": "A"}}
+    headers_only = {"prompt": "mute", "stream": True, "fake": {"gate": "never2", "gate_at": 0, "only": "A"}}
+    for body in (plain, headers_only):
+        wait_for(lambda: complete(fleet.url, {"prompt": "h"}).headers["x-kvdepot-engine"] == a.url,
+                 what="A healthy, chosen again")  # fmt: skip
+        resp = complete(fleet.url, body)  # A holds it past read_timeout_s (2 s): B answers
+        assert resp.status_code == 200 and resp.headers["x-kvdepot-engine"] == b.url
+        assert '"B"' in resp.text
+    after = fleet.metrics()
+    errors = "kvdepot_route_errors_total"
+    assert metric(after, errors, kind="engine_timeout") - metric(before, errors, kind="engine_timeout") == 2
+    for gate in ("never1", "never2"):
+        httpx.post(a.url + f"/_release/{gate}")
