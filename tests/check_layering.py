@@ -1,4 +1,5 @@
-"""Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; the connector
+"""Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; fleet/ (pure logic of
+the directory and the router) never imports api/; the connector
 imports none of the sidecar, and the sidecar uses only the connector's pure modules (the wire
 protocol and the layout arithmetic); storage/, gpu/ and engine/ own their config types and use
 only app's error vocabulary (never app.settings). Parses every module (function-level imports
@@ -40,7 +41,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "engine": ("api", "fleet"),
 }
 # modules only the wiring may import
-WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench", "app.directory")
+WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench", "app.directory", "app.route")
 # the benchmarks play the engine: they drive the sidecar through the connector's client
 ENGINE_SIDE = ("app.bench",)
 

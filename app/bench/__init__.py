@@ -35,4 +35,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.directory import run as run_directory
 
         return run_directory(args)
+    if args.bench == "route":
+        from app.bench.route import run as run_route
+
+        return run_route(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
