@@ -24,6 +24,7 @@ from app.bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
 from kvdepot_connector.client import KVDepotClient
 from storage.redis_fleet import META
+from tests.integration import cluster_nodes
 from tests.integration.conftest import StartSidecar
 from tests.integration.l2_helpers import PrivateRedis, blob_files
 from tests.integration.tenant_traffic import http
@@ -42,6 +43,8 @@ def prefix() -> Iterator[str]:
     with redis.Redis.from_url(REDIS_URL) as r:
         for key in r.scan_iter(match=value + "*"):
             r.unlink(key)
+    if cluster_nodes.answers():
+        cluster_nodes.delete_prefix(value)
 
 
 def call(sc: SidecarProcess, method: str, path: str, token: bool = True) -> tuple[int, Any]:
@@ -187,10 +190,29 @@ def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
         ev.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
 def test_a_purge_on_another_sidecar_finds_in_redis_what_the_first_wrote(
-    sidecar_factory: StartSidecar, prefix: str
+    sidecar_factory: StartSidecar, prefix: str, kind: str, request: pytest.FixtureRequest
 ) -> None:
-    adapters = json.dumps([{"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": prefix}])
+    url = REDIS_URL if kind == "redis" else request.getfixturevalue("redis_cluster")
+
+    def redis_blobs(prefix: str) -> dict[str, dict[str, str]]:  # every node's own keys
+        out: dict[str, dict[str, str]] = {}
+        nodes = [redis.Redis.from_url(REDIS_URL)] if kind == "redis" else [
+            cluster_nodes.client(port) for port in cluster_nodes.PORTS
+        ]  # fmt: skip
+        for r in nodes:
+            with r:
+                for raw in r.scan_iter(match=prefix + "*"):
+                    key = raw.decode()[len(prefix) :]
+                    if not key.startswith(META):
+                        value = r.get(raw)
+                        assert value is not None
+                        digest = hashlib.sha256(value).hexdigest()
+                        out.setdefault(ObjectKey.parse(key).salt, {})[key] = digest
+        return out
+
+    adapters = json.dumps([{"type": "redis", "name": "shared", "url": url, "key_prefix": prefix}])
     first = sidecar_factory(env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
     c = KVDepotClient(first.url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
     for tag, salt in enumerate(("p", "q")):
