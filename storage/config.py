@@ -145,12 +145,13 @@ class RedisAdapterConfig(BaseModel):
         description="Tenant usage and l2_bytes quotas: 'fleet' keeps them in this Redis (one figure "
         "and one limit for every sidecar sharing it, storage/redis_fleet.py); 'local' per sidecar.",
     )
-    fleet_grace_s: float = Field(
-        10.0,
+    fleet_grace_s: float | None = Field(
+        None,
         gt=0,
         le=3600,
-        description="Fleet scope: a reservation younger than this is never evicted nor released by "
-        "reconcile (a write may still be in flight). Must exceed timeout_s.",
+        description="Fleet scope: a pending reservation younger than this is never evicted nor "
+        "released by reconcile (its write may still be in flight). Must exceed timeout_s; None: "
+        "max(10, 2 x timeout_s).",
     )
     reconcile_interval_s: float | None = Field(
         300.0,
@@ -166,9 +167,16 @@ class RedisAdapterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_grace(self) -> RedisAdapterConfig:
-        if self.scope == "fleet" and self.fleet_grace_s <= self.timeout_s:
+        if self.fleet_grace_s is not None and self.fleet_grace_s <= self.timeout_s:
             raise ValueError("fleet_grace_s must exceed timeout_s (a write may last that long)")
         return self
+
+    @property
+    def grace_s(self) -> float:
+        """fleet_grace_s, or when unset max(10, 2 x timeout_s)."""
+        if self.fleet_grace_s is not None:
+            return self.fleet_grace_s
+        return max(10.0, 2 * self.timeout_s)
 
     @model_validator(mode="after")
     def _check_cluster(self) -> RedisAdapterConfig:

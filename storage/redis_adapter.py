@@ -119,7 +119,7 @@ class RedisAdapter(AdapterCore[None]):
         self.fleet: FleetLedger | None = None
         if config.scope == "fleet":
             self.fleet = FleetLedger(
-                self.router, config.key_prefix, config.fleet_grace_s, on_down=self._fleet_down
+                self.router, config.key_prefix, config.grace_s, on_down=self._fleet_down
             )
 
     @property

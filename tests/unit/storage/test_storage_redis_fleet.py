@@ -42,5 +42,7 @@ def test_glob_escape() -> None:
 def test_fleet_grace_must_exceed_the_timeout() -> None:
     with pytest.raises(ValidationError, match="fleet_grace_s"):
         RedisAdapterConfig(timeout_s=5, fleet_grace_s=5)
-    assert RedisAdapterConfig(timeout_s=5, fleet_grace_s=5, scope="local").scope == "local"
     assert RedisAdapterConfig().scope == "fleet"
+    assert RedisAdapterConfig().grace_s == 10
+    assert RedisAdapterConfig(timeout_s=30).grace_s == 60  # unset: follows the timeout
+    assert RedisAdapterConfig(timeout_s=1, fleet_grace_s=2).grace_s == 2
