@@ -37,7 +37,8 @@ adopted, `used` is set to the sum of sizes.
 State: the router and prefix (shared with the adapter), grace_s. No local state: every figure is
 read from Redis. Event loop only.
 
-Primitives in call order: reserve(salt, key, size, fallback_limit), commit(salt, keys),
+Primitives in call order: reserve(salt, key, size, fallback_limit) / reserve_many(items),
+commit(salt, keys),
 forget(salt, key, score),
 oldest(salt, nbytes), usage(salt), set_quota(salt, l2_bytes) / drop_quota(salt) / quota(salt),
 scan(keys_per_s), reconcile(keys_per_s).
@@ -223,6 +224,31 @@ class FleetLedger:
         fallback = -1 if fallback_limit is None else fallback_limit
         ok, used, limit = await self._script(salt, _RESERVE, key, size, fallback)
         return Reservation(bool(ok), int(used), None if int(limit) < 0 else int(limit))
+
+    async def reserve_many(
+        self, items: list[tuple[str, str, int, int | None]]
+    ) -> list[Reservation | None]:
+        """`reserve` of each (salt, key, size, fallback_limit), one pipeline per node, in order;
+        None where that node failed (BackendError when all did)."""
+        keys = [self.meta(salt) for salt, _, _, _ in items]
+
+        def command(pipe: Pipeline, i: int) -> object:
+            _, key, size, fallback = items[i]
+            return pipe.eval(_RESERVE, 5, *keys[i], key, size, -1 if fallback is None else fallback)
+
+        replies = await self.router.pipeline([k[0] for k in keys], command)
+        out: list[Reservation | None] = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                if isinstance(reply, BackendError) and self._on_down is not None:
+                    self._on_down(str(reply))
+                out.append(None)
+                continue
+            ok, used, limit = reply
+            out.append(Reservation(bool(ok), int(used), None if int(limit) < 0 else int(limit)))
+        if items and all(r is None for r in out):
+            raise BackendError("redis fleet ledger: no node answered")
+        return out
 
     async def commit(self, salt: str, keys: list[str]) -> None:
         """The writes of `keys` returned: their reservations are no longer in flight."""

@@ -64,7 +64,7 @@ from engine.results import Registration
 from storage import codec
 from storage.auth import BlobKeys
 from storage.base import OpResult
-from storage.redis_fleet import FleetLedger
+from storage.redis_fleet import FleetLedger, Reservation
 
 log = structlog.get_logger("kvdepot.l2.store")
 
@@ -181,7 +181,27 @@ class StoreController:
         self.counters.skipped_quota += 1
         return True
 
-    async def _admit(self, tier: Tier, salt: str, size: int, key: str) -> bool:
+    async def _reserve_batch(
+        self, tier: Tier, blobs: list[codec.EncodedBlob], salts: list[str]
+    ) -> list[Reservation | None]:
+        """Fleet scope: every blob's first reservation, in one pipeline per node (in order, so the
+        first chunks of a chain win); None for each blob otherwise, or where the ledger failed."""
+        fleet = getattr(tier.adapter, "fleet", None)
+        if not isinstance(fleet, FleetLedger):
+            return [None] * len(blobs)
+        ledger = self.tiers.ledger
+        items = [
+            (salt, blob.key, blob.nbytes, None if ledger is None else ledger.limit(salt, tier.name))
+            for salt, blob in zip(salts, blobs, strict=True)
+        ]
+        try:
+            return await fleet.reserve_many(items)
+        except BackendError:
+            return [None] * len(blobs)  # each is tried alone, and fails alone
+
+    async def _admit(
+        self, tier: Tier, salt: str, size: int, key: str, first: Reservation | None = None
+    ) -> bool:
         """Whether a blob of `salt` and `size` bytes may be written to `tier` (module docstring).
         True: its bytes count as being written until `_written(tier, salt, size)`."""
         slot = (salt, tier.name)
@@ -189,7 +209,7 @@ class StoreController:
         ledger = self.tiers.ledger
         fleet = getattr(tier.adapter, "fleet", None)
         if isinstance(fleet, FleetLedger):
-            if not await self._admit_fleet(tier, fleet, salt, size, key):
+            if not await self._admit_fleet(tier, fleet, salt, size, key, first=first):
                 return False
             self._writing[slot] = self._writing.get(slot, 0) + size  # read after the await
             return True
@@ -216,13 +236,16 @@ class StoreController:
         self.counters.quota_refused += 1
         return False
 
-    async def _admit_fleet(self, tier: Tier, fleet: FleetLedger, salt: str, size: int, key: str) -> bool:
-        """Fleet scope: reserve the blob's bytes in Redis (storage/redis_fleet.py); over the limit,
-        evict the tenant's oldest blobs fleet-wide and try once more. BackendError when the
-        ledger does not answer (the caller writes nothing more of the batch to that tier)."""
+    async def _admit_fleet(
+        self, tier: Tier, fleet: FleetLedger, salt: str, size: int, key: str, *, first: Reservation | None
+    ) -> bool:
+        """Fleet scope: reserve the blob's bytes in Redis (storage/redis_fleet.py; `first`: done
+        already, with the batch); over the limit, evict the tenant's oldest blobs fleet-wide and
+        try once more. BackendError when the ledger does not answer (the caller writes nothing
+        more of the batch to that tier)."""
         ledger = self.tiers.ledger
         fallback = None if ledger is None else ledger.limit(salt, tier.name)
-        got = await fleet.reserve(salt, key, size, fallback)
+        got = first if first is not None else await fleet.reserve(salt, key, size, fallback)
         if not got.ok and got.limit is not None and size <= got.limit:
             over = got.used + size - got.limit
             self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
@@ -299,9 +322,10 @@ class StoreController:
         admitted: list[int] = []
         with tier.use():
             try:
+                firsts = await self._reserve_batch(tier, blobs, salts)
                 for i, blob in enumerate(blobs):
                     try:
-                        if await self._admit(tier, salts[i], blob.nbytes, blob.key):
+                        if await self._admit(tier, salts[i], blob.nbytes, blob.key, firsts[i]):
                             admitted.append(i)
                     except BackendError as exc:  # a fleet ledger that does not answer: not now
                         log.warning("l2_fleet_reserve_failed", adapter=tier.name, error=str(exc))
