@@ -84,7 +84,7 @@ def fleet(sc: SidecarProcess, salt: str) -> dict[str, Any]:
 
 def start(factory: StartSidecar, url: str, prefix: str, **extra: Any) -> SidecarProcess:
     adapter = {"type": "redis", "name": "shared", "url": url, "key_prefix": prefix, "bulk_min_kib": 32,
-               "timeout_s": 1.0, "fleet_grace_s": 2.0, "reconcile_interval_s": None, **extra}  # fmt: skip
+               "timeout_s": 1.0, "fleet_grace_s": 2.0, "reconcile_interval_s": None} | extra  # fmt: skip
     env = {
         "KVDEPOT_L1__CHUNK_SIZE": "16",
         "KVDEPOT_L2__ADAPTERS": json.dumps([adapter]),
@@ -202,3 +202,23 @@ def expiring(kind: str, prefix: str) -> int:
                 if not raw.decode()[len(prefix) :].startswith(META) and r.ttl(raw) >= 0:
                     count += 1
     return count
+
+
+def test_the_periodic_reconcile_repairs_hand_deletes_by_itself(
+    sidecar_factory: StartSidecar, prefix: str
+) -> None:
+    sc = start(sidecar_factory, REDIS_URL, prefix, reconcile_interval_s=1)
+    c = client(sc.url)
+    try:
+        for which in range(3):
+            store(c, "t", 0, 700 + which, 3, f"p{which}")
+        wait_for(lambda: written_behind(sc), what="write-behind")
+    finally:
+        c.close()
+    held = scan("redis", prefix)["t"]
+    assert fleet(sc, "t")["objects"] == len(held) == 9
+    for key in sorted(held)[:4]:
+        unlink("redis", prefix, key)
+    wait_for(lambda: fleet(sc, "t")["objects"] == 5, timeout=30, what="the periodic reconcile")
+    assert fleet(sc, "t")["bytes"] == sum(scan("redis", prefix)["t"].values())
+    assert sc.get_json("/status")["ready"] is True  # the supervised task is alive
