@@ -73,6 +73,10 @@ def test_a_labelled_tenants_salt_never_appears_in_metrics(
     assert SECRET not in text and sample(text, "kvdepot_tenant_objects", tenant="acme", tier="l1") == 3
     assert http(sc, "GET", f"/tenants/{SECRET}/label")[1]["label"] == "acme"
 
+    status, body = http(sc, "PUT", "/tenants/c%2Fd/label", {"label": "cd"})  # a salt with a slash
+    assert status == 200 and body == {"cache_salt": "c/d", "label": "cd"}
+    assert http(sc, "GET", "/tenants/c/d/label")[1]["label"] == "cd"
+    assert http(sc, "PUT", "/tenants/_default/label", {"label": "dflt"})[1]["cache_salt"] == ""
     assert http(sc, "DELETE", f"/tenants/{SECRET}/label")[0] == 204
     assert http(sc, "DELETE", f"/tenants/{SECRET}/label")[0] == 404
     assert SECRET in scrape(sc)
