@@ -209,6 +209,7 @@ class FleetLedger:
         def command(pipe: Pipeline, _: int) -> object:
             return pipe.eval(script, 5, *keys, *args)
 
+        await self.router.start()  # cluster mode: the slot map first
         (reply,) = await self.router.pipeline([keys[0]], command)
         if isinstance(reply, BackendError) and self._on_down is not None:
             self._on_down(str(reply))  # the node is lost: the adapter's health says so
@@ -236,6 +237,7 @@ class FleetLedger:
             _, key, size, fallback = items[i]
             return pipe.eval(_RESERVE, 5, *keys[i], key, size, -1 if fallback is None else fallback)
 
+        await self.router.start()
         replies = await self.router.pipeline([k[0] for k in keys], command)
         out: list[Reservation | None] = []
         for reply in replies:
@@ -285,6 +287,7 @@ class FleetLedger:
         await self._plain(self.meta(salt)[3], lambda pipe, k: pipe.delete(k))
 
     async def _plain(self, key: bytes, call: Callable[[Pipeline, bytes], object]) -> None:
+        await self.router.start()
         (reply,) = await self.router.pipeline([key], lambda pipe, _: call(pipe, key))
         if isinstance(reply, Exception):
             raise BackendError(f"redis fleet quota: {type(reply).__name__}: {reply}")

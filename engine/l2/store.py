@@ -250,6 +250,9 @@ class StoreController:
             over = got.used + size - got.limit
             self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
             got = await fleet.reserve(salt, key, size, fallback)
+        elif not got.ok and got.limit is not None and got.used > got.limit:  # never fits: still
+            over = got.used - got.limit  # brought down to a lowered limit
+            self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
         if got.ok:
             return True
         if ledger is not None:

@@ -157,6 +157,13 @@ def test_two_sidecars_share_one_quota_and_one_ledger(
             store(ca, "t", 0, 500 + step, 2, f"low{step}")
             wait_for(lambda: written_behind(a), what="write-behind")
             assert sum(scan(kind, prefix).get("t", {}).values()) <= LOWER
+        # Quota 0 set on A: B's next write of the tenant brings it down to nothing.
+        assert http(a, "PUT", "/quotas/t", {"l2_bytes": 0})[0] == 200
+        refused = b.get_json("/status")["l2"]["store"]["quota_refused"]
+        store(cb, "t", 1, 600, 1, "zero")
+        wait_for(lambda: written_behind(b), what="write-behind")
+        assert "t" not in scan(kind, prefix)
+        assert b.get_json("/status")["l2"]["store"]["quota_refused"] == refused + 1
         assert http(b, "DELETE", "/quotas/t")[0] == 204
         assert fleet(a, "t")["limit_bytes"] is None
 
