@@ -176,7 +176,7 @@ class CacheEngine:
             if hit < n and l2.tiers.active():
                 self._requests.keep(rid, state)
                 missing = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
-                state.prefetch = l2.prefetch.start(reg, missing, partial(self._attach, state))
+                state.prefetch = l2.prefetch.start(reg, missing, partial(self._attach, state), request_id)
                 pending = n - hit
         c = self.counters
         c.lookups += 1
@@ -188,8 +188,9 @@ class CacheEngine:
         events = self.events
         if events.enabled:
             events.emit(
-                Kind.LOOKUP, tier=L1_TIER, op="lookup", request_id=request_id, detail=hit * self.chunk_size
-            )
+                Kind.LOOKUP, tier=L1_TIER, op="lookup", request_id=request_id, detail=hit * self.chunk_size,
+                total=n * self.chunk_size, hits=[o.key for o in locked], reason="prefetch" if pending else "",
+            )  # fmt: skip
         return LookupResult(
             hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=n, pending_chunks=pending
         )
@@ -372,12 +373,11 @@ class CacheEngine:
                 out.append(False)
                 continue
             out.append(True)
-            if self.events.enabled:
-                self._announcer.committed(obj)
+            request_id = self._announcer.committed(obj) if self.events.enabled else ""
             if obj.generated:
                 self.counters.decode_chunks_stored += 1
             if store is not None and obj.visible:
-                store.submit(obj, reg)
+                store.submit(obj, reg, request_id)
         return out
 
     def abort(self, engine_id: int, oids: list[int]) -> int:

@@ -180,7 +180,7 @@ class DataPlaneServer:
             op = _TAGS[type(msg)]
             if events.enabled:
                 request_id = getattr(msg, "request_id", "")
-                span = events.start(op, request_id)
+                span = events.start(op, request_id, trace=getattr(msg, "traceparent", ""))
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
                 if isinstance(msg, p.Hello):
                     return p.encode(self._hello(msg, peer))
