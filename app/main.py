@@ -38,6 +38,7 @@ from app.errors import ConfigError
 from app.kv_events import KvEvents, build_kv_events
 from app.settings import Settings
 from app.supervisor import Supervisor
+from app.tracing import Tracing, build_tracing
 from app.wiring import (
     build_admin,
     build_cache,
@@ -63,6 +64,8 @@ from storage.auth import KEY_FILE, BlobKeys
 from storage.factory import build_adapter
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from engine.transfers import KVTransfers
 
 log = structlog.get_logger("kvdepot")
@@ -102,8 +105,11 @@ def with_admin_token(settings: Settings) -> Settings:
 
 
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, span_exporter: SpanExporter | None = None) -> None:
+        """`span_exporter`: spans go there (tests: the SDK's in-memory exporter), whether or not
+        `tracing.otlp_endpoint` is set."""
         self.settings = settings
+        self._span_exporter = span_exporter
         self.supervisor = Supervisor()
         self._started_at = time.monotonic()
         self._stop = asyncio.Event()
@@ -120,6 +126,8 @@ class Service:
         self.kv_events: KvEvents | None = None
         #: the one event bus, built at start (app/wiring.build_events); subscribers: event_subscribers
         self.events: EventBus | None = None
+        #: spans of each engine request over OTLP (tracing.otlp_endpoint set), a bus subscriber
+        self.tracing: Tracing | None = None
         self._lock: DataDirLock | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
@@ -200,6 +208,9 @@ class Service:
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
         # Tenants appear in KV events hashed with the deployment key (kv_events.salt=hashed).
         self.kv_events = build_kv_events(s.kv_events, self.engine, keys.signer.key, registry)
+        self.tracing = build_tracing(
+            s.tracing, f"{socket.gethostname()}/{instance_id(s.data_dir)}", registry, self._span_exporter
+        )
         regions = SealedRegions()
         f = s.fleet
         workers = WorkerRegistry(
@@ -255,8 +266,13 @@ class Service:
 
     def event_subscribers(self) -> list[Subscriber]:
         """The event bus's subscribers, called once everything is built and before the bus runs
-        (the KV-event publisher joins here)."""
-        return [] if self.kv_events is None else [self.kv_events.publisher.on_events]
+        (the KV-event publisher and the span builder join here)."""
+        subscribers: list[Subscriber] = []
+        if self.kv_events is not None:
+            subscribers.append(self.kv_events.publisher.on_events)
+        if self.tracing is not None:
+            subscribers.append(self.tracing.subscriber)
+        return subscribers
 
     def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
@@ -332,6 +348,8 @@ class Service:
             self.kv_events.start()
         if self.events is not None and self.events.enabled:
             self.supervisor.start("events", self.events.run(), drain=False)
+        if self.tracing is not None:
+            self.supervisor.start("tracing-sweep", self.tracing.run_sweeper(), drain=False)
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
@@ -379,6 +397,9 @@ class Service:
         self._stop.set()
 
     def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.close()  # after the bus's last flush (run): what it delivered is exported
+            self.tracing = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None

@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.kvevents.config import KvEventsSettings
+from api.tracing.config import TracingSettings
 from engine.transfer_limits import TransferLimits
 from storage.auth import parse_secret
 from storage.config import (
@@ -347,6 +348,7 @@ class Settings(BaseSettings):
     events: EventSettings = Field(default_factory=EventSettings)
     kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @property
     def data_plane_url(self) -> str:
@@ -356,6 +358,8 @@ class Settings(BaseSettings):
     def _check_kv_events(self) -> Settings:
         if self.kv_events.endpoint is not None and not self.events.enabled:
             raise ValueError("kv_events.endpoint needs events.enabled=true (KV events come from the bus)")
+        if self.tracing.otlp_endpoint is not None and not self.events.enabled:
+            raise ValueError("tracing.otlp_endpoint needs events.enabled=true (spans come from the bus)")
         return self
 
     def summary(self) -> dict[str, Any]:

@@ -1,0 +1,268 @@
+"""SpanBuilder: OpenTelemetry spans of each engine request, made from the event bus's START/END pairs.
+
+An EventBus subscriber (`on_events`). Each engine request (by its request id) gets one root span,
+`kvdepot.request`, opened at the request's first START and ended when its END_REQUEST operation
+ends (or, if some of its spans are still open then, when the last of them ends). Its children:
+  - every data-plane operation that names the request (`lookup`, `query_prefetch`, `retrieve`,
+    `release`, `store`, `load_blocks`, `save_blocks`, `free_lookup_locks`), named by the operation;
+  - `prefetch`, one per L2 adapter a lookup's misses were asked of (attribute `kvdepot.adapter`:
+    from locating the chunks there to the last load from it; `kvdepot.chunks` = chunks loaded);
+  - `write_behind`, one per adapter and batch of the request's chunks written behind
+    (`kvdepot.chunks` = chunks written).
+Every span starts and ends at its events' timestamps (`Event.ts_ns`, wall clock), not when this
+subscriber sees them. An END whose reason is not "ok" sets the span's status to ERROR.
+
+Trace context: the LOOKUP START carries the engine's W3C `traceparent` when the engine traces the
+request (vLLM `--otlp-traces-endpoint`): the root span is then made a child of the engine's span,
+in the engine's trace, and follows its sampled flag.
+
+Chunks written behind after the request ended (a decode save, a queue that was behind) still join
+its trace: the contexts of the last `recent` ended roots are kept (drop oldest) for them.
+
+Open spans are a registry keyed by (request id, span name, the bus's pairing number), the number
+telling apart concurrent spans of one name (each tensor-parallel worker retrieves the same request).
+`sweep(now)` ends what stayed open too long: a child open `orphan_timeout_s`, a root with no open
+child silent that long (its END_REQUEST never came: a client that died). Each is ended at `now`
+(a root at its last activity, or its latest child's end) with `kvdepot.orphan=true` and counted
+(`orphans`). At most `max_open` spans are open at once; past it new ones are not made (counted,
+`refused`).
+
+State: the roots, the open children, the recent contexts, counters. Event loop only (the bus's
+dispatcher and the sweep task); the SDK's span processor exports from its own thread.
+
+Primitives in call order: SpanBuilder(tracer, orphan_timeout_s, max_open) -> on_events(events)...
+-> sweep(now_ns)... (periodically) -> close(now_ns) (ends everything still open).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from engine.events import Event, Kind
+
+ROOT = "kvdepot.request"
+#: data-plane operations that become child spans of their request (by message tag)
+CHILD_OPS = frozenset(
+    {"lookup", "query_prefetch", "retrieve", "release", "store", "load_blocks", "save_blocks",
+     "free_lookup_locks"}
+)  # fmt: skip
+#: the operation whose END ends the request's root span
+END_OP = "end_request"
+PREFETCH_OP = "l2.prefetch"
+STORE_OP = "l2.store"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(slots=True)
+class _Root:
+    span: Span
+    context: Context
+    last_ns: int
+    """Its last event (activity)."""
+    open: int = 0
+    reach_ns: int = 0
+    """The latest end of its children (orphans' included): it ends no earlier."""
+    closing_ns: int = 0
+    """Its END_REQUEST ended then (0: not yet); it ends once its last open child ends."""
+
+
+@dataclass(slots=True)
+class _Child:
+    span: Span
+    request_id: str
+    start_ns: int
+
+
+Key = tuple[str, str, int]
+
+
+class SpanBuilder:
+    def __init__(
+        self, tracer: Tracer, *, orphan_timeout_s: float, max_open: int, recent: int = 4096
+    ) -> None:
+        if orphan_timeout_s <= 0 or max_open <= 0 or recent <= 0:
+            raise ValueError("orphan_timeout_s, max_open and recent must be positive")
+        self.tracer = tracer
+        self.orphan_timeout_ns = int(orphan_timeout_s * 1e9)
+        self.max_open = max_open
+        self.recent_max = recent
+        self.started = 0
+        self.ended = 0
+        self.orphans = 0
+        self.refused = 0
+        self.unmatched = 0
+        """ENDs without their START (it was refused, dropped by the bus, or came before tracing)."""
+        self._roots: dict[str, _Root] = {}
+        self._children: dict[Key, _Child] = {}
+        self._recent: OrderedDict[str, Context] = OrderedDict()
+
+    def open_spans(self) -> int:
+        return len(self._roots) + len(self._children)
+
+    # -- the bus callback ------------------------------------------------------------------------
+
+    def on_events(self, events: Sequence[Event]) -> None:
+        for event in events:
+            kind = event.kind
+            if kind is Kind.START:
+                self._on_start(event)
+            elif kind is Kind.END:
+                self._on_end(event)
+
+    @staticmethod
+    def _names(event: Event) -> tuple[str, str] | None:
+        """(span name, registry name) of a START/END that makes a child span, or None."""
+        op = event.op
+        if op in CHILD_OPS:
+            return op, op
+        if op == PREFETCH_OP and event.tier:
+            return "prefetch", "prefetch:" + event.tier
+        if op == STORE_OP:
+            return "write_behind", "write_behind:" + event.tier
+        return None
+
+    def _on_start(self, event: Event) -> None:
+        rid = event.request_id
+        if not rid:
+            return
+        names = self._names(event)
+        if names is None:
+            root = self._roots.get(rid)
+            if root is not None:
+                root.last_ns = max(root.last_ns, event.ts_ns)
+            return
+        if self.open_spans() + 2 > self.max_open:
+            self.refused += 1
+            return
+        root = self._roots.get(rid)
+        if root is not None:
+            context = root.context
+        else:
+            recent = self._recent.get(rid)
+            if recent is not None:
+                context = recent
+            else:
+                root = self._new_root(event)
+                context = root.context
+        name, registry_name = names
+        attributes: dict[str, str] = {"kvdepot.request_id": rid}
+        if event.tier:
+            attributes["kvdepot.adapter"] = event.tier
+        span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=event.ts_ns)
+        self._children[(rid, registry_name, event.span)] = _Child(span, rid, event.ts_ns)
+        self.started += 1
+        if root is not None:
+            root.open += 1
+            root.last_ns = max(root.last_ns, event.ts_ns)
+
+    def _new_root(self, event: Event) -> _Root:
+        parent = Context()
+        if event.trace:
+            parent = _PROPAGATOR.extract({"traceparent": event.trace}, context=parent)
+        span = self.tracer.start_span(
+            ROOT, context=parent, attributes={"kvdepot.request_id": event.request_id},
+            start_time=event.ts_ns,
+        )  # fmt: skip
+        root = self._roots[event.request_id] = _Root(span, set_span_in_context(span, Context()), event.ts_ns)
+        self.started += 1
+        return root
+
+    def _on_end(self, event: Event) -> None:
+        rid = event.request_id
+        if not rid:
+            return
+        if event.op == END_OP:
+            root = self._roots.get(rid)
+            if root is not None:
+                root.closing_ns = max(event.ts_ns, root.last_ns)
+                if root.open == 0:
+                    self._end_root(rid, root, root.closing_ns)
+            return
+        names = self._names(event)
+        if names is None:
+            return
+        child = self._children.pop((rid, names[1], event.span), None)
+        if child is None:
+            self.unmatched += 1
+            return
+        span = child.span
+        if event.detail and event.op in (PREFETCH_OP, STORE_OP):
+            span.set_attribute("kvdepot.chunks", event.detail)
+        if event.reason != "ok":
+            span.set_status(Status(StatusCode.ERROR, event.reason))
+        end_ns = max(event.ts_ns, child.start_ns)
+        span.end(end_time=end_ns)
+        self.ended += 1
+        self._child_gone(rid, end_ns, active=True)
+
+    def _child_gone(self, rid: str, end_ns: int, *, active: bool) -> None:
+        """A child of `rid` ended at `end_ns` (`active`: by its END, not as an orphan)."""
+        root = self._roots.get(rid)
+        if root is None:
+            return
+        root.open -= 1
+        root.reach_ns = max(root.reach_ns, end_ns)
+        if active:
+            root.last_ns = max(root.last_ns, end_ns)
+        if root.closing_ns and root.open == 0:
+            self._end_root(rid, root, max(root.closing_ns, root.reach_ns))
+
+    def _end_root(self, rid: str, root: _Root, end_ns: int) -> None:
+        root.span.end(end_time=end_ns)
+        self.ended += 1
+        del self._roots[rid]
+        recent = self._recent
+        recent[rid] = root.context
+        recent.move_to_end(rid)
+        while len(recent) > self.recent_max:
+            recent.popitem(last=False)
+
+    # -- orphans ---------------------------------------------------------------------------------
+
+    def sweep(self, now_ns: int) -> int:
+        """End the spans open past the orphan timeout (module docstring). Answers how many."""
+        limit = self.orphan_timeout_ns
+        n = 0
+        for key, child in list(self._children.items()):
+            if now_ns - child.start_ns > limit:
+                del self._children[key]
+                _orphaned(child.span, now_ns)
+                n += 1
+                self._child_gone(child.request_id, now_ns, active=False)
+        for rid, root in list(self._roots.items()):
+            if root.open == 0 and now_ns - root.last_ns > limit:
+                _orphaned(root.span, max(root.last_ns, root.reach_ns))
+                n += 1
+                del self._roots[rid]
+        self.orphans += n
+        self.ended += n
+        return n
+
+    def close(self, now_ns: int) -> int:
+        """End every open span at `now_ns` (shutdown); answers how many."""
+        n = 0
+        for child in self._children.values():
+            child.span.set_attribute("kvdepot.shutdown", True)
+            child.span.end(end_time=max(now_ns, child.start_ns))
+            n += 1
+        for root in self._roots.values():
+            root.span.set_attribute("kvdepot.shutdown", True)
+            root.span.end(end_time=max(now_ns, root.last_ns, root.reach_ns))
+            n += 1
+        self._children.clear()
+        self._roots.clear()
+        self.ended += n
+        return n
+
+
+def _orphaned(span: Span, end_ns: int) -> None:
+    span.set_attribute("kvdepot.orphan", True)
+    span.set_status(Status(StatusCode.ERROR, "orphan"))
+    span.end(end_time=end_ns)
