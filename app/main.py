@@ -31,6 +31,7 @@ from api.http.app import create_app
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
 from api.metrics import DataPlaneMetrics, build_registry
+from api.metrics_events import EventMetrics
 from api.metrics_workers import WorkerCollector
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
@@ -128,6 +129,7 @@ class Service:
         self.events: EventBus | None = None
         #: spans of each engine request over OTLP (tracing.otlp_endpoint set), a bus subscriber
         self.tracing: Tracing | None = None
+        self.event_metrics: EventMetrics | None = None
         self._lock: DataDirLock | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
@@ -206,6 +208,12 @@ class Service:
         roots = s.l2.allowed_roots or [s.data_dir]
         admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
+        #: histograms from the bus (load latency, hit ratio, reuse distance, age at eviction)
+        self.event_metrics = (
+            EventMetrics(registry, chunk_size=s.l1.chunk_size, max_tracked=s.events.tracked_chunks)
+            if s.events.enabled
+            else None
+        )
         # Tenants appear in KV events hashed with the deployment key (kv_events.salt=hashed).
         self.kv_events = build_kv_events(s.kv_events, self.engine, keys.signer.key, registry)
         self.tracing = build_tracing(
@@ -268,6 +276,8 @@ class Service:
         """The event bus's subscribers, called once everything is built and before the bus runs
         (the KV-event publisher and the span builder join here)."""
         subscribers: list[Subscriber] = []
+        if self.event_metrics is not None:
+            subscribers.append(self.event_metrics.on_events)
         if self.kv_events is not None:
             subscribers.append(self.kv_events.publisher.on_events)
         if self.tracing is not None:

@@ -298,6 +298,11 @@ class EventSettings(BaseModel):
     linger_ms: float = Field(
         2.0, ge=0, le=1000, description="After a wake-up the dispatcher waits this long to batch events."
     )
+    tracked_chunks: int = Field(
+        65536, ge=16, le=1 << 24,
+        description="Chunk store times kept (each for the reuse distance and per tier for the age at "
+        "eviction histograms); past it the oldest are forgotten (counted).",
+    )  # fmt: skip
 
 
 class FleetSettings(BaseModel):

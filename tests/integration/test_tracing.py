@@ -135,6 +135,16 @@ def test_a_request_loaded_from_l2_is_one_root_with_lookup_prefetch_and_retrieve(
     assert lookup.start_time <= prefetch.start_time
     assert prefetch.end_time <= lookup.end_time <= retrieve.start_time
     assert root.start_time == lookup.start_time  # the request's first event opened its root
+    # The histograms made from the same events.
+    assert service.control is not None
+    sample = service.control.registry.get_sample_value
+    assert (sample("kvdepot_l2_load_seconds_count", {"adapter": "disk"}) or 0) >= 1
+    assert (sample("kvdepot_lookup_hit_ratio_bucket", {"le": "1.0"}) or 0) >= 1
+    assert (sample("kvdepot_lookup_hit_ratio_bucket", {"le": "0.99"}) or 0) < (
+        sample("kvdepot_lookup_hit_ratio_count") or 0
+    ), "r11 hit all its tokens once its prefetch was done"
+    assert (sample("kvdepot_reuse_distance_seconds_count") or 0) >= 1
+    assert (sample("kvdepot_chunk_age_at_eviction_seconds_count", {"tier": "l1"}) or 0) >= 1
     # The write-behind of the stores is traced too, per adapter.
     writes = [s for s in spans_of(exporter, "w12") if s.name == "write_behind"]
     assert writes
@@ -152,6 +162,7 @@ def test_tracing_unset_builds_nothing_and_subscribes_nothing(tmp_path: Path, cle
     service.build()
     try:
         assert service.tracing is None
-        assert service.event_subscribers() == []
+        assert service.event_metrics is not None
+        assert service.event_subscribers() == [service.event_metrics.on_events]  # the histograms only
     finally:
         service.close()
