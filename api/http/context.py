@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
+from api.http.audit import AuditLog
 from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
@@ -41,3 +42,5 @@ class ControlContext:
     inventory: Inventory | None = None
     """The KV events' resync listing (None when kv_events is off)."""
     workers: WorkerRegistry | None = None
+    audit: AuditLog = field(default_factory=AuditLog)
+    """The recent mutating calls (api/http/audit.py): GET /audit."""

@@ -1,6 +1,6 @@
 """One router per resource; `ROUTERS` collects them for the app factory."""
 
-from api.http.routes import health, inventory, l2, metrics, quotas, status, workers
+from api.http.routes import audit, health, inventory, l2, metrics, quotas, status, workers
 
 ROUTERS = [
     health.router,
@@ -10,4 +10,5 @@ ROUTERS = [
     quotas.router,
     inventory.router,
     workers.router,
+    audit.router,
 ]
