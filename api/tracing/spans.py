@@ -4,7 +4,8 @@ An EventBus subscriber (`on_events`). Each engine request (by its request id) ge
 `kvdepot.request`, opened at the request's first START and ended when its END_REQUEST operation
 ends (or, if some of its spans are still open then, when the last of them ends). Its children:
   - every data-plane operation that names the request (`lookup`, `query_prefetch`, `retrieve`,
-    `release`, `store`, `load_blocks`, `save_blocks`, `free_lookup_locks`), named by the operation;
+    `release`, `store`, `load_blocks`, `save_blocks`, `free_lookup_locks`), named by the operation
+    (the request id is an attribute of the root only);
   - `prefetch`, one per L2 adapter a lookup's misses were asked of (attribute `kvdepot.adapter`:
     from locating the chunks there to the last load from it; `kvdepot.chunks` = chunks loaded);
   - `write_behind`, one per adapter and batch of the request's chunks written behind
@@ -152,9 +153,8 @@ class SpanBuilder:
                 root = self._new_root(event)
                 context = root.context
         name, registry_name = names
-        attributes: dict[str, str] = {"kvdepot.request_id": rid}
-        if event.tier:
-            attributes["kvdepot.adapter"] = event.tier
+        # The request id is the root's attribute; a child names only its adapter, if any.
+        attributes = {"kvdepot.adapter": event.tier} if event.tier else None
         span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=event.ts_ns)
         self._children[(rid, registry_name, event.span)] = _Child(span, rid, event.ts_ns)
         self.started += 1

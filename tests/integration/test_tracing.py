@@ -90,10 +90,15 @@ async def drive(service: Service, exporter: InMemorySpanExporter) -> None:
 
 
 def spans_of(exporter: InMemorySpanExporter, request_id: str) -> list[ReadableSpan]:
-    return [
-        s for s in exporter.get_finished_spans()
-        if s.attributes is not None and s.attributes.get("kvdepot.request_id") == request_id
+    """The root of `request_id` (named by its attribute) and every span of its trace under it."""
+    spans = exporter.get_finished_spans()
+    roots = [
+        s for s in spans
+        if s.name == "kvdepot.request" and s.attributes is not None
+        and s.attributes.get("kvdepot.request_id") == request_id
     ]  # fmt: skip
+    ids = {r.context.span_id for r in roots if r.context is not None}
+    return roots + [s for s in spans if s.parent is not None and s.parent.span_id in ids]
 
 
 def test_a_request_loaded_from_l2_is_one_root_with_lookup_prefetch_and_retrieve(

@@ -41,3 +41,30 @@ def test_lookup_carries_it_optionally_and_the_decoder_bounds_it() -> None:
                                   "traceparent": "not-a-trace"})  # fmt: skip
     with pytest.raises(msgspec.ValidationError):
         p.request_decoder.decode(bad)
+
+
+class _Reply:
+    hit_chunks = 0
+    pending_chunks = 0
+
+
+class _RecordingClient:
+    """A sidecar client whose lookups all miss, recording the traceparent each carried."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def lookup(self, tokens: object, *, request_id: str, traceparent: str = "", **_: object) -> _Reply:
+        self.seen.append((request_id, traceparent))
+        return _Reply()
+
+
+def test_the_scheduler_side_sends_the_requests_traceparent_with_its_lookups() -> None:
+    from kvdepot_connector.vllm.scheduler import SchedulerSide
+
+    client = _RecordingClient()
+    sched = SchedulerSide([client], chunk_size=16, block_size=16)  # type: ignore[list-item]
+    prompt = list(range(32))
+    sched.matched_tokens("traced", prompt, None, len(prompt), 0, traceparent=GOOD)
+    sched.matched_tokens("plain", prompt, None, len(prompt), 0)
+    assert client.seen == [("traced", GOOD), ("plain", "")]
