@@ -51,8 +51,8 @@ class Kind(enum.IntEnum):
     """Every chunk left `tier` ("" = every tier)."""
     LOOKUP = 4
     """A lookup answered: `detail` = hit tokens (in L1), `total` = tokens of its full chunks, `hits` =
-    the keys of the chunks hit, `reason` = "prefetch" when the misses are being loaded from L2 (an
-    END "l2.prefetch" with tier "" follows, its `detail` = the chunks that arrived)."""
+    the keys of the chunks it hit for the first time, `reason` = "prefetch" when the misses are being
+    loaded from L2 (an END "l2.prefetch" with tier "" follows, its `detail` = the chunks that arrived)."""
     ERROR = 5
     """An operation failed: `op`, `reason` = the error code."""
     START = 6
@@ -95,7 +95,7 @@ class Event:
     total: int = 0
     """LOOKUP: the tokens of the lookup's full chunks."""
     hits: Sequence[ObjectKey] = ()
-    """LOOKUP: the keys of the chunks found in L1."""
+    """LOOKUP: the keys of the chunks it found in L1 that no lookup had found before."""
 
 
 Subscriber = Callable[[list[Event]], object]

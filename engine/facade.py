@@ -31,7 +31,8 @@ Primitives in data-plane call order:
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
 Events (engine/events.py, the bus the L1 cache was given): STORED (tier L1) at COMMIT with what
-the STORE said of the chunk (engine/announce.py), LOOKUP with the hit tokens, CLEARED on CLEAR of
+the STORE said of the chunk (engine/announce.py), LOOKUP with the hit tokens (and the keys of the
+chunks hit for the first time: `L1Object.hit`), CLEARED on CLEAR of
 all, REMOVED "purged" per chunk on CLEAR of one tenant; L1 REMOVED otherwise comes from the cache.
 
 The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
@@ -187,9 +188,14 @@ class CacheEngine:
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
         events = self.events
         if events.enabled:
+            first: list[ObjectKey] = []  # the chunks a lookup finds for the first time
+            for obj in locked:
+                if not obj.hit:
+                    obj.hit = True
+                    first.append(obj.key)
             events.emit(
                 Kind.LOOKUP, tier=L1_TIER, op="lookup", request_id=request_id, detail=hit * self.chunk_size,
-                total=n * self.chunk_size, hits=[o.key for o in locked], reason="prefetch" if pending else "",
+                total=n * self.chunk_size, hits=first, reason="prefetch" if pending else "",
             )  # fmt: skip
         return LookupResult(
             hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=n, pending_chunks=pending
