@@ -1,4 +1,5 @@
-"""The `kvdepot` command: `serve` runs the sidecar, `bench ...` runs the benchmarks.
+"""The `kvdepot` command: `serve` runs the sidecar, `status` summarizes a running one,
+`bench ...` runs the benchmarks.
 
 Bad settings end the process with status 2 and one line on stderr that names the setting.
 """
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _bench_parser(sub)
+    from app import status_cli
+
+    status_cli.add_arguments(sub.add_parser("status", help="a terminal summary of a running sidecar"))
     return parser
 
 
@@ -101,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "status":
+            from app import status_cli
+
+            return status_cli.run(args)
         from app.bench import run_bench
 
         return run_bench(args)

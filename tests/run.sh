@@ -20,6 +20,21 @@ fi
 # ... and a 3-node Redis Cluster on 7101-7103 (the cluster variants of the L2 tests).
 tests/redis_cluster.sh
 
+# Debian's prometheus (promtool checks; a real Prometheus scrapes a sidecar in
+# tests/integration/test_prometheus.py) and chromium (the /docs page in a headless browser), when
+# missing. As root, or through sudo without a password; a failed install leaves those tests skipped.
+need=()
+{ command -v prometheus && command -v promtool; } >/dev/null || need+=(prometheus)
+command -v chromium >/dev/null || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
+  as_root=()
+  [ "$(id -u)" -eq 0 ] || as_root=(sudo -n)
+  if ! { "${as_root[@]}" apt-get update -q && "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
+         apt-get install -y -q "${need[@]}"; } >/tmp/kvdepot-apt.log 2>&1; then
+    echo "warning: could not install ${need[*]} (see /tmp/kvdepot-apt.log): their tests are skipped" >&2
+  fi
+fi
+
 echo "== ruff"
 .venv/bin/ruff check .
 echo "== mypy --strict"

@@ -15,6 +15,7 @@ from starlette.types import Scope
 from api.http.audit import AuditMiddleware
 from api.http.context import ControlContext
 from api.http.deps import token_ok
+from api.http.docs import install_docs
 from api.http.errors import install_error_handlers
 from api.http.guard import RequestGuard
 from api.http.routes import ROUTERS
@@ -28,10 +29,12 @@ def create_app(ctx: ControlContext) -> FastAPI:
         title="kvdepot",
         version=__version__,
         summary="KV-cache sidecar control plane",
-        docs_url="/docs",
+        docs_url=None,  # FastAPI's pages load their assets from CDNs: install_docs serves them
+        redoc_url=None,
         openapi_url="/openapi.json",
     )
     app.state.ctx = ctx
+    install_docs(app)
     install_error_handlers(app)
     routes: list[BaseRoute] = []
     for router in ROUTERS:

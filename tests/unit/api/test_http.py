@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,22 @@ async def test_docs_and_openapi_list_the_endpoints(running: RunningService) -> N
     spec = (await running.client.get("/openapi.json")).json()
     assert spec["info"]["version"] == __version__
     assert {"/health", "/ready", "/status", "/metrics"} <= set(spec["paths"])
+    assert not any(path.startswith(("/docs", "/redoc")) for path in spec["paths"])
+
+
+async def test_docs_pages_load_their_assets_from_the_sidecar(running: RunningService) -> None:
+    for page in ("/docs", "/redoc"):
+        html = (await running.client.get(page)).text
+        urls = re.findall(r'(?:src|href)="([^"]+)"', html)
+        assert urls and all(url.startswith("/docs-assets/") for url in urls), (page, urls)
+        assert "https://" not in html and "fonts.googleapis" not in html
+        for url in urls:
+            asset = await running.client.get(url)
+            assert asset.status_code == 200 and len(asset.content) > 1000, url
+    js = await running.client.get("/docs-assets/swagger-ui-bundle.js")
+    assert "javascript" in js.headers["content-type"] and b"SwaggerUIBundle" in js.content
+    assert (await running.client.get("/docs-assets/../pyproject.toml")).status_code == 404
+    assert (await running.client.get("/docs/oauth2-redirect")).status_code == 200
 
 
 async def test_request_id_is_echoed_or_made_up(running: RunningService) -> None:
