@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import CollectorRegistry
@@ -73,19 +73,20 @@ def build_tracing(
     )
     sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio))
     provider = TracerProvider(resource=resource, sampler=sampler)
+    processor: SpanProcessor
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        processor = SimpleSpanProcessor(exporter)
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         otlp = OTLPSpanExporter(endpoint=settings.otlp_endpoint, timeout=settings.export_timeout_s)
-        provider.add_span_processor(
-            BatchSpanProcessor(otlp, max_queue_size=settings.export_queue, schedule_delay_millis=1000)
-        )
+        processor = BatchSpanProcessor(otlp, max_queue_size=settings.export_queue, schedule_delay_millis=1000)
+    provider.add_span_processor(processor)
     tracer = provider.get_tracer("kvdepot", __version__)
     builder = SpanBuilder(
-        tracer, orphan_timeout_s=settings.orphan_timeout_s, max_open=settings.max_open_spans
-    )
+        tracer, processor, provider.resource, orphan_timeout_s=settings.orphan_timeout_s,
+        max_open=settings.max_open_spans, version=__version__,
+    )  # fmt: skip
     if registry is not None:
         registry.register(TracingCollector(builder))
     return Tracing(builder, provider, min(SWEEP_S, settings.orphan_timeout_s / 10))

@@ -23,8 +23,10 @@ def exporter() -> InMemorySpanExporter:
 
 def builder(exporter: InMemorySpanExporter, *, timeout_s: float = 10.0, max_open: int = 1000) -> SpanBuilder:
     provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return SpanBuilder(provider.get_tracer("test"), orphan_timeout_s=timeout_s, max_open=max_open)
+    processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    return SpanBuilder(tracer, processor, provider.resource, orphan_timeout_s=timeout_s, max_open=max_open)
 
 
 def start(span: int, op: str, rid: str, ts: int, tier: str = "", trace: str = "") -> Event:
