@@ -1,5 +1,5 @@
 """The `kvdepot` command: `serve` runs the sidecar, `status` summarizes a running one,
-`bench ...` runs the benchmarks.
+`directory` runs the fleet directory, `route` the reference router, `bench ...` the benchmarks.
 
 Bad settings end the process with status 2 and one line on stderr that names the setting.
 """
@@ -27,6 +27,27 @@ def _serve_parser(sub: Any) -> None:
     sp.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's format) on this ZMQ endpoint")
 
 
+def _directory_parser(sub: Any) -> None:
+    dp = sub.add_parser("directory", help="run the fleet directory (registry, KV-event index, /v1/score)")
+    dp.add_argument("--config", type=Path, help="TOML file with the directory's settings")
+    dp.add_argument("--http-host", help="address to listen on (default 127.0.0.1)")
+    dp.add_argument("--http-port", type=int, help="port (default 8090)")
+def _route_parser(sub: Any) -> None:
+    rp = sub.add_parser(
+        "route", help="cache-aware OpenAI-compatible router in front of engines (asks the directory)"
+    )
+    rp.add_argument("--config", type=Path, help="TOML file: engines, directory_url, timeouts (see README)")
+    rp.add_argument(
+        "--engine", action="append", metavar="URL[=SIDECAR_ID]",
+        help="an engine's URL and the id of its sidecar in the directory; repeat per engine "
+        "(replaces the file's engines)",
+    )  # fmt: skip
+    rp.add_argument("--directory-url", help="the directory's URL (unset: route by load only)")
+    rp.add_argument("--http-host", help="address to listen on (default 127.0.0.1)")
+    rp.add_argument("--http-port", type=int, help="port (default 8100)")
+    rp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
 def _bench_parser(sub: Any) -> None:
     bp = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = bp.add_subparsers(dest="bench", required=True)
@@ -51,6 +72,16 @@ def _bench_parser(sub: Any) -> None:
     bench_footprint.add_arguments(
         bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
     )
+    from app.bench import directory as bench_directory
+
+    bench_directory.add_arguments(
+        bsub.add_parser("directory", help="the directory's index: score, ingest, rebuild, memory")
+    )
+    from app.bench import route as bench_route
+
+    bench_route.add_arguments(
+        bsub.add_parser("route", help="what `kvdepot route` adds to a request, against the engine directly")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(
@@ -62,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdepot", description="KV-cache sidecar for LLM inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _directory_parser(sub)
+    _route_parser(sub)
     _bench_parser(sub)
     from app import status_cli
 
@@ -100,11 +133,48 @@ def _run_serve(args: argparse.Namespace) -> int:
         return runner.run(main())
 
 
+def _run_directory(args: argparse.Namespace) -> int:
+    from app.directory import DirectoryService, load_directory_settings
+    from app.logs import configure_logging
+
+    settings = load_directory_settings({"host": args.http_host, "port": args.http_port}, args.config)
+    configure_logging(settings.logging)
+
+    async def main() -> int:
+        service = DirectoryService(settings)
+        service.build()
+        return await service.run()
+
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+def _run_route(args: argparse.Namespace) -> int:
+    from app.route import load_router_settings, parse_engine_flag, run_router
+
+    engines = None if not args.engine else [parse_engine_flag(e) for e in args.engine]
+    settings = load_router_settings(
+        args.config,
+        {
+            "engines": engines,
+            "directory_url": args.directory_url,
+            "host": args.http_host,
+            "port": args.http_port,
+            "log_level": args.log_level,
+        },
+    )
+    return run_router(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "directory":
+            return _run_directory(args)
+        if args.command == "route":
+            return _run_route(args)
         if args.command == "status":
             from app import status_cli
 

@@ -36,6 +36,7 @@ from api.metrics_workers import WorkerCollector
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
+from app.fleet_member import DirectoryMember
 from app.kv_events import KvEvents, build_kv_events
 from app.settings import Settings
 from app.supervisor import Supervisor
@@ -134,6 +135,7 @@ class Service:
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
         self._state_executor: ThreadPoolExecutor | None = None
+        self._key_id = ""
 
     # --- ServiceHealth -------------------------------------------------------------------------
 
@@ -219,6 +221,7 @@ class Service:
         self.tracing = build_tracing(
             s.tracing, f"{socket.gethostname()}/{instance_id(s.data_dir)}", registry, self._span_exporter
         )
+        self._key_id = keys.signer.key_id.hex()  # named to the directory, which hashes tenants alike
         regions = SealedRegions()
         f = s.fleet
         workers = WorkerRegistry(
@@ -363,6 +366,9 @@ class Service:
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
+        if s.fleet.directory_url is not None and self.kv_events is not None:
+            member = DirectoryMember(s, self.engine, self.kv_events, self._key_id, self.http_port)
+            self.supervisor.start("directory-member", member.run(), drain=False)
         if self.dataplane.workers is not None:
             f = s.fleet
             sweep_s = min(f.heartbeat_s, f.worker_timeout_s / 4)

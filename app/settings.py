@@ -306,7 +306,8 @@ class EventSettings(BaseModel):
 
 
 class FleetSettings(BaseModel):
-    """The worker registry: engine client processes' heartbeats and liveness (engine/workers.py)."""
+    """The worker registry: engine client processes' heartbeats and liveness (engine/workers.py),
+    and the registration with a fleet directory (app/fleet_member.py)."""
 
     model_config = _FROZEN
 
@@ -319,6 +320,26 @@ class FleetSettings(BaseModel):
         "quarantined. At least twice heartbeat_s.",
     )  # fmt: skip
     dead_kept: int = Field(256, ge=0, le=100_000, description="Dead workers kept for GET /workers.")
+    directory_url: str | None = Field(
+        None, max_length=1024, pattern=r"^https?://",
+        description="A fleet directory (`kvdepot directory`) to register with and heartbeat; needs "
+        "kv_events.endpoint. Unset: no registration.",
+    )  # fmt: skip
+    directory_token: SecretStr | None = Field(None, description="The directory's admin token.")
+    directory_heartbeat_s: float = Field(2.0, ge=0.1, le=600, description="Registration heartbeat period.")
+    directory_timeout_s: float = Field(2.0, gt=0, le=60, description="Deadline of one registration POST.")
+    instance_id: str | None = Field(
+        None, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$",
+        description="This sidecar's id in the directory; unset: <host name>:<http port>.",
+    )  # fmt: skip
+    advertise_url: str | None = Field(
+        None, max_length=1024, pattern=r"^https?://",
+        description="This sidecar's HTTP URL as the directory reaches it; unset: http://<http.host>:<port>.",
+    )  # fmt: skip
+    engine_url: str | None = Field(
+        None, max_length=1024, pattern=r"^https?://",
+        description="The engine this sidecar serves (its OpenAI URL), told to the directory for routers.",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _timeout_covers_heartbeats(self) -> FleetSettings:
@@ -365,6 +386,8 @@ class Settings(BaseSettings):
             raise ValueError("kv_events.endpoint needs events.enabled=true (KV events come from the bus)")
         if self.tracing.otlp_endpoint is not None and not self.events.enabled:
             raise ValueError("tracing.otlp_endpoint needs events.enabled=true (spans come from the bus)")
+        if self.fleet.directory_url is not None and self.kv_events.endpoint is None:
+            raise ValueError("fleet.directory_url needs kv_events.endpoint (the directory reads the events)")
         return self
 
     def summary(self) -> dict[str, Any]:

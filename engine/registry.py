@@ -66,6 +66,9 @@ class EngineRegistry:
         #: every layout registered since the start, by fingerprint (the most recent LAYOUTS_KEPT):
         #: events about a chunk outlive its engine's registration and still need its block size
         self._layouts: OrderedDict[bytes, KVLayout] = OrderedDict()
+        #: every namespace registered since the start (the most recent LAYOUTS_KEPT), with its
+        #: layout: what the sidecar tells a fleet directory it may hold
+        self.namespaces_seen: OrderedDict[Namespace, KVLayout] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._registrations)
@@ -108,6 +111,10 @@ class EngineRegistry:
         self._layouts.move_to_end(layout.fingerprint)
         if len(self._layouts) > LAYOUTS_KEPT:
             self._layouts.popitem(last=False)
+        self.namespaces_seen[ns] = layout
+        self.namespaces_seen.move_to_end(ns)
+        if len(self.namespaces_seen) > LAYOUTS_KEPT:
+            self.namespaces_seen.popitem(last=False)
         self._registrations[engine_id] = reg
         self._last_used[engine_id] = now
         self._by_identity[(instance, ns)] = engine_id

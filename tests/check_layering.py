@@ -1,4 +1,5 @@
-"""Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; the connector
+"""Import-layering gate: api -> engine -> {storage, gpu}; app wires everything; fleet/ (pure logic of
+the directory and the router) never imports api/; the connector
 imports none of the sidecar, and the sidecar uses only the connector's pure modules (the wire
 protocol and the layout arithmetic); storage/, gpu/ and engine/ own their config types and use
 only app's error vocabulary (never app.settings). Parses every module (function-level imports
@@ -14,30 +15,33 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("app", "api", "engine", "storage", "gpu", "kvdepot_connector")
+PACKAGES = ("app", "api", "engine", "storage", "gpu", "fleet", "kvdepot_connector")
 # where a package lives, when not at the root (the connector is a distribution of its own)
 HOMES = {"kvdepot_connector": ROOT / "connector"}
 SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every layer may use of app/
 # layers below api/ whose config types live with them: only app's error vocabulary is theirs to use
-LOWER_LAYERS = ("storage", "gpu", "engine")
+LOWER_LAYERS = ("storage", "gpu", "engine", "fleet")
 LOWER_APP = ("app.errors", "app.__version__")
 # What the sidecar's packages may use of the connector: pure modules (stdlib and msgspec only).
 CONNECTOR_PURE = (
     "kvdepot_connector.protocol", "kvdepot_connector.wire", "kvdepot_connector.kv_sharing",
     "kvdepot_connector.layout", "kvdepot_connector.lifeline",
 )  # fmt: skip
-SIDECAR = ("app", "api", "engine", "storage", "gpu")
+SIDECAR = ("app", "api", "engine", "storage", "gpu", "fleet")
+# fleet/ (the directory's pure logic) may use of engine/ only the key arithmetic
+FLEET_ENGINE = ("engine.keys",)
 
 # package -> packages it must never import (prefix match on dotted names)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "storage": ("engine", "api", "gpu"),
-    "gpu": ("engine", "api", "storage"),
-    "engine": ("api",),
     "api": ("storage", "gpu"),
-    "kvdepot_connector": ("app", "api", "engine", "storage", "gpu"),
+    "kvdepot_connector": ("app", "api", "engine", "storage", "gpu", "fleet"),
+    "fleet": ("api", "storage", "gpu"),
+    "storage": ("engine", "api", "gpu", "fleet"),
+    "gpu": ("engine", "api", "storage", "fleet"),
+    "engine": ("api", "fleet"),
 }
 # modules only the wiring may import
-WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench")
+WIRING_ONLY = ("app.main", "app.wiring", "app.cli", "app.bench", "app.directory", "app.route")
 # the benchmarks play the engine: they drive the sidecar through the connector's client
 ENGINE_SIDE = ("app.bench",)
 
@@ -92,6 +96,12 @@ def violations(root: Path = ROOT) -> list[str]:
                     and not any(_under(module, m) for m in ENGINE_SIDE)
                 ):
                     out.append(f"{rel}:{lineno}: {package} must not import {name} (not a pure module)")
+                if (
+                    package == "fleet"
+                    and _under(name, "engine")
+                    and not any(_under(name, m) for m in FLEET_ENGINE)
+                ):
+                    out.append(f"{rel}:{lineno}: fleet may use only engine.keys of engine/, not {name}")
                 if module in CONNECTOR_PURE and not _pure_dependency(name):
                     out.append(f"{rel}:{lineno}: a pure module may import the stdlib and msgspec, not {name}")
                 if package != "app" and _under(name, "app") and not _shared_app(name):

@@ -38,7 +38,7 @@ fi
 echo "== ruff"
 .venv/bin/ruff check .
 echo "== mypy --strict"
-.venv/bin/mypy app api engine storage gpu connector/kvdepot_connector
+.venv/bin/mypy app api engine storage gpu fleet connector/kvdepot_connector
 echo "== layering"
 .venv/bin/python tests/check_layering.py
 echo "== pytest"

@@ -31,4 +31,12 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.events import run as run_events
 
         return run_events(args)
+    if args.bench == "directory":
+        from app.bench.directory import run as run_directory
+
+        return run_directory(args)
+    if args.bench == "route":
+        from app.bench.route import run as run_route
+
+        return run_route(args)
     raise SystemExit(f"unknown benchmark {args.bench}")

@@ -7,8 +7,8 @@ import pytest
 
 from tests.e2e.harness import VLLM_PYTHON, build_model
 
-# A real vLLM per test, often two or three side by side, on two cores: on a CPU without bfloat16
-# support (AVX2 only) a 4096-token bfloat16 prefill alone takes tens of seconds, so the suite-wide
+# A real vLLM per test, often two or three side by side, on two cores: a 4096-token prefill takes
+# seconds (float32; tens of seconds in bfloat16 on a CPU without AVX512-BF16), so the suite-wide
 # 300 s would fail tests that are merely slow. A hang still fails, later.
 E2E_TIMEOUT_S = 1800
 

@@ -24,6 +24,13 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 Tokens = list[tuple[str, float]]
 
+#: The engines' dtype. float32, not the checkpoints' bfloat16: on a CPU without AVX512-BF16/AMX torch
+#: runs bfloat16 matmuls two orders of magnitude slower than float32, and the e2e suite's prefills
+#: would take most of its time. The KV cache takes this dtype too.
+E2E_DTYPE = "float32"
+#: Bytes of one KV element in that dtype (chunk sizes in the tests scale with it).
+KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}[E2E_DTYPE]
+
 
 def free_port() -> int:
     import socket
@@ -148,6 +155,8 @@ class VllmServer:
         ]
         if kv is not None:
             args += ["--kv-transfer-config", json.dumps(kv)]
+        if "--dtype" not in extra_args:
+            args += ["--dtype", E2E_DTYPE]
         args += list(extra_args)
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(

@@ -25,10 +25,11 @@ import pytest
 import redis
 
 from app.bench.sidecar import SidecarProcess, start_sidecar
-from tests.e2e.harness import HITS, Tokens, VllmServer, connector_config, prompt
+from tests.e2e.harness import HITS, KV_ELEMENT_BYTES, Tokens, VllmServer, connector_config, prompt
 
 BLOCK = 128
-CHUNK_MB = 2  # one 128-token chunk of the 8-layer model: 8 layers x 256 KiB blocks
+# one 128-token chunk of the 8-layer model: 8 layers x 128 KiB blocks per KV byte (2 MiB in bfloat16)
+CHUNK_MB = KV_ELEMENT_BYTES
 LOG_DIR = Path("/tmp")
 
 
@@ -55,9 +56,9 @@ def sidecar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def disk_sidecar(data_dir: Path) -> SidecarProcess:
-    # 80 MiB of L1 = 40 chunks: a second prompt pushes part of the first one out to the disk L2.
+    # 40 chunks of L1: a second prompt pushes part of the first one out to the disk L2.
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(BLOCK), "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000"}
-    return start_sidecar(data_dir, env=env, l1_size_gb=80 / 1024)
+    return start_sidecar(data_dir, env=env, l1_size_gb=40 * CHUNK_MB / 1024)
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +206,8 @@ def test_two_sidecars_share_one_redis(
         "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
         "KVDEPOT_L2__AUTH_KEYS": key,
     }
-    first_sc = start_sidecar(tmp_path / "one", env=env, l1_size_gb=0.25)
-    second_sc = start_sidecar(tmp_path / "two", env=env, l1_size_gb=0.25)
+    first_sc = start_sidecar(tmp_path / "one", env=env, l1_size_gb=0.125 * KV_ELEMENT_BYTES)
+    second_sc = start_sidecar(tmp_path / "two", env=env, l1_size_gb=0.125 * KV_ELEMENT_BYTES)
     # Default connector settings here: 256-token chunks, asynchronous loads.
     first = VllmServer(model_dir, logs, kv=connector_config(first_sc.url), name="engine-one")
     second = VllmServer(model_dir, logs, kv=connector_config(second_sc.url), name="engine-two")

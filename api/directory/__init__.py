@@ -1,0 +1,1 @@
+"""The directory's HTTP API and its KV-event subscriptions (`kvdepot directory`)."""

@@ -1,0 +1,293 @@
+"""Scorer: for a request's token ids, the longest prefix each live instance can serve, per tier.
+
+For each namespace the live instances of the request's model registered (rank 0, group 0: one
+engine's view; the layout fingerprint and chunk size may differ between instances), the chunk
+keys are computed as the sidecars compute them (fleet/hashing.py: rolling blake3 chain, seed of
+model, layout and tenant) and looked up in the index. An instance's prefix ends at the first chunk
+that none of its holders hold: its L1, its own L2 tiers, or any holder (its own or another
+instance's) on a shared tier it is attached to. Each prefix chunk counts for the best tier holding
+it (L1 > local L2 > shared L2); the score is the weighted share of the request's tokens,
+minus the configured load penalties:
+
+    score = (w_l1 * t_l1 + w_local * t_local + w_shared * t_shared) / len(token_ids)
+            - load_weight_l1 * l1_usage - load_weight_queue * q / (q + 8)
+
+Tenants: the tenant is in every key's seed, so a salted request can only match that tenant's
+chunks. An instance whose events do not tell tenants apart (`salt_mode=omit`), or whose tenants are
+hashed with another deployment key than the directory's, is never credited for a salted request
+(it is listed with prefix 0). A LoRA request (`lora_name`) is keyed with each extra key the events
+showed for that adapter name (the longest match wins); a name never seen matches nothing.
+Multimodal: the request's token ids are keyed without extra keys, so the prefix stops at the first
+chunk that overlaps a multimodal item (its key carries the item).
+
+State: none of its own (reads the registry and the index). Event loop only.
+
+`match` answers `/v1/match` with the same eligibility rules (fleet/match.py finds the windows; the
+index says who holds each chunk found, in which tier).
+
+Primitives: Scorer(registry, namer, lora, config, key_id).score(model, token_ids, salt, lora, now)
+-> Scores; .match(model, token_ids, salt, lora, now) -> [InstanceMatches].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from app.errors import InvalidInput, NotFound
+from fleet.hashing import TenantNamer, iter_first_blocks, seed_of
+from fleet.ingest import LoraBook
+from fleet.match import Matchers
+from fleet.registry import Instance, InstanceRegistry, Tier
+from fleet.spec import DirectoryConfig, NamespaceSpec
+from kvdepot_connector.protocol import encode_tokens
+
+TIERS = (Tier.L1, Tier.LOCAL_L2, Tier.SHARED_L2)
+
+
+@dataclass(slots=True)
+class InstanceScore:
+    id: str
+    url: str
+    engine_url: str | None
+    prefix_tokens: int
+    tiers: dict[str, int]
+    score: float
+    queue_depth: int
+    l1_usage: float
+
+
+@dataclass(slots=True)
+class InstanceMatches:
+    id: str
+    url: str
+    chunk_size: int
+    matches: list[tuple[int, str]] = field(default_factory=list)
+    """(token offset in the request, tier) of each window found."""
+
+
+@dataclass(slots=True)
+class Scores:
+    chunk_size: int
+    instances: list[InstanceScore] = field(default_factory=list)
+
+
+class Scorer:
+    def __init__(
+        self, registry: InstanceRegistry, namer: TenantNamer, lora: LoraBook, config: DirectoryConfig,
+        key_id: str | None,
+    ) -> None:  # fmt: skip
+        self.registry = registry
+        self.namer = namer
+        self.lora = lora
+        self.config = config
+        self.key_id = key_id
+        self.requests = 0
+        self.matchers: Matchers | None = None
+        self.match_requests = 0
+
+    def _namespace(self, inst: Instance, model: str) -> NamespaceSpec | None:
+        for ns in inst.spec.namespaces:
+            if ns.model == model and ns.kv_rank == 0 and ns.group == 0:
+                return ns
+        return None
+
+    def _tenant_ok(self, inst: Instance, salt: str) -> bool:
+        if not salt:
+            return True
+        mode = inst.spec.salt_mode
+        if mode == "omit":
+            return False
+        if mode == "hashed":
+            return self.namer.hashed_ok and inst.spec.salt_key_id == self.key_id
+        return True
+
+    def score(
+        self, model: str, token_ids: Sequence[int] | bytes, salt: str | None, lora_name: str | None,
+        now: float,
+    ) -> Scores:  # fmt: skip
+        self.requests += 1
+        salt = salt or ""
+        if len(token_ids) > self.config.max_tokens * (4 if isinstance(token_ids, bytes) else 1):
+            raise InvalidInput(f"at most {self.config.max_tokens} token ids are scored")
+        try:
+            data = encode_tokens(token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+        n_tokens = len(data) // 4
+        candidates: list[tuple[Instance, NamespaceSpec | None]] = [
+            (inst, self._namespace(inst, model)) for inst in self.registry.live(now)
+        ]
+        candidates = [(i, ns) for i, ns in candidates if ns is not None]
+        extras: list[bytes] = [b""]
+        if lora_name:
+            extras = self.lora.extras(lora_name)
+        index = self.registry.index
+        shared_bits = self._shared_bits()
+        keys_cache: dict[tuple[str, int, str, bytes], list[tuple[int, int]]] = {}
+        out: list[InstanceScore] = []
+        chunk_size = 0
+        w = self.config.weights
+        weight = {Tier.L1: w.l1, Tier.LOCAL_L2: w.local_l2, Tier.SHARED_L2: w.shared_l2}
+        for inst, ns in candidates:
+            assert ns is not None
+            chunk_size = chunk_size or ns.chunk_size
+            best = (0, {t: 0 for t in TIERS})
+            if self._tenant_ok(inst, salt):
+                tenant = self.namer.tenant(salt, inst.spec.salt_mode)
+                l1, local, shared = self._masks(inst, shared_bits)
+                for extra in extras:
+                    ck = (ns.layout_fp, ns.chunk_size, tenant, extra)
+                    runs = keys_cache.get(ck)
+                    if runs is None:
+                        seed = seed_of(model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
+                        runs = keys_cache[ck] = _runs(
+                            index.masks, iter_first_blocks(data, ns.chunk_size, seed, extra)
+                        )
+                    found = _walk(runs, l1, local, shared, ns.chunk_size)
+                    if found[0] > best[0]:
+                        best = found
+            prefix, per_tier = best
+            value = sum(weight[t] * per_tier[t] for t in TIERS) / max(n_tokens, 1)
+            q = inst.spec.queue_depth
+            value -= self.config.load_weight_l1 * inst.spec.l1_usage
+            value -= self.config.load_weight_queue * q / (q + 8)
+            out.append(
+                InstanceScore(
+                    id=inst.id,
+                    url=inst.spec.url,
+                    engine_url=inst.spec.engine_url,
+                    prefix_tokens=prefix,
+                    tiers={t.value: per_tier[t] for t in TIERS},
+                    score=round(value, 6),
+                    queue_depth=q,
+                    l1_usage=inst.spec.l1_usage,
+                )
+            )
+        out.sort(key=lambda s: (-s.score, -s.prefix_tokens, s.queue_depth, s.id))
+        return Scores(chunk_size=chunk_size, instances=out)
+
+    def match(
+        self, model: str, token_ids: Sequence[int], salt: str | None, lora_name: str | None, now: float,
+        *, max_per_instance: int = 256,
+    ) -> list[InstanceMatches]:  # fmt: skip
+        """Per live instance of the model: where windows of the request equal chunks it holds, at
+        any offset (greedy, non-overlapping, ascending), with the tier holding each."""
+        self.match_requests += 1
+        if self.matchers is None:
+            raise NotFound("the non-prefix matcher is off (directory.match = false)")
+        salt = salt or ""
+        if len(token_ids) > self.config.max_tokens:
+            raise InvalidInput(f"at most {self.config.max_tokens} token ids are matched")
+        try:
+            data = encode_tokens(token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+        masks = self.registry.index.masks
+        shared_bits = self._shared_bits()
+        found: dict[tuple[int, str, str], list[tuple[int, int]]] = {}
+        out: list[InstanceMatches] = []
+        for inst in self.registry.live(now):
+            ns = self._namespace(inst, model)
+            if ns is None:
+                continue
+            row = InstanceMatches(inst.id, inst.spec.url, ns.chunk_size)
+            out.append(row)
+            matcher = self.matchers.get(ns.chunk_size, create=False)
+            if matcher is None or not self._tenant_ok(inst, salt):
+                continue
+            tenant = self.namer.tenant(salt, inst.spec.salt_mode)
+            key = (ns.chunk_size, tenant, lora_name or "")
+            hits = found.get(key)
+            if hits is None:
+                hits = found[key] = matcher.find((model, tenant, lora_name or ""), data)
+            l1, local, shared = self._masks(inst, shared_bits)
+            end = -1
+            for offset, head in hits:
+                if offset < end:
+                    continue
+                m = masks.get(head, 0)
+                tier = (
+                    Tier.L1
+                    if m & l1
+                    else Tier.LOCAL_L2
+                    if m & local
+                    else Tier.SHARED_L2
+                    if m & shared
+                    else None
+                )
+                if tier is None:
+                    continue
+                row.matches.append((offset, tier.value))
+                end = offset + ns.chunk_size
+                if len(row.matches) >= max_per_instance:
+                    break
+        out.sort(key=lambda r: (-len(r.matches), r.id))
+        return out
+
+    def _shared_bits(self) -> dict[str, int]:
+        """Shared tier fingerprint -> mask of every holder on it (any instance, live or not)."""
+        out: dict[str, int] = {}
+        for inst in self.registry.instances.values():
+            for medium, fp in inst.shared.items():
+                bit = inst.holders.get(medium)
+                if bit is not None:
+                    out[fp] = out.get(fp, 0) | (1 << bit)
+        return out
+
+    @staticmethod
+    def _masks(inst: Instance, shared_bits: dict[str, int]) -> tuple[int, int, int]:
+        l1 = local = shared = 0
+        for medium, bit in inst.holders.items():
+            tier = inst.tier_of(medium)
+            if tier is Tier.L1:
+                l1 |= 1 << bit
+            elif tier is Tier.LOCAL_L2:
+                local |= 1 << bit
+        for fp in set(inst.shared.values()):
+            shared |= shared_bits.get(fp, 0)
+        return l1, local, shared
+
+
+def _runs(masks: dict[int, int], heads: Iterable[int]) -> list[tuple[int, int]]:
+    """The chunks' holder masks, run-length encoded up to the first chunk nobody holds: prefixes
+    held are nested, so a 32k-token request is a handful of runs, walked once per instance."""
+    out: list[tuple[int, int]] = []
+    get = masks.get
+    last = -1
+    count = 0
+    for h in heads:
+        m = get(h, 0)
+        if not m:
+            break
+        if m == last:
+            count += 1
+            continue
+        if count:
+            out.append((last, count))
+        last, count = m, 1
+    if count:
+        out.append((last, count))
+    return out
+
+
+def _walk(
+    runs: list[tuple[int, int]], l1: int, local: int, shared: int, chunk_size: int
+) -> tuple[int, dict[Tier, int]]:
+    """The servable prefix (tokens) and its tokens per best tier."""
+    every = l1 | local | shared
+    n = in_l1 = in_local = 0
+    for mask, count in runs:
+        if not mask & every:
+            break
+        if mask & l1:
+            in_l1 += count
+        elif mask & local:
+            in_local += count
+        n += count
+    counts = {
+        Tier.L1: in_l1 * chunk_size,
+        Tier.LOCAL_L2: in_local * chunk_size,
+        Tier.SHARED_L2: (n - in_l1 - in_local) * chunk_size,
+    }
+    return n * chunk_size, counts
