@@ -1,6 +1,7 @@
 """A tiny OTLP/HTTP traces receiver in a thread of the benchmark's process: it accepts what the
 sidecar's exporter POSTs to /v1/traces (protobuf), counts requests, bytes and spans, and answers
-200 with an empty ExportTraceServiceResponse, as a collector that keeps up does.
+200 with an empty ExportTraceServiceResponse, as a collector that keeps up does; with `keep` it
+also keeps the last spans decoded (tests read them).
 
 Primitives in call order: OtlpReceiver() (binds 127.0.0.1, a free port) -> endpoint -> stop() ->
 the figures.
@@ -9,6 +10,8 @@ the figures.
 from __future__ import annotations
 
 import threading
+from collections import deque
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -20,12 +23,26 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 MAX_BODY = 64 << 20
 
 
+@dataclass(frozen=True, slots=True)
+class ReceivedSpan:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, object]
+
+
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 0) -> None:
+        """`keep`: the last this many spans received are kept, decoded (`received()`; tests)."""
         self.requests = 0
         self.bytes = 0
         self.spans = 0
         self.errors = 0
+        self._kept: deque[ReceivedSpan] = deque(maxlen=max(keep, 1))
+        self._keep = keep > 0
         self._lock = threading.Lock()
         receiver = self
 
@@ -45,6 +62,8 @@ class OtlpReceiver:
                     self.send_error(400)
                     return
                 spans = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                if receiver._keep:
+                    receiver._remember(request)
                 receiver._count(len(body), spans)
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
@@ -59,6 +78,22 @@ class OtlpReceiver:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
         self._thread.start()
+
+    def _remember(self, request: ExportTraceServiceRequest) -> None:
+        for resource in request.resource_spans:
+            for scope in resource.scope_spans:
+                for span in scope.spans:
+                    attributes = {kv.key: getattr(kv.value, kv.value.WhichOneof("value") or "string_value")
+                                  for kv in span.attributes}  # fmt: skip
+                    with self._lock:
+                        self._kept.append(ReceivedSpan(
+                            span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
+                            span.start_time_unix_nano, span.end_time_unix_nano, attributes,
+                        ))  # fmt: skip
+
+    def received(self) -> list[ReceivedSpan]:
+        with self._lock:
+            return list(self._kept)
 
     def _count(self, nbytes: int, spans: int, *, error: bool = False) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
 """The W3C trace context an engine request carries, as LOOKUP passes it on (protocol `traceparent`).
 
 vLLM's API server passes the trace headers a request came with (`traceparent`, `tracestate`) into
-the engine's `Request.trace_headers`, which the scheduler side of the connector is handed (with
-`--otlp-traces-endpoint`, vLLM's own `llm_request` span has the same parent). `traceparent_of` picks a valid version-00 `traceparent`
+the engine's `Request.trace_headers`, which the scheduler side of the connector is handed, when
+vLLM traces itself (`--otlp-traces-endpoint`; it drops them otherwise); vLLM's own `llm_request`
+span has the same parent. `traceparent_of` picks a valid version-00 `traceparent`
 out of them (any case of the header name; surrounding blanks dropped; upper-case hex folded), or
 "" when there is none or it is malformed: a bad header never fails a lookup, it is only untraced.
 
