@@ -28,6 +28,7 @@ from pydantic import SecretStr
 
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
+from api.http.audit import AuditLog
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
 from api.metrics import DataPlaneMetrics, build_registry
@@ -234,8 +235,10 @@ class Service:
         # The sidecar's own copies need torch: built now where a GPU may be (its arena pinned
         # before the first engine comes), else when an engine first shares its KV cache.
         transfers = self._build_transfers(regions) if cuda_may_be_present() else None
+        audit = AuditLog()  # the control plane's mutations and the data plane's CLEARs
         self.dataplane = DataPlaneServer(
             self.engine,
+            audit=audit,
             url=s.data_plane_url,
             max_frame_bytes=s.data_plane.max_frame_bytes,
             max_tokens=s.data_plane.max_tokens,
@@ -256,6 +259,7 @@ class Service:
         self.dataplane.bind()
         self.http_socket = bind_http(s.http.host, s.http.port)
         self.control = ControlContext(
+            audit=audit,
             settings=s,
             admin=admin,
             status=StatusReader(self.engine, admin),

@@ -11,6 +11,10 @@ the L2 policy (/l2/policy); anything else has none (null). The record:
   of the SHA-256 of the bearer token given, null without one)}, before, after,
   outcome {status, code (the error body's code; null on success)}
 
+A data-plane CLEAR (an engine purging one tenant; CLEAR of all is refused there) is recorded too,
+by the data-plane server: resource "dataplane.clear", the caller the engine instance (a digest of
+its nonce), before/after the tenant's L1 bytes.
+
 It is logged as ONE structured line (logger `kvdepot.audit`, event `admin_call`; the tenant's salt
 appears there only as `target_fp`, the first 8 hex of its SHA-256: logs never show salts) and kept
 in a ring of the last `capacity` records, newest first in `recent(limit)` (GET /audit, admin token
@@ -74,7 +78,7 @@ class AuditLog:
         self._records.append(entry)
         self.recorded += 1
         line = {k: v for k, v in entry.items() if k != "target"}
-        if entry.get("resource") == "quotas" and entry.get("target") is not None:
+        if entry.get("resource") in ("quotas", "dataplane.clear") and entry.get("target") is not None:
             line["target_fp"] = fingerprint(str(entry["target"]))
         elif entry.get("target") is not None:
             line["target"] = entry["target"]
