@@ -1,11 +1,14 @@
 """The fleet end to end: two sidecars, each beside its own real vLLM engine (CPU, the tiny model of
-the e2e suite, vLLM's own prefix cache off so every hit is kvdepot's), the directory they register
-with and publish KV events to, and `kvdepot route` in front of both engines.
+the e2e suite, vLLM's own prefix cache off so every hit is kvdepot's), both writing behind to one
+shared Redis, the directory they register with and publish KV events to, and `kvdepot route` in
+front of both engines. The connectors run on their defaults (256-token chunks, asynchronous loads).
 
 Done when: a prompt sent through the router twice lands on the same engine the second time and
 hits; a second prompt sharing its 2048-token prefix lands there too and hits that prefix; the
 engine holding it killed (SIGKILL to its process group, while it computes a request routed to it),
-the router sends that request and the next ones to the other engine, and no request fails.
+the router sends that request and the next ones to the other engine, and no request fails. The
+other engine then serves the first prompt from the shared Redis: every token a hit, the same
+answer as the first, cold computation.
 
 Needs the directory (`fleet.directory`, `kvdepot directory`): skipped where it is not there.
 """
@@ -14,9 +17,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import json
 import os
+import secrets
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from app.bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import HITS, VllmServer, connector_config, free_port, prompt
@@ -33,7 +40,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("fleet.directory") is None, reason="the directory (fleet.directory) is absent"
 )
 
-BLOCK = 128
+CHUNK = 256  # the connector's and the sidecar's default
 P1 = prompt(11, 4096)
 P2 = P1[:2048] + prompt(12, 2048)
 
@@ -67,30 +74,48 @@ def _directory(tmp: Path) -> Proc:
                 "/health")  # fmt: skip
 
 
-def _sidecar(tmp: Path, name: str, directory_url: str) -> SidecarProcess:
+def _sidecar(tmp: Path, name: str, directory_url: str, shared: dict[str, str]) -> SidecarProcess:
     env = {
-        "KVDEPOT_L1__CHUNK_SIZE": str(BLOCK),
+        **shared,
         "KVDEPOT_KV_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
         "KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
         "KVDEPOT_FLEET__DIRECTORY_URL": directory_url,
         "KVDEPOT_FLEET__INSTANCE_ID": name,
         "KVDEPOT_FLEET__DIRECTORY_HEARTBEAT_S": "0.5",
     }
-    return start_sidecar(tmp / name, env=env, l1_size_gb=0.25)
+    # 64 chunks of 8 MiB (float32): the four prompts fit, nothing is evicted
+    return start_sidecar(tmp / name, env=env, l1_size_gb=0.5)
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetRun]:
+def redis_prefix() -> Iterator[str]:
+    prefix = f"kvdepot-e2e-fleet-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    with redis.Redis() as r:
+        for key in r.scan_iter(match=prefix + "*"):
+            r.unlink(key)
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_prefix: str) -> Iterator[FleetRun]:
     tmp = tmp_path_factory.mktemp("fleet")
+    url = "redis://127.0.0.1:6379/0"
+    adapters = [{"type": "redis", "name": "shared", "url": url, "key_prefix": redis_prefix}]
+    shared = {
+        "KVDEPOT_L2__ADAPTERS": json.dumps(adapters),
+        "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
+        # sidecars sharing a Redis share its deployment key (the blobs are authenticated with it)
+        "KVDEPOT_L2__AUTH_KEYS": json.dumps([secrets.token_hex(32)]),
+    }
     started: list[Any] = []
     try:
         directory = _directory(tmp)
         started.append(directory)
         members = []
         for name in ("sc-a", "sc-b"):
-            sc = _sidecar(tmp, name, directory.url)
+            sc = _sidecar(tmp, name, directory.url, shared)
             started.append(sc)
-            kv = connector_config(sc.url, kvdepot_chunk_size=BLOCK, kvdepot_load="sync")
+            kv = connector_config(sc.url)
             engine = VllmServer(model_dir, tmp, kv=kv, name=f"engine-{name}")
             started.append(engine)
             members.append(Member(name, sc, engine))
@@ -112,7 +137,7 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def complete(fleet: FleetRun, tokens: list[int]) -> tuple[int, dict[str, str], dict[str, Any]]:
     body = {"model": fleet.members[0].engine.model, "prompt": tokens, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True, "logprobs": 1}  # fmt: skip
     resp = httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=1200)
     return resp.status_code, dict(resp.headers), resp.json()
 
@@ -135,9 +160,19 @@ def wait_scored(fleet: FleetRun, tokens: list[int], name: str, at_least: int, ti
 STATE: dict[str, Any] = {}
 
 
+def answer(body: dict[str, Any]) -> list[tuple[str, float]]:
+    logprobs = body["choices"][0]["logprobs"]
+    return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+
+
+def written(sc: SidecarProcess) -> int:
+    return int(sc.get_json("/status")["l2"]["store"]["written"])
+
+
 def test_the_same_prompt_twice_lands_on_the_same_engine_and_hits(fleet: FleetRun) -> None:
-    status, headers, _ = complete(fleet, P1)
+    status, headers, body = complete(fleet, P1)
     assert status == 200
+    STATE["P1 full"] = answer(body)
     first = fleet.by_url(headers["x-kvdepot-engine"])
     assert headers["x-kvdepot-route"] == "no_prefix"  # nobody holds P1 yet
     wait_scored(fleet, P1, first.name, 4096)  # 32 full chunks stored, announced, indexed
@@ -146,7 +181,7 @@ def test_the_same_prompt_twice_lands_on_the_same_engine_and_hits(fleet: FleetRun
     status, headers, _ = complete(fleet, P1)
     assert status == 200
     assert headers["x-kvdepot-engine"] == first.url and headers["x-kvdepot-route"] == "prefix"
-    assert first.engine.metric(HITS) - hits == 4096 - BLOCK  # sync load: the last chunk is computed
+    assert first.engine.metric(HITS) - hits == 4096  # asynchronous load: the whole prompt
     STATE["holder"] = first
 
 
@@ -178,9 +213,24 @@ def test_the_holder_killed_mid_request_fails_no_request(fleet: FleetRun) -> None
     assert len(body["choices"][0]["text"]) > 0
     # the directory still scores the holder's sidecar (it lives); the router sends elsewhere
     assert scored_prefix(fleet, P1, holder.name) == 4096
-    for tokens in (P1, P2):
-        status, headers, _ = complete(fleet, tokens)
-        assert status == 200 and headers["x-kvdepot-engine"] == other.url
+    # P1's 16 chunks went behind to the shared Redis. The other engine never computed P1: its first
+    # 8 chunks may have come with `fresh` (loaded, or computed if the load lost its race), its last
+    # 8 only the shared Redis can give
+    deadline = time.monotonic() + 60
+    while written(holder.sidecar) < 16:
+        assert time.monotonic() < deadline, "write-behind did not finish"
+        time.sleep(0.1)
+    hits = other.engine.metric(HITS)
+    loaded = other.sidecar.get_json("/status")["l2"]["prefetch"]["chunks_loaded"]
+    status, headers, body = complete(fleet, P1)
+    assert status == 200 and headers["x-kvdepot-engine"] == other.url
+    assert other.engine.metric(HITS) - hits == 4096
+    assert other.sidecar.get_json("/status")["l2"]["prefetch"]["chunks_loaded"] - loaded >= 8
+    got, full = answer(body), STATE["P1 full"]
+    assert [t for t, _ in got] == [t for t, _ in full]
+    assert all(abs(a - b) <= 0.05 for (_, a), (_, b) in zip(got, full, strict=True))
+    status, headers, _ = complete(fleet, P2)
+    assert status == 200 and headers["x-kvdepot-engine"] == other.url
     text = httpx.get(fleet.router.url + "/metrics", timeout=30).text
     assert metric(text, "kvdepot_route_retries_total") >= 1
     assert metric(text, "kvdepot_route_requests_total", endpoint="completions", status="5xx") == 0

@@ -13,16 +13,12 @@ block, i.e. exactly the tokens vLLM's cache would reuse): that proves the KV byt
 
 from __future__ import annotations
 
-import json
-import secrets
 import signal
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from app.bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import HITS, KV_ELEMENT_BYTES, Tokens, VllmServer, connector_config, prompt
@@ -182,49 +178,3 @@ def test_sidecar_killed_mid_run_then_back(
         assert time.monotonic() < deadline, "the engine never used the restarted sidecar"
     ref = reference.complete(P1)
     assert got == ref, {"got": got, "ref": ref, "full": ANSWERS["P1 full"], "cached": ANSWERS["P1 cached"]}
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"kvdepot-e2e-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    with redis.Redis() as r:
-        for key in r.scan_iter(match=prefix + "*"):
-            r.unlink(key)
-
-
-def test_two_sidecars_share_one_redis(
-    model_dir: Path, logs: Path, reference: VllmServer, tmp_path: Path, redis_prefix: str
-) -> None:
-    adapters = json.dumps(
-        [{"type": "redis", "name": "shared", "url": "redis://127.0.0.1:6379/0", "key_prefix": redis_prefix}]
-    )
-    # Sidecars sharing a Redis share its deployment key (the blobs are authenticated with it).
-    key = json.dumps([secrets.token_hex(32)])
-    env = {
-        "KVDEPOT_L2__ADAPTERS": adapters,
-        "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
-        "KVDEPOT_L2__AUTH_KEYS": key,
-    }
-    first_sc = start_sidecar(tmp_path / "one", env=env, l1_size_gb=0.125 * KV_ELEMENT_BYTES)
-    second_sc = start_sidecar(tmp_path / "two", env=env, l1_size_gb=0.125 * KV_ELEMENT_BYTES)
-    # Default connector settings here: 256-token chunks, asynchronous loads.
-    first = VllmServer(model_dir, logs, kv=connector_config(first_sc.url), name="engine-one")
-    second = VllmServer(model_dir, logs, kv=connector_config(second_sc.url), name="engine-two")
-    try:
-        first.wait_healthy()
-        second.wait_healthy()
-        p = prompt(5, 4096)
-        full = reference.complete(p)
-        assert first.complete(p) == full
-        wait_written(first_sc, 16)
-        hits_before = second.metric(HITS)
-        got = second.complete(p)
-        assert second.metric(HITS) - hits_before == 4096  # async: the whole prompt
-        assert second_sc.get_json("/status")["l2"]["prefetch"]["chunks_loaded"] == 16
-        assert_close(got, full)
-    finally:
-        first.stop()
-        second.stop()
-        first_sc.stop()
-        second_sc.stop()

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from app.bench.sidecar import SidecarProcess
 from tests.integration.l2_helpers import free_port
 from tests.integration.test_serve_process import cli_env
+from tests.integration.tools import need_tool
 from tests.metric_catalog import README, readme_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,9 +96,7 @@ def test_the_alert_rules_pass_promtool_and_name_catalogued_metrics() -> None:
     known = catalog_series()
     for rule in rules:
         assert metric_names(rule["expr"]) <= known, rule
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (tests/run.sh installs Debian's prometheus package)")
+    promtool = need_tool("promtool", "prometheus")
     done = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True,
                           timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import shutil
 import socketserver
 import threading
 import urllib.request
@@ -27,6 +26,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 
 from tests.integration.cdp import Browser
 from tests.integration.conftest import StartSidecar
+from tests.integration.tools import need_tool
 
 
 class Refusing(socketserver.StreamRequestHandler):
@@ -66,10 +66,7 @@ def proxy() -> Iterator[RecordingProxy]:
 
 @pytest.fixture
 def chromium() -> str:
-    binary = shutil.which("chromium")
-    if binary is None:
-        pytest.skip("chromium is not installed (tests/run.sh installs Debian's chromium package)")
-    return binary
+    return need_tool("chromium", "chromium")
 
 
 OPERATIONS = "[...document.querySelectorAll('.opblock-summary-path')].map(e => e.dataset.path)"

@@ -5,7 +5,6 @@ names an exported family, and `promtool check metrics` finds nothing to say abou
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from tests.integration.metrics_sidecar import load, observed_sidecar, scrape
+from tests.integration.tools import need_tool
 from tests.metric_catalog import README, differences, readme_rows, scraped_rows
 
 
@@ -62,9 +62,7 @@ def test_a_new_family_without_a_row_and_a_row_without_a_family_are_caught(scrape
 
 
 def test_promtool_check_metrics_is_clean(scraped: str, tmp_path: Path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (tests/run.sh installs Debian's prometheus package)")
+    promtool = need_tool("promtool", "prometheus")
     done = subprocess.run([promtool, "check", "metrics"], input=scraped, capture_output=True, text=True,
                           timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "" and done.stderr.strip() == "", (

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -30,6 +29,7 @@ import yaml
 from tests.integration.l2_helpers import free_port
 from tests.integration.metrics_sidecar import DEAD_ADAPTER, TOKEN, observed_sidecar, start_load
 from tests.integration.test_deploy_files import ALERTS, PROMETHEUS, alert_rules, dashboard_exprs
+from tests.integration.tools import need_tool
 
 pytestmark = pytest.mark.slow
 
@@ -103,10 +103,8 @@ def scrape_config(target: str, token_file: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def prometheus_binary() -> str:
-    binary, promtool = shutil.which("prometheus"), shutil.which("promtool")
-    if binary is None or promtool is None:
-        pytest.skip("prometheus is not installed (tests/run.sh installs Debian's prometheus package)")
-    return binary
+    need_tool("promtool", "prometheus")
+    return need_tool("prometheus", "prometheus")
 
 
 @pytest.fixture
