@@ -28,9 +28,11 @@ from pydantic import SecretStr
 
 from api.dataplane.server import DataPlaneServer
 from api.http.app import create_app
+from api.http.audit import AuditLog
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
 from api.metrics import DataPlaneMetrics, build_registry
+from api.metrics_events import EventMetrics
 from api.metrics_workers import WorkerCollector
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
@@ -39,6 +41,7 @@ from app.fleet_member import DirectoryMember
 from app.kv_events import KvEvents, build_kv_events
 from app.settings import Settings
 from app.supervisor import Supervisor
+from app.tracing import Tracing, build_tracing
 from app.wiring import (
     build_admin,
     build_cache,
@@ -67,6 +70,8 @@ from storage.auth import KEY_FILE, BlobKeys
 from storage.factory import build_adapter
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from engine.transfers import KVTransfers
 
 log = structlog.get_logger("kvdepot")
@@ -106,8 +111,11 @@ def with_admin_token(settings: Settings) -> Settings:
 
 
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, span_exporter: SpanExporter | None = None) -> None:
+        """`span_exporter`: spans go there (tests: the SDK's in-memory exporter), whether or not
+        `tracing.otlp_endpoint` is set."""
         self.settings = settings
+        self._span_exporter = span_exporter
         self.supervisor = Supervisor()
         self._started_at = time.monotonic()
         self._stop = asyncio.Event()
@@ -126,6 +134,9 @@ class Service:
         self.kv_events: KvEvents | None = None
         #: the one event bus, built at start (app/wiring.build_events); subscribers: event_subscribers
         self.events: EventBus | None = None
+        #: spans of each engine request over OTLP (tracing.otlp_endpoint set), a bus subscriber
+        self.tracing: Tracing | None = None
+        self.event_metrics: EventMetrics | None = None
         self._lock: DataDirLock | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
@@ -208,8 +219,17 @@ class Service:
         roots = s.l2.allowed_roots or [s.data_dir]
         admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
         registry = build_registry(self.engine, s.tenants.metrics_top_n)
+        #: histograms from the bus (load latency, hit ratio, reuse distance, age at eviction)
+        self.event_metrics = (
+            EventMetrics(registry, chunk_size=s.l1.chunk_size, max_tracked=s.events.tracked_chunks)
+            if s.events.enabled
+            else None
+        )
         # Tenants appear in KV events hashed with the deployment key (kv_events.salt=hashed).
         self.kv_events = build_kv_events(s.kv_events, self.engine, keys.signer.key, registry)
+        self.tracing = build_tracing(
+            s.tracing, f"{socket.gethostname()}/{instance_id(s.data_dir)}", registry, self._span_exporter
+        )
         self._key_id = keys.signer.key_id.hex()  # named to the directory, which hashes tenants alike
         regions = SealedRegions()
         f = s.fleet
@@ -223,8 +243,10 @@ class Service:
         # The sidecar's own copies need torch: built now where a GPU may be (its arena pinned
         # before the first engine comes), else when an engine first shares its KV cache.
         transfers = self._build_transfers(regions) if cuda_may_be_present() else None
+        audit = AuditLog()  # the control plane's mutations and the data plane's CLEARs
         self.dataplane = DataPlaneServer(
             self.engine,
+            audit=audit,
             url=s.data_plane_url,
             max_frame_bytes=s.data_plane.max_frame_bytes,
             max_tokens=s.data_plane.max_tokens,
@@ -249,6 +271,7 @@ class Service:
             path=s.data_dir / PURGE_FILE, executor=self._state_executor,
         )  # fmt: skip
         self.control = ControlContext(
+            audit=audit,
             settings=s,
             admin=admin,
             status=StatusReader(self.engine, admin),
@@ -271,8 +294,15 @@ class Service:
 
     def event_subscribers(self) -> list[Subscriber]:
         """The event bus's subscribers, called once everything is built and before the bus runs
-        (the KV-event publisher joins here)."""
-        return [] if self.kv_events is None else [self.kv_events.publisher.on_events]
+        (the KV-event publisher and the span builder join here)."""
+        subscribers: list[Subscriber] = []
+        if self.event_metrics is not None:
+            subscribers.append(self.event_metrics.on_events)
+        if self.kv_events is not None:
+            subscribers.append(self.kv_events.publisher.on_events)
+        if self.tracing is not None:
+            subscribers.append(self.tracing.subscriber)
+        return subscribers
 
     def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
         """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
@@ -351,6 +381,8 @@ class Service:
             self.kv_events.start()
         if self.events is not None and self.events.enabled:
             self.supervisor.start("events", self.events.run(), drain=False)
+        if self.tracing is not None:
+            self.supervisor.start("tracing-sweep", self.tracing.run_sweeper(), drain=False)
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
@@ -403,6 +435,9 @@ class Service:
         self._stop.set()
 
     def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.close()  # after the bus's last flush (run): what it delivered is exported
+            self.tracing = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None

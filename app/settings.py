@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.kvevents.config import KvEventsSettings
+from api.tracing.config import TracingSettings
 from engine.transfer_limits import TransferLimits
 from storage.auth import parse_secret
 from storage.config import (
@@ -297,6 +298,11 @@ class EventSettings(BaseModel):
     linger_ms: float = Field(
         2.0, ge=0, le=1000, description="After a wake-up the dispatcher waits this long to batch events."
     )
+    tracked_chunks: int = Field(
+        65536, ge=16, le=1 << 24,
+        description="Chunk store times kept (each for the reuse distance and per tier for the age at "
+        "eviction histograms); past it the oldest are forgotten (counted).",
+    )  # fmt: skip
 
 
 class FleetSettings(BaseModel):
@@ -368,6 +374,7 @@ class Settings(BaseSettings):
     events: EventSettings = Field(default_factory=EventSettings)
     kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @property
     def data_plane_url(self) -> str:
@@ -377,6 +384,8 @@ class Settings(BaseSettings):
     def _check_kv_events(self) -> Settings:
         if self.kv_events.endpoint is not None and not self.events.enabled:
             raise ValueError("kv_events.endpoint needs events.enabled=true (KV events come from the bus)")
+        if self.tracing.otlp_endpoint is not None and not self.events.enabled:
+            raise ValueError("tracing.otlp_endpoint needs events.enabled=true (spans come from the bus)")
         if self.fleet.directory_url is not None and self.kv_events.endpoint is None:
             raise ValueError("fleet.directory_url needs kv_events.endpoint (the directory reads the events)")
         return self

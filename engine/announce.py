@@ -46,15 +46,17 @@ class StoreAnnouncer:
             lora_name,
         )
 
-    def committed(self, obj: L1Object) -> None:
+    def committed(self, obj: L1Object) -> str:
+        """Publish STORED for `obj`; answer the request id its STORE named ("" unknown)."""
         pending = self._pending.pop(obj.oid, None)
         if pending is None or not obj.visible:
-            return
+            return ""
         request_id, tokens, parent, extra, lora = pending
         self.events.emit(
             Kind.STORED, tier=L1_TIER, key=obj.key, op="commit", request_id=request_id, tokens=tokens,
             parent=parent, extra=extra, lora_name=lora,
         )  # fmt: skip
+        return request_id
 
     def dropped(self, oid: int) -> None:
         self._pending.pop(oid, None)

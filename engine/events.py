@@ -31,7 +31,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.keys import ObjectKey
@@ -50,11 +50,18 @@ class Kind(enum.IntEnum):
     CLEARED = 3
     """Every chunk left `tier` ("" = every tier)."""
     LOOKUP = 4
-    """A lookup answered: `detail` = hit tokens."""
+    """A lookup answered: `detail` = hit tokens (in L1), `total` = tokens of its full chunks, `hits` =
+    the keys of the chunks it hit for the first time, `reason` = "prefetch" when the misses are being
+    loaded from L2 (an END "l2.prefetch" with tier "" follows, its `detail` = the chunks that arrived)."""
     ERROR = 5
     """An operation failed: `op`, `reason` = the error code."""
     START = 6
-    """An operation began: `op`, `request_id`; ends with the END of the same `span`."""
+    """An operation began: `op`, `request_id`; ends with the END of the same `span`. The pairs:
+    every data-plane operation (`op` = its message tag, `request_id` where the message names one,
+    `trace` = the client's traceparent), "l2.load" per chunk loaded (tier = the adapter),
+    "l2.prefetch" per request (tier "") and per adapter within it (locate + loads; END detail =
+    chunks loaded), "l2.store" per batch written to an adapter, one pair per request in the batch
+    (END detail = chunks written)."""
     END = 7
     """An operation ended: `op`, `span`, `reason` = "ok" or the error code, `detail` = chunks."""
 
@@ -83,6 +90,12 @@ class Event:
     """STORED in L1 from a store: the chunk's extra key (b"" when its KV depends on tokens alone)."""
     lora_name: str = ""
     """STORED in L1 from a store: the LoRA adapter's name when the client said it."""
+    trace: str = ""
+    """START of a data-plane operation: the W3C `traceparent` the client sent with it (b"" none)."""
+    total: int = 0
+    """LOOKUP: the tokens of the lookup's full chunks."""
+    hits: Sequence[ObjectKey] = ()
+    """LOOKUP: the keys of the chunks it found in L1 that no lookup had found before."""
 
 
 Subscriber = Callable[[list[Event]], object]
@@ -133,13 +146,16 @@ class EventBus:
             return
         self.publish(Event(kind, time.time_ns(), **fields))  # type: ignore[arg-type]
 
-    def start(self, op: str, request_id: str = "", *, tier: str = "") -> int:
-        """Publish the START of `op` and answer its span id (0 when disabled: `end` ignores it)."""
+    def start(self, op: str, request_id: str = "", *, tier: str = "", trace: str = "") -> int:
+        """Publish the START of `op` and answer its span id (0 when disabled: `end` ignores it).
+        `trace`: the caller's W3C traceparent, when it sent one."""
         if not self.enabled:
             return 0
         self._spans += 1
         span = self._spans
-        self.publish(Event(Kind.START, time.time_ns(), tier=tier, op=op, request_id=request_id, span=span))
+        self.publish(
+            Event(Kind.START, time.time_ns(), tier=tier, op=op, request_id=request_id, span=span, trace=trace)
+        )
         return span
 
     def end(

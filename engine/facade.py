@@ -31,7 +31,8 @@ Primitives in data-plane call order:
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
 Events (engine/events.py, the bus the L1 cache was given): STORED (tier L1) at COMMIT with what
-the STORE said of the chunk (engine/announce.py), LOOKUP with the hit tokens, CLEARED on CLEAR of
+the STORE said of the chunk (engine/announce.py), LOOKUP with the hit tokens (and the keys of the
+chunks hit for the first time: `L1Object.hit`), CLEARED on CLEAR of
 all, REMOVED "purged" per chunk on CLEAR of one tenant; L1 REMOVED otherwise comes from the cache.
 
 The control plane reaches the engine elsewhere: quotas and L2 administration in engine/admin.py,
@@ -176,7 +177,7 @@ class CacheEngine:
             if hit < n and l2.tiers.active():
                 self._requests.keep(rid, state)
                 missing = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
-                state.prefetch = l2.prefetch.start(reg, missing, partial(self._attach, state))
+                state.prefetch = l2.prefetch.start(reg, missing, partial(self._attach, state), request_id)
                 pending = n - hit
         c = self.counters
         c.lookups += 1
@@ -187,9 +188,15 @@ class CacheEngine:
         c.miss_tokens += len(tokens) // 4 - hit * self.chunk_size
         events = self.events
         if events.enabled:
+            first: list[ObjectKey] = []  # the chunks a lookup finds for the first time
+            for obj in locked:
+                if not obj.hit:
+                    obj.hit = True
+                    first.append(obj.key)
             events.emit(
-                Kind.LOOKUP, tier=L1_TIER, op="lookup", request_id=request_id, detail=hit * self.chunk_size
-            )
+                Kind.LOOKUP, tier=L1_TIER, op="lookup", request_id=request_id, detail=hit * self.chunk_size,
+                total=n * self.chunk_size, hits=first, reason="prefetch" if pending else "",
+            )  # fmt: skip
         return LookupResult(
             hit_chunks=hit, hit_tokens=hit * self.chunk_size, total_chunks=n, pending_chunks=pending
         )
@@ -372,12 +379,11 @@ class CacheEngine:
                 out.append(False)
                 continue
             out.append(True)
-            if self.events.enabled:
-                self._announcer.committed(obj)
+            request_id = self._announcer.committed(obj) if self.events.enabled else ""
             if obj.generated:
                 self.counters.decode_chunks_stored += 1
             if store is not None and obj.visible:
-                store.submit(obj, reg)
+                store.submit(obj, reg, request_id)
         return out
 
     def abort(self, engine_id: int, oids: list[int]) -> int:

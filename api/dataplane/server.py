@@ -48,6 +48,8 @@ from api.dataplane.errors import wire_code
 from api.dataplane.sessions import Session, SessionTable
 from api.dataplane.transport import RouterTransport
 from api.dataplane.workers import WorkerWatch
+from api.http.audit import AuditLog, fingerprint
+from api.http.errors import http_status
 from api.metrics import DataPlaneMetrics
 from app import __version__
 from app.errors import (
@@ -63,6 +65,7 @@ from engine.events import Kind
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult, SlotStatus
+from engine.tenants.quota import DEFAULT_TENANT, L1
 from engine.workers import WorkerRegistry
 from kvdepot_connector import protocol as p
 
@@ -90,10 +93,13 @@ class DataPlaneServer:
         session_idle_s: float = 600.0,
         lifeline_path: str = "",
         workers: WorkerRegistry | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         """`workers`: the worker registry every HELLO registers into (its `heartbeat_s` is what
-        the HELLO reply asks clients for); None: no registry, no heartbeats asked."""
+        the HELLO reply asks clients for); None: no registry, no heartbeats asked. `audit`: where
+        a CLEAR (a tenant's purge) is recorded, as the control plane's mutations are."""
         self.engine = engine
+        self.audit = audit
         #: START/END around every operation and ERROR for every error reply go to the engine's bus
         self.events = engine.events
         self.transfers: KVTransfers | None = None
@@ -180,7 +186,7 @@ class DataPlaneServer:
             op = _TAGS[type(msg)]
             if events.enabled:
                 request_id = getattr(msg, "request_id", "")
-                span = events.start(op, request_id)
+                span = events.start(op, request_id, trace=getattr(msg, "traceparent", ""))
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
                 if isinstance(msg, p.Hello):
                     return p.encode(self._hello(msg, peer))
@@ -357,13 +363,40 @@ class DataPlaneServer:
     def _ping(self, m: p.Ping, _: Session) -> p.Reply:
         return p.Pong(id=m.id, server_time=time.time())
 
-    def _clear(self, m: p.Clear, _: Session) -> p.Reply:
-        if m.cache_salt is None:
-            raise Unauthorized(
-                "clearing every tenant is not a data-plane operation: give a cache_salt to clear one "
-                "tenant (restart the sidecar, or remove the tenant's quota and data over HTTP, for more)"
-            )
-        return p.CountReply(id=m.id, count=self.engine.clear(m.cache_salt))
+    def _clear(self, m: p.Clear, s: Session) -> p.Reply:
+        salt = m.cache_salt
+        before = None if salt is None else self._held(salt)
+        try:
+            if salt is None:
+                raise Unauthorized(
+                    "clearing every tenant is not a data-plane operation: give a cache_salt to clear one "
+                    "tenant (restart the sidecar, or remove the tenant's quota and data over HTTP, for more)"
+                )
+            count = self.engine.clear(salt)
+        except KVDepotError as exc:
+            self._audit_clear(s, salt, before, before, exc)
+            raise
+        self._audit_clear(s, salt, before, self._held(salt), None)
+        return p.CountReply(id=m.id, count=count)
+
+    def _held(self, salt: str) -> dict[str, int]:
+        return {"l1_bytes": self.engine.tenants.held(salt, L1)}
+
+    def _audit_clear(
+        self, s: Session, salt: str | None, before: object, after: object, exc: KVDepotError | None
+    ) -> None:
+        """One audit record (api/http/audit.py) for a CLEAR: the caller is the engine instance,
+        named by a digest of its nonce (never the nonce)."""
+        if self.audit is None:
+            return
+        self.audit.record({
+            "ts": round(time.time(), 3), "method": "CLEAR", "resource": "dataplane.clear",
+            "target": None if salt is None else (salt or DEFAULT_TENANT),
+            "caller": {"peer": f"dataplane instance {fingerprint(s.instance)}", "token": None},
+            "before": before, "after": after,
+            "outcome": {"status": 200, "code": None} if exc is None else {"status": http_status(exc),
+                                                                            "code": exc.code},
+        })  # fmt: skip
 
     # --- copies done by the sidecar (engines that share their KV cache) ------------------------
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
+from api.http.audit import AuditLog
 from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
@@ -44,3 +45,5 @@ class ControlContext:
     workers: WorkerRegistry | None = None
     purge: PurgeJobs | None = None
     """Purge and clear jobs (engine/purge.py)."""
+    audit: AuditLog = field(default_factory=AuditLog)
+    """The recent mutating calls (api/http/audit.py): GET /audit."""

@@ -22,17 +22,22 @@ the client each time, server-side hashing included), in the first client of the 
 connector sends it (its wire bytes, encoded once per request: `encode_ms`), and the server's
 chained blake3 of the same tokens alone (`hash_p50_ms`, `hash_ns_per_token`).
 
-JSON: the first run's figures under the keys this benchmark always had, every run under `runs`
-(with `store_vs_memcpy_p50` and `retrieve_vs_memcpy_p50`, the median over requests of each
-request's own ratio, which a burst of outside load during one request does not move, and the PING
-round trip of client 0 right before the run: the overhead every call pays), the prompt under
-`prompt`, and `/proc/loadavg` before and after.
+JSON: the first run's figures under the keys this benchmark always had, every run under `runs` (with
+`store_vs_memcpy_p50` and `retrieve_vs_memcpy_p50`, the median over requests of each request's own
+ratio, which a burst of outside load during one request does not move, and the PING round trip of
+client 0 right before the run: the overhead every call pays), the prompt under `prompt`,
+`/proc/loadavg` before and after, and `sidecar_cpu_s`: the CPU seconds each started sidecar used
+from ready to exit (less moved by other load on the machine than any time). `--tracing`: the sidecar
+exports its spans over OTLP/HTTP to a receiver in this process (app/bench/otlp.py), which reports
+the exports and spans it received under `tracing`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -73,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start the sidecar with KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557), "
         "with a subscriber in this process reading every batch",
     )
+    p.add_argument(
+        "--tracing", action="store_true",
+        help="start the sidecar with tracing exported over OTLP/HTTP to a receiver in this process "
+        "(which counts the spans)",
+    )  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--client", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -216,7 +226,9 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
     }  # fmt: skip
 
 
-def _start_sidecar(args: argparse.Namespace, shape: Shape, tmp: Path) -> SidecarProcess:
+def _start_sidecar(
+    args: argparse.Namespace, shape: Shape, tmp: Path, otlp_endpoint: str | None = None
+) -> SidecarProcess:
     """A sidecar with an L1 big enough for every client's requests (and the prompt), and no L2."""
     from app.bench.sidecar import start_sidecar
 
@@ -227,6 +239,8 @@ def _start_sidecar(args: argparse.Namespace, shape: Shape, tmp: Path) -> Sidecar
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
     if args.kv_events_endpoint:
         env["KVDEPOT_KV_EVENTS__ENDPOINT"] = args.kv_events_endpoint
+    if otlp_endpoint:
+        env["KVDEPOT_TRACING__OTLP_ENDPOINT"] = otlp_endpoint
     return start_sidecar(tmp, env=env, l1_size_gb=round(size_gb, 3))
 
 
@@ -262,6 +276,20 @@ class EventReader:
         self._sub.close(0)
         self._ctx.term()
         return {"batches_read": self.batches, "bytes_read": self.bytes}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (0 where /proc has none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _loadavg() -> list[float]:
@@ -320,9 +348,16 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"runs": []}
     load_before = _loadavg()
     subscriber = EventReader(args.kv_events_endpoint) if args.kv_events_endpoint else None
+    receiver = None
+    if args.tracing:
+        from app.bench.otlp import OtlpReceiver
+
+        receiver = OtlpReceiver()
+    otlp = None if receiver is None else receiver.endpoint
     with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp:
         for i, shape in enumerate(chosen):
-            sidecar = None if args.url is not None else _start_sidecar(args, shape, Path(tmp) / f"s{i}")
+            sidecar = None if args.url is not None else _start_sidecar(args, shape, Path(tmp) / f"s{i}", otlp)
+            started_cpu = 0.0 if sidecar is None else _cpu_s(sidecar.proc.pid)
             try:
                 _run_shape(args, shape, args.url if sidecar is None else sidecar.url, Path(tmp), out)
             except RuntimeError as exc:
@@ -330,10 +365,18 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             finally:
                 if sidecar is not None:
+                    before = _children_cpu_s()  # the clients were waited for already
                     sidecar.stop()
+                    # the sidecar's CPU from ready to exit (its shutdown and last exports included)
+                    used = _children_cpu_s() - before - started_cpu
+                    out.setdefault("sidecar_cpu_s", []).append(round(used, 3))
     result = _result(args, out)
     result["loadavg"] = [load_before, _loadavg()]
+    if "sidecar_cpu_s" in out:
+        result["sidecar_cpu_s"] = out["sidecar_cpu_s"]
     if subscriber is not None:
         result["kv_events"] = {"endpoint": args.kv_events_endpoint, **subscriber.stop()}
+    if receiver is not None:
+        result["tracing"] = {"endpoint": otlp, **receiver.stop()}  # the sidecar flushed at its stop
     print(json.dumps(result))
     return 0 if result["ok"] else 1

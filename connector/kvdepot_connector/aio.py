@@ -92,11 +92,12 @@ class AsyncKVDepotClient(ClientBase):
 
     async def lookup(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False,
-        extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None,
+        extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None, traceparent: str = "",
     ) -> p.LookupReply:  # fmt: skip
         """As `KVDepotClient.lookup`."""
         return await self._call(calls.lookup(
-            tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable
+            tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable,
+            traceparent=traceparent,
         ))
 
     async def query_prefetch(self, request_id: str) -> p.LookupReply:

@@ -127,17 +127,19 @@ class KVDepotClient(ClientBase):
 
     def lookup(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False,
-        extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None,
+        extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None, traceparent: str = "",
     ) -> p.LookupReply:  # fmt: skip
         """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
 
         Chunks missing in L1 are fetched from L2 meanwhile: with `wait` the reply comes once they
         are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
         many are still coming and `query_prefetch` polls. `extra_keys`: per chunk (protocol); with
-        `uncacheable` the sidecar counts the reason and answers a miss.
+        `uncacheable` the sidecar counts the reason and answers a miss; `traceparent`: the engine
+        request's W3C trace context (the sidecar's spans of the request join its trace).
         """
         return self._call(calls.lookup(
-            tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable
+            tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable,
+            traceparent=traceparent,
         ))
 
     def query_prefetch(self, request_id: str) -> p.LookupReply:

@@ -49,12 +49,16 @@ its read locks are dropped (its late RELEASE reports invalid) and its reservatio
 until its lifeline closes; a heartbeat makes it alive again. A client that never heartbeats (an
 older one) is never suspected, and an older sidecar sends no `heartbeat_s`, so none is sent.
 
+Tracing (an optional field, protocol 3). LOOKUP may carry the engine request's W3C `traceparent`;
+a sidecar that exports traces makes its spans of the request children of it. An older sidecar
+ignores the field; an older client never sends it.
+
 Requests, in the order a client uses them:
 
   Hello(version, instance, role, rank)   -> HelloReply: chunk size, arena name and size, session,
                                             its lifeline path and token, the heartbeat interval
   Register(model, layout, kv_rank, group)-> RegisterReply: engine_id (per instance), chunk_bytes
-  Lookup(engine_id, request_id, tokens, cache_salt, extra_keys, uncacheable)
+  Lookup(engine_id, request_id, tokens, cache_salt, extra_keys, uncacheable, traceparent)
                                          -> LookupReply: hit_tokens from the start; hits read-locked
   Retrieve(engine_id, request_id, first_chunk, num_chunks)
                                          -> RetrieveReply: (offset, size, oid) per locked chunk
@@ -165,6 +169,11 @@ class Register(Msg, tag="register"):
     group: Count = 0
 
 
+#: "00-<32 hex trace id>-<16 hex parent span id>-<2 hex flags>", or "" (none)
+TRACEPARENT_PATTERN = "^(00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?$"
+Traceparent = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN, max_length=55)]
+
+
 class Lookup(Msg, tag="lookup"):
     """`wait`: reply only once chunks missing in L1 were loaded from L2 (or the prefetch deadline
     passed); without it the reply is immediate and `pending_chunks` says what is still coming."""
@@ -178,6 +187,9 @@ class Lookup(Msg, tag="lookup"):
     #: set: the client will neither load nor store this request; the sidecar counts the reason
     #: and answers a miss without locking anything
     uncacheable: Uncacheable | None = None
+    #: the engine request's W3C trace context (`traceparent` header value, version 00), when the
+    #: engine traces it: the sidecar's spans of the request join that trace
+    traceparent: Traceparent = ""
 
 
 class QueryPrefetch(Msg, tag="query_prefetch"):

@@ -108,6 +108,7 @@ class L1Object:
     owner: str = ""  # the engine instance that reserved it ("" : the sidecar itself, e.g. L2 loads)
     holder: int = 0  # the client session that writes into the reservation (0: the sidecar writes)
     generated: bool = False  # holds KV of generated (decode) tokens: counted apart when committed
+    hit: bool = False  # a lookup found it (announced once, in the LOOKUP event's `hits`)
     lease_deadline: float = 0.0
     last_access: float = 0.0
 

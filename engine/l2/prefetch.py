@@ -23,7 +23,10 @@ so far. A chunk that arrives for a request that moved on is kept as an ordinary 
 threads read or copy into it, and is aborted only after they have finished, so its memory is
 never reused while a thread still writes it. A blob that fails its check is counted and deleted from its tier.
 
-Events: START/END "l2.load" (tier = the adapter) around each load, STORED (tier L1, op "l2.load",
+Events: START/END "l2.prefetch" (request_id) around the whole prefetch (tier "", END detail =
+chunks handed to the request) and around each adapter's part of it (tier = the adapter: from asking
+it which chunks it holds to its last load, END detail = chunks loaded from it),
+START/END "l2.load" (tier = the adapter) around each load, STORED (tier L1, op "l2.load",
 reason = the tier it came from) when a loaded chunk is committed, REMOVED "corrupt" for a blob that
 failed its check, ERROR "l2.load" for a load that failed.
 """
@@ -100,6 +103,59 @@ def _reserved(obj: L1Object) -> bool:
     return obj.state is ObjectState.WRITE_RESERVED
 
 
+class _Spans:
+    """The START/END "l2.prefetch" pairs of one prefetch: the whole of it (tier "", END detail =
+    chunks handed to the request) and each adapter asked (from its locate to its last load, END
+    detail = chunks loaded from it). Nothing when the bus is disabled."""
+
+    __slots__ = ("_events", "_open", "_request_id", "_settled")
+
+    def __init__(self, events: EventBus, request_id: str) -> None:
+        self._events = events
+        self._request_id = request_id
+        #: tier ("" = the whole) -> [span, loads running, chunks loaded]
+        self._open: dict[str, list[int]] = {}
+        self._settled = False
+
+    def begin(self, tier: str) -> None:
+        events = self._events
+        if events.enabled and tier not in self._open:
+            self._open[tier] = [events.start("l2.prefetch", self._request_id, tier=tier), 0, 0]
+
+    def loading(self, tier: str) -> None:
+        entry = self._open.get(tier)
+        if entry is not None:
+            entry[1] += 1
+
+    def located(self) -> None:
+        """Loads are under way: an adapter with none to do is done."""
+        self._settled = True
+        for tier, entry in list(self._open.items()):
+            if tier and entry[1] == 0:
+                self._end(tier, "ok")
+
+    def loaded(self, tier: str, ok: bool) -> None:
+        entry = self._open.get(tier)
+        if entry is None:
+            return
+        entry[1] -= 1
+        entry[2] += ok
+        if entry[1] == 0 and self._settled:
+            self._end(tier, "ok")
+
+    def close(self, outcome: str, attached: int) -> None:
+        """The prefetch is over: what is still open ends with `outcome`, the whole last."""
+        for tier in [t for t in self._open if t]:
+            self._end(tier, outcome)
+        whole = self._open.pop("", None)
+        if whole is not None:
+            self._events.end(whole[0], "l2.prefetch", self._request_id, reason=outcome, detail=attached)
+
+    def _end(self, tier: str, outcome: str) -> None:
+        span, _, loaded = self._open.pop(tier)
+        self._events.end(span, "l2.prefetch", self._request_id, tier=tier, reason=outcome, detail=loaded)
+
+
 class PrefetchController:
     def __init__(
         self,
@@ -128,9 +184,13 @@ class PrefetchController:
         self._running: set[asyncio.Task[Any]] = set()
         self._loading: dict[ObjectKey, asyncio.Future[L1Object | None]] = {}
 
-    def start(self, reg: Registration, keys: list[ObjectKey], attach: Attach) -> Prefetch:
+    def start(
+        self, reg: Registration, keys: list[ObjectKey], attach: Attach, request_id: str = ""
+    ) -> Prefetch:
+        """Bring `keys` (a lookup's misses, in chain order) from L2 for `request_id`."""
         p = Prefetch(trying=len(keys))
-        p.task = asyncio.get_running_loop().create_task(self._run(p, reg, keys, attach), name="prefetch")
+        run = self._run(p, reg, keys, attach, _Spans(self.events, request_id))
+        p.task = asyncio.get_running_loop().create_task(run, name="prefetch")
         self._running.add(p.task)
         p.task.add_done_callback(self._on_done)
         self.counters.started += 1
@@ -149,18 +209,24 @@ class PrefetchController:
 
     # --- one prefetch --------------------------------------------------------------------------
 
-    async def _run(self, p: Prefetch, reg: Registration, keys: list[ObjectKey], attach: Attach) -> None:
+    async def _run(
+        self, p: Prefetch, reg: Registration, keys: list[ObjectKey], attach: Attach, spans: _Spans
+    ) -> None:
         slots: list[_Slot] = []
         served: dict[str, int] = {}  # chunks handed to the request, by the tier that served them
+        outcome = "ok"
+        spans.begin("")
         try:
             async with asyncio.timeout(self.deadline_s):
-                slots = await self._locate(keys)
+                slots = await self._locate(keys, spans)
                 self.counters.chunks_located += len(slots)
                 self._reserve(slots, reg)
                 p.trying = len(slots)
                 for slot in slots:
                     if slot.obj is not None:
-                        slot.task = asyncio.get_running_loop().create_task(self._load(slot, reg))
+                        spans.loading(slot.tier.name)
+                        slot.task = asyncio.get_running_loop().create_task(self._load(slot, reg, spans))
+                spans.located()
                 for slot in slots:
                     late_l1 = slot.ready is not None  # in L1 by the time it was reserved
                     obj = await self._arrive(slot)
@@ -175,6 +241,10 @@ class PrefetchController:
                     served[by] = served.get(by, 0) + 1
         except TimeoutError:
             self.counters.deadline_expired += 1
+            outcome = "deadline"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
             ledger = self.tiers.ledger
             if ledger is not None and keys:
@@ -182,7 +252,10 @@ class PrefetchController:
                     ledger.note_hits(keys[0].salt, tier, hits)
             p.finished = True
             p.done.set()
-            await self._cleanup(slots)
+            try:
+                await self._cleanup(slots)
+            finally:
+                spans.close(outcome, p.loaded)
 
     async def _arrive(self, slot: _Slot) -> L1Object | None:
         """The slot's chunk, ready in L1 (committed if we loaded it), or None."""
@@ -214,13 +287,14 @@ class PrefetchController:
         if fut is not None and not fut.done():
             fut.set_result(obj)
 
-    async def _locate(self, keys: list[ObjectKey]) -> list[_Slot]:
+    async def _locate(self, keys: list[ObjectKey], spans: _Spans) -> list[_Slot]:
         names = [k.serialize() for k in keys]
         where: list[Tier | None] = [None] * len(keys)
         for tier in self.tiers.active():
             todo = [i for i, t in enumerate(where) if t is None]
             if not todo:
                 break
+            spans.begin(tier.name)
             with tier.use():
                 results = await tier.adapter.contains([names[i] for i in todo])
             for i, result in zip(todo, results, strict=True):
@@ -259,7 +333,15 @@ class PrefetchController:
             slot.obj = obj
             self._loading[slot.key] = asyncio.get_running_loop().create_future()
 
-    async def _load(self, slot: _Slot, reg: Registration) -> bool:
+    async def _load(self, slot: _Slot, reg: Registration, spans: _Spans) -> bool:
+        loaded = False
+        try:
+            loaded = await self._load_one(slot, reg)
+            return loaded
+        finally:
+            spans.loaded(slot.tier.name, loaded)
+
+    async def _load_one(self, slot: _Slot, reg: Registration) -> bool:
         assert slot.obj is not None
         obj = slot.obj
         async with self._slots:

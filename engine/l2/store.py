@@ -17,8 +17,9 @@ Primitives in call order:
                            unpin each chunk saying whether it reached L2 (if not, a later commit
                            or hit may queue it again)
 
-Events: START/END "l2.store" (tier = the adapter, END's detail = chunks written) around each
-batch written to a tier, then per chunk STORED (tier = the adapter) or ERROR (op "l2.store").
+Events: START/END "l2.store" (tier = the adapter, request_id = the request whose COMMIT queued the
+chunks, END's detail = its chunks written) around each batch written to a tier, one pair per request
+in the batch, then per chunk STORED (tier = the adapter) or ERROR (op "l2.store").
 
 Tenant quotas in L2 (`l2_bytes`, a limit per adapter; the ledger is `tiers.ledger`, into which
 each adapter reports what it holds). Before a blob of tenant s is written to tier t, with L the
@@ -130,8 +131,9 @@ class StoreController:
             return False
         return self.policy != "seen_twice" or self._seen.get(key, 0) >= 2
 
-    def submit(self, obj: L1Object, reg: Registration) -> bool:
-        """Queue a ready chunk for write-behind. False when the policy does not want it."""
+    def submit(self, obj: L1Object, reg: Registration, request_id: str = "") -> bool:
+        """Queue a ready chunk for write-behind (for `request_id`, whose COMMIT made it ready: its
+        write-behind events name it). False when the policy does not want it."""
         if obj.in_l2 or not self.wants(obj.key):
             self.counters.skipped_policy += 1
             return False
@@ -141,7 +143,7 @@ class StoreController:
         # later commit or hit queues it again.
         self.cache.pin(obj)
         self.counters.submitted += 1
-        for old in self.queue.push(Pending(obj, reg)):
+        for old in self.queue.push(Pending(obj, reg, request_id)):
             self.cache.unpin(old.obj, copied=False)
         return True
 
@@ -296,10 +298,11 @@ class StoreController:
         sign = self._keys if any(tier.config.authenticate for tier in targets) else None
         blobs = await loop.run_in_executor(self._executor, self._encode, batch, sign)
         salts = [item.obj.key.salt for item in batch]
+        requests = [item.request_id for item in batch]
         ok = [False] * len(batch)
         events = self.events
         for tier in targets:
-            admitted, results = await self._store_to(tier, blobs, salts)
+            admitted, results = await self._store_to(tier, blobs, salts, requests)
             for i, result in zip(admitted, results, strict=True):
                 if result.ok:
                     ok[i] = True
@@ -319,9 +322,10 @@ class StoreController:
         return ok
 
     async def _store_to(
-        self, tier: Tier, blobs: list[codec.EncodedBlob], salts: list[str]
+        self, tier: Tier, blobs: list[codec.EncodedBlob], salts: list[str], requests: list[str]
     ) -> tuple[list[int], list[OpResult]]:
-        """Write the blobs each tenant's quota admits to `tier`: their indices and results."""
+        """Write the blobs each tenant's quota admits to `tier`: their indices and results. One
+        START/END "l2.store" pair per request among them (`requests`: each blob's)."""
         admitted: list[int] = []
         with tier.use():
             try:
@@ -337,16 +341,24 @@ class StoreController:
                 if not admitted:
                     return [], []
                 events = self.events
-                span = events.start("l2.store", tier=tier.name) if events.enabled else 0
+                spans: dict[str, int] = {}
+                if events.enabled:
+                    for i in admitted:
+                        rid = requests[i]
+                        if rid not in spans:
+                            spans[rid] = events.start("l2.store", rid, tier=tier.name)
                 start = time.perf_counter()
                 results: list[OpResult] | None = None
                 try:
                     results = await tier.adapter.store([(blobs[i].key, blobs[i]) for i in admitted])
                 finally:
-                    if span:
-                        stored = 0 if results is None else sum(r.ok for r in results)
-                        reason = "cancelled" if results is None else "ok"
-                        events.end(span, "l2.store", tier=tier.name, reason=reason, detail=stored)
+                    reason = "cancelled" if results is None else "ok"
+                    for rid, span in spans.items():
+                        stored = 0
+                        if results is not None:
+                            pairs = zip(admitted, results, strict=True)
+                            stored = sum(r.ok for i, r in pairs if requests[i] == rid)
+                        events.end(span, "l2.store", rid, tier=tier.name, reason=reason, detail=stored)
                 tier.adapter.latency.observe("store_batch", time.perf_counter() - start)
                 await self._commit_fleet(tier, [blobs[i].key for i in admitted], salts, admitted, results)
                 return admitted, results

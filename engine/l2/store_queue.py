@@ -47,6 +47,8 @@ class StoreCounters:
 class Pending:
     obj: L1Object
     reg: Registration
+    request_id: str = ""
+    """The request whose COMMIT queued it ("" unknown: events off, or queued by a lookup)."""
 
 
 class StoreQueue:

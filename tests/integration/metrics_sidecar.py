@@ -2,7 +2,8 @@
 L2 adapters of each kind that counts (a disk directory, a Redis with a key prefix of the caller's
 own, and a Redis adapter `gone` pointed at a port nothing listens on, so its health is down), KV
 events on a loopback TCP port, the worker registry, an admin token (tenant series are shown only
-to its holder), a quota that refuses chunks, and a small L1 so that traffic evicts.
+to its holder), a quota that refuses chunks, a small L1 so that traffic evicts, and tracing
+exported over OTLP/HTTP to a receiver in this process (app/bench/otlp.py).
 
     with observed_sidecar(tmp_path, prefix) as sc: ...          # the test's own sidecar
     load(sc, rounds) / start_load(sc, rounds, seconds)           # tests/integration/metrics_load
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from app.bench.otlp import OtlpReceiver
 from app.bench.sidecar import SidecarProcess, start_sidecar
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT
 from tests.integration.l2_helpers import free_port
@@ -61,14 +63,20 @@ def observed_sidecar(tmp: Path, redis_prefix: str) -> Iterator[SidecarProcess]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "kvdepot.toml"
     config.write_text(config_text(redis_prefix, free_port()))
+    receiver = OtlpReceiver()
     env = {
         "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN,
         "KVDEPOT_L1__CHUNK_SIZE": str(CHUNK_TOKENS),
+        "KVDEPOT_TRACING__OTLP_ENDPOINT": receiver.endpoint,
     }
-    sc = start_sidecar(
-        tmp / "data", "--config", str(config), "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-        env=env, l1_size_gb=4 / 1024,
-    )  # fmt: skip
+    try:
+        sc = start_sidecar(
+            tmp / "data", "--config", str(config), "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+            env=env, l1_size_gb=4 / 1024,
+        )  # fmt: skip
+    except BaseException:
+        receiver.stop()
+        raise
     try:
         put = urllib.request.Request(
             sc.http + "/quotas/tiny", data=json.dumps(TINY_QUOTA).encode(), method="PUT",
@@ -79,6 +87,7 @@ def observed_sidecar(tmp: Path, redis_prefix: str) -> Iterator[SidecarProcess]:
         yield sc
     finally:
         sc.stop()
+        receiver.stop()
         with redis.Redis.from_url(REDIS_URL) as r:
             for key in r.scan_iter(match=redis_prefix + "*"):
                 r.unlink(key)

@@ -1,6 +1,6 @@
 """One router per resource; `ROUTERS` collects them for the app factory."""
 
-from api.http.routes import health, inventory, l2, metrics, quotas, status, tenants, workers
+from api.http.routes import audit, health, inventory, l2, metrics, quotas, status, tenants, workers
 
 ROUTERS = [
     health.router,
@@ -11,4 +11,5 @@ ROUTERS = [
     tenants.router,
     inventory.router,
     workers.router,
+    audit.router,
 ]

@@ -71,6 +71,7 @@ from kvdepot_connector.layout import (
     canonical_dtype,
 )
 from kvdepot_connector.protocol import Layout
+from kvdepot_connector.tracecontext import traceparent_of
 from kvdepot_connector.vllm.extra_keys import AdapterFingerprints, request_keys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.identity import instance_nonce
@@ -203,6 +204,7 @@ class KVDepotConnector(KVConnectorBase_V1):
             request.request_id, prompt, request.cache_salt, request.num_tokens, num_computed_tokens,
             keys=lambda: request_keys(request, self._chunk_size, self._adapters),
             preemptions=request.num_preemptions,
+            traceparent=traceparent_of(getattr(request, "trace_headers", None)),
         )  # fmt: skip
         self._trace.event("lookup", request.request_id, started, computed=num_computed_tokens, n=answer[0])
         return answer

@@ -59,6 +59,7 @@ class _Request:
     num_prompt_tokens: int
     salt: str
     keys: RequestKeys | None  # None: uncacheable, never loaded nor stored
+    traceparent: str = ""  # the engine's W3C trace context of the request ("" untraced)
     hit_chunks: int = 0
     answered: tuple[int, bool] | None = None
     pending: bool = False
@@ -114,8 +115,10 @@ class SchedulerSide:
     def matched_tokens(
         self, request_id: str, prompt: Sequence[int], salt: str | None, num_tokens: int, num_computed: int,
         *, keys: Callable[[], RequestKeys | Uncacheable] | None = None, preemptions: int = 0,
+        traceparent: str = "",
     ) -> tuple[int | None, bool]:  # fmt: skip
-        """`keys`: called once, on the request's first ask, for its extra keys (None: plain tokens)."""
+        """`keys`: called once, on the request's first ask, for its extra keys (None: plain tokens);
+        `traceparent`: the request's W3C trace context, passed on with its lookups."""
         req = self._requests.get(request_id)
         if req is None:
             found = keys() if keys is not None else RequestKeys(self.chunk_size, len(prompt))
@@ -124,6 +127,7 @@ class SchedulerSide:
                 found if isinstance(found, RequestKeys) else None,
             )  # fmt: skip
             req.preemptions = preemptions
+            req.traceparent = traceparent
             self._requests[request_id] = req
             if not isinstance(found, RequestKeys):
                 self._note_uncacheable(req, found)
@@ -151,6 +155,7 @@ class SchedulerSide:
                     else client.lookup(
                         req.tokens, request_id=request_id, cache_salt=req.salt,
                         extra_keys=req.keys.extras(req.num_prompt_tokens // self.chunk_size),
+                        traceparent=req.traceparent,
                     )
                 )  # fmt: skip
                 hits.append(reply.hit_chunks)

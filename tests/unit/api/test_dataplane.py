@@ -347,3 +347,29 @@ async def test_a_ping_arriving_as_a_deferred_reply_is_sent_is_answered(tmp_path:
             b.close()
             server.close()
             ctx.term()
+
+
+def test_a_clear_is_audited_with_the_tenants_bytes_and_a_refused_one_with_its_code() -> None:
+    from api.http.audit import AuditLog
+
+    audit = AuditLog()
+    with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
+        server = DataPlaneServer(
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, audit=audit
+        )
+        eid = register(server)
+        toks = tokens(2 * CHUNK)
+        reply = call(server, p.Store(id=2, engine_id=eid, request_id="w", tokens=toks, cache_salt="t-a"))
+        assert isinstance(reply, p.StoreReply)
+        call(server, p.Commit(id=3, engine_id=eid, oids=[s.oid for s in reply.slots]))
+        held = eng.tenants.held("t-a")
+        assert held > 0
+        assert isinstance(call(server, p.Clear(id=4, cache_salt="t-a")), p.CountReply)
+        refused = call(server, p.Clear(id=5))
+        assert isinstance(refused, p.ErrorReply) and refused.code == "unauthorized"
+    no_salt, cleared = audit.recent(10)
+    assert cleared["resource"] == "dataplane.clear" and cleared["target"] == "t-a"
+    assert cleared["before"] == {"l1_bytes": held} and cleared["after"] == {"l1_bytes": 0}
+    assert cleared["outcome"] == {"status": 200, "code": None}
+    assert no_salt["target"] is None and no_salt["outcome"] == {"status": 401, "code": "unauthorized"}
+    assert INSTANCE not in repr(audit.recent(10))  # the instance appears as a digest only

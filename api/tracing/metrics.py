@@ -1,0 +1,31 @@
+"""The tracing subscriber's figures, read when Prometheus scrapes (registered only when tracing is on)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from api.tracing.spans import SpanBuilder
+
+COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("trace_spans_started", "Spans started (roots and children).", "started"),
+    ("trace_spans_ended", "Spans ended, orphans included.", "ended"),
+    ("trace_orphan_spans", "Spans ended by the orphan timeout: their END never came.", "orphans"),
+    ("trace_spans_refused", "Spans not made: tracing.max_open_spans were open.", "refused"),
+    ("trace_unmatched_ends", "END events without their START (refused, dropped by the bus).", "unmatched"),
+)
+
+
+class TracingCollector(Collector):
+    def __init__(self, builder: SpanBuilder) -> None:
+        self.builder = builder
+
+    def collect(self) -> Iterator[Metric]:
+        for name, help_text, attribute in COUNTERS:
+            yield CounterMetricFamily(f"kvdepot_{name}", help_text, value=getattr(self.builder, attribute))
+        yield GaugeMetricFamily(
+            "kvdepot_trace_open_spans", "Spans open now (roots and children).",
+            value=self.builder.open_spans(),
+        )  # fmt: skip
