@@ -50,6 +50,11 @@ def _bench_parser(sub: Any) -> None:
     bench_footprint.add_arguments(
         bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
     )
+    from app.bench import engine as bench_engine
+
+    bench_engine.add_arguments(
+        bsub.add_parser("engine", help="sustained load with cache workloads against an OpenAI server")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(

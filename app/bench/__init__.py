@@ -31,4 +31,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.events import run as run_events
 
         return run_events(args)
+    if args.bench == "engine":
+        from app.bench.engine import run as run_engine
+
+        return run_engine(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
