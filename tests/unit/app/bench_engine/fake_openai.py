@@ -16,7 +16,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,9 @@ class FakeState:
     queries: int = 0
     hits: int = 0
     sidecar_lookups: int = 0
+    engine_hook: Callable[[list[int]], int] | None = None
+    """Stands in for a connector: called (in a worker thread) with every prompt, returns the hit
+    tokens; the counters under vLLM's names then report those hits."""
 
     def lookup_and_store(self, prompt: list[int]) -> int:
         """Tokens of the prompt's leading full blocks seen before; remembers all its blocks."""
@@ -76,7 +79,12 @@ def build_app(state: FakeState) -> Starlette:
         state.bodies.append(body)
         if state.fail_every and len(state.prompts) % state.fail_every == 0:
             return JSONResponse({"error": "injected failure"}, status_code=500)
-        hit = state.lookup_and_store(prompt)
+        if state.engine_hook is not None:
+            hit = await asyncio.to_thread(state.engine_hook, prompt)
+            state.queries += len(prompt)
+            state.hits += hit
+        else:
+            hit = state.lookup_and_store(prompt)
         out = answer_ids(prompt, int(body["max_tokens"]))
         want_ids = bool(body.get("return_token_ids")) and state.token_ids
 
