@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -199,6 +200,7 @@ class Runner:
         return [await self._pass(server, spec) for spec in build(self.options).passes()]
 
     async def run(self) -> dict[str, Any]:
+        load_before = os.getloadavg()[0]
         if self.display is not None:
             await self.display.start()
         try:
@@ -229,6 +231,7 @@ class Runner:
             "duration_s": self.args.duration, "options": options,
             "measured": summarize(span, wall), "passes": passes,
             "errors": sum(1 for r in self.agg.records if not r.ok),
+            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         }  # fmt: skip
         if self.options.workload == "prefix-suffix-tuner":
             tuner = build(self.options)

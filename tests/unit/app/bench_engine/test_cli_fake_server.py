@@ -54,6 +54,7 @@ def test_long_doc_qa_sends_the_workload_and_reports_every_output(
 
     assert json.loads((tmp_path / "r.json").read_text()) == result
     assert result["workload"] == "long-doc-qa" and result["concurrency"] == 2 and result["errors"] == 0
+    assert len(result["loadavg"]) == 2
     warm, measured = result["passes"]
     assert (warm["name"], warm["requests"]) == ("warmup", 3)
     assert (measured["name"], measured["requests"]) == ("measured", 6)
@@ -169,7 +170,7 @@ def test_duration_bounds_a_pooled_pass(server: FakeServer, capsys: pytest.Captur
     )  # fmt: skip
     assert code == 0
     warm, measured = result["passes"]
-    assert warm["requests"] == 1 and 5 <= measured["requests"] <= 60
+    assert warm["requests"] == 1 and 2 <= measured["requests"] <= 60
     assert result["qps"] == 40.0 and result["concurrency"] is None
 
 
