@@ -200,3 +200,19 @@ def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str])
                  "--workload", "random-prefill", "--requests", "1"])  # fmt: skip
     assert code == 1
     assert "ConnectError" in capsys.readouterr().err
+
+
+def test_vocabulary_from_the_model_folder_bounds_the_ids(
+    server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    code, _ = run_cli(
+        capsys, "--url", server.url, "--workload", "random-prefill", "--prompt-tokens", "200",
+        "--requests", "3", "--max-tokens", "1", "--tokenizer", str(tmp_path), "--no-warmup",
+    )  # fmt: skip
+    assert code == 0
+    ids = [t for p in server.state.prompts for t in p]
+    assert len(ids) == 600 and max(ids) == 299 and min(ids) == 100
+    assert main(["bench", "engine", "--quiet", "--url", server.url, "--workload", "random-prefill",
+                 "--tokenizer", str(tmp_path / "missing")]) == 2  # fmt: skip
+    assert "vocab_size" in capsys.readouterr().err
