@@ -67,7 +67,7 @@ def bench(workload: str, concurrency: int, run: int, urls: dict[str, str], out: 
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(done.stdout)
     result["run_s"] = round(time.monotonic() - t0, 1)
-    result["loadavg"] = os.getloadavg()[0]
+    result["driver_loadavg"] = os.getloadavg()[0]
     (out / f"{name}.json").write_text(json.dumps(result))
     return result
 
