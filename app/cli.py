@@ -82,6 +82,11 @@ def _bench_parser(sub: Any) -> None:
     bench_route.add_arguments(
         bsub.add_parser("route", help="what `kvdepot route` adds to a request, against the engine directly")
     )
+    from app.bench import engine as bench_engine
+
+    bench_engine.add_arguments(
+        bsub.add_parser("engine", help="sustained load with cache workloads against an OpenAI server")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(

@@ -39,4 +39,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.route import run as run_route
 
         return run_route(args)
+    if args.bench == "engine":
+        from app.bench.engine import run as run_engine
+
+        return run_engine(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
