@@ -188,7 +188,10 @@ async def redis_truth(raw: Redis, adapter: Any) -> dict[str, tuple[int, int]]:
 async def test_every_change_is_reported_and_evict_salt_unlinks_the_tenants_oldest_writes(
     make_redis: MakeRedis, raw_redis: Redis
 ) -> None:
-    adapter = make_redis(bulk_min_kib=1)  # blobs of 1 KiB and more take the bulk lane
+    # The sidecar-local ledger (scope "local"): its tenants come from the bound `tenant_of`; the fleet
+    # ledger reads the tenant from real chunk keys (tests/integration/test_fleet_quota_process.py).
+    # Blobs of 1 KiB and more take the bulk lane.
+    adapter = make_redis(bulk_min_kib=1, scope="local")
     books = Books()
     adapter.bind_accounting(tenant_of, books)
     first = [(f"a:{i}", blob(f"a:{i}", 600 * (i + 1))) for i in range(4)]
