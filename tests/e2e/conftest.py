@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import VLLM_PYTHON, build_model
+from tests.e2e.harness import VLLM_PYTHON, VllmServer, build_model
 
 # A real vLLM per test, often two or three side by side, on two cores: a 4096-token prefill takes
 # seconds (float32; tens of seconds in bfloat16 on a CPU without AVX512-BF16), so the suite-wide
@@ -28,3 +28,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if not VLLM_PYTHON.exists():
         pytest.fail("the e2e suite needs .venv-vllm: run tests/e2e/setup_vllm.sh (tests/run.sh does)")
     return build_model(tmp_path_factory.mktemp("model") / "llama-8x1024")
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A plain vLLM (no connector, its own prefix cache on) whose answers are the references: one
+    for the whole session (test_vllm.py, then test_vllm_multiturn.py), one engine start fewer. Its
+    prefix cache holds what earlier tests sent; a test that needs a full computation sends a
+    `cache_salt` no one else uses."""
+    server = VllmServer(
+        model_dir, tmp_path_factory.mktemp("reference-logs"), prefix_caching=True, name="reference"
+    ).wait_healthy()
+    yield server
+    server.stop()

@@ -40,13 +40,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, logs: Path) -> Iterator[VllmServer]:
-    server = VllmServer(model_dir, logs, prefix_caching=True, name="reference").wait_healthy()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def sidecar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sidecar")
 

@@ -54,13 +54,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, logs: Path) -> Iterator[VllmServer]:
-    server = VllmServer(model_dir, logs, prefix_caching=True, name="reference").wait_healthy()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     sc = start_sidecar(tmp_path_factory.mktemp("sidecar"), env={"KVDEPOT_L1__CHUNK_SIZE": str(BLOCK)})
     yield sc
