@@ -26,10 +26,10 @@ import re
 from concurrent.futures import Executor
 from pathlib import Path
 
-from app.errors import BackendError, ConfigError, Conflict, InvalidInput, NotFound
+from app.errors import ConfigError, Conflict, InvalidInput, NotFound
 from engine.tenants.ledger import UNNAMEABLE, TenantLedger
 from engine.tenants.quota import check_salt, display_name
-from engine.tenants.registry import write_atomically
+from engine.tenants.registry import read_state_file, save_state_file
 
 LABEL_FILE = "labels.json"
 FORMAT_VERSION = 1
@@ -60,12 +60,9 @@ class LabelRegistry:
     @staticmethod
     def load(path: Path) -> dict[str, str]:
         """Labels saved in `path`; empty when the file does not exist. Blocking: start-up only."""
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        text = read_state_file(path, "label")
+        if text is None:
             return {}
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"tenants: cannot read the label file {path}: {exc}") from None
         try:
             body = json.loads(text)
             if not isinstance(body, dict) or body.get("version") != FORMAT_VERSION:
@@ -105,9 +102,4 @@ class LabelRegistry:
             return
         body = {"version": FORMAT_VERSION, "labels": dict(sorted(labels.items()))}
         data = (json.dumps(body, indent=1, ensure_ascii=False) + "\n").encode()
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._executor, write_atomically, self.path, data)
-        except OSError as exc:
-            why = exc.strerror or exc
-            raise BackendError(f"labels not changed: cannot write {self.path}: {why}") from None
+        await save_state_file(self._executor, self.path, data, "labels")

@@ -47,12 +47,9 @@ class QuotaRegistry:
     @staticmethod
     def load(path: Path) -> dict[str, Quota]:
         """Quotas saved in `path`; empty when the file does not exist. Blocking: start-up only."""
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        text = read_state_file(path, "quota")
+        if text is None:
             return {}
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"tenants: cannot read the quota file {path}: {exc}") from None
         try:
             return parse(text)
         except (ValueError, InvalidInput) as exc:
@@ -77,14 +74,7 @@ class QuotaRegistry:
     async def _save(self, quotas: dict[str, Quota]) -> None:
         if self.path is None:
             return
-        data = render(quotas)
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._executor, write_atomically, self.path, data)
-        except OSError as exc:
-            raise BackendError(
-                f"quotas not changed: cannot write {self.path}: {exc.strerror or exc}"
-            ) from None
+        await save_state_file(self._executor, self.path, render(quotas), "quotas")
 
 
 def render(quotas: dict[str, Quota]) -> bytes:
@@ -112,6 +102,26 @@ def parse(text: str) -> dict[str, Quota]:
         except InvalidInput as exc:
             raise ValueError(f"tenant {salt[:64]!r}: {exc}") from None
     return out
+
+
+def read_state_file(path: Path, kind: str) -> str | None:
+    """The text of a tenants' state file (quotas, labels); None when it does not exist. Blocking:
+    start-up only. An unreadable file is a ConfigError naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"tenants: cannot read the {kind} file {path}: {exc}") from None
+
+
+async def save_state_file(executor: Executor | None, path: Path, data: bytes, what: str) -> None:
+    """`write_atomically` in `executor`; a failed write is a BackendError saying `what` did not change."""
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.run_in_executor(executor, write_atomically, path, data)
+    except OSError as exc:
+        raise BackendError(f"{what} not changed: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def write_atomically(path: Path, data: bytes) -> None:
