@@ -66,6 +66,7 @@ from app.bench.l2_baselines import (
     mac_cost,
     server_cpu_seconds,
 )
+from app.bench.l2_slab import SETTLE_S
 from app.logs import configure_logging
 from app.main import Service
 from app.settings import Settings
@@ -87,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--settle-s", type=float, default=SETTLE_S,
+        help="slab: sync and pause this long before each timed phase (lets a device drain earlier writes)",
+    )  # fmt: skip
     p.add_argument(
         "--dir", type=Path, help="directory for the disk adapter and its baseline (default: a temp dir)"
     )

@@ -16,9 +16,10 @@ file is written with zeros (`prefill`) and formatted before anything is timed; t
 over its slots, never its superblock. `adapter_only`: the slab adapter called directly on the same
 file and bytes (no controllers, no checksums: what the adapter itself costs against raw), in ROUNDS
 rounds each right after a raw pass (the better of one and four streams), the median of the rounds'
-ratios. Every timed phase starts after `settle` (sync and a SETTLE_S pause). Order: raw (before),
-slab, adapter_only, raw (after), disk. Prints one JSON object: GB/s of each, the ratios, the
-filesystem of --dir, and whether every chunk came back byte for byte (`ok`, `disk_ok`, `raw_ok`).
+ratios. Every timed phase starts after `settle` (sync and a --settle-s pause, SETTLE_S by
+default). Order: raw (before), slab, adapter_only, raw (after), disk. Prints one JSON object: GB/s
+of each, the ratios, the filesystem of --dir, and whether every chunk came back byte for byte
+(`ok`, `disk_ok`, `raw_ok`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from storage import slabformat
 
 SLAB_IO_THREADS = 4  # the slab adapter's default io_threads, used in the run and the parallel baseline
 ROUNDS = 3  # of the adapter alone, each after a raw pass
-SETTLE_S = 3.0  # pause before each timed phase
+SETTLE_S = 3.0  # pause before each timed phase (the default of --settle-s)
 
 
 def filesystem_of(path: Path) -> str:
@@ -94,11 +95,11 @@ def prefill(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def settle() -> None:
+def settle(pause_s: float = SETTLE_S) -> None:
     """Before each timed phase: the previous phases' writes flushed (sync) and a pause, so that a
     device still busy with them (a virtual disk's host cache) does not slow the next phase."""
     os.sync()
-    time.sleep(SETTLE_S)
+    time.sleep(pause_s)
 
 
 def _raw_pass(fd: int, views: list[memoryview], offsets: list[int], threads: int, write: bool) -> float:
@@ -141,7 +142,9 @@ class RawFigures:
                 "parallel_read_gbps": _gbps(nbytes, self.read_parallel_s)}  # fmt: skip
 
 
-def raw_direct(path: Path, payloads: list[bytes], offset: int, stride: int, threads: int) -> RawFigures:
+def raw_direct(
+    path: Path, payloads: list[bytes], offset: int, stride: int, threads: int, *, pause_s: float = SETTLE_S
+) -> RawFigures:
     """The payloads written at offset + i * stride with O_DIRECT, one pwrite each from aligned
     memory, then read back the same way into aligned memory: first one at a time (sequential),
     then `threads` at a time (as many as the slab adapter's I/O threads)."""
@@ -155,11 +158,11 @@ def raw_direct(path: Path, payloads: list[bytes], offset: int, stride: int, thre
     offsets = [offset + i * stride for i in range(len(payloads))]
     fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
     try:
-        settle()
+        settle(pause_s)
         write_s = _raw_pass(fd, sources, offsets, 1, write=True)
         read_s = _raw_pass(fd, targets, offsets, 1, write=False)
         intact = all(bytes(target[i * aligned : i * aligned + size]) == p for i, p in enumerate(payloads))
-        settle()
+        settle(pause_s)
         write_parallel_s = _raw_pass(fd, sources, offsets, threads, write=True)
         read_parallel_s = _raw_pass(fd, targets, offsets, threads, write=False)
     finally:
@@ -195,7 +198,7 @@ class Round:
 
 
 async def adapter_only(
-    config: dict[str, Any], payloads: list[bytes], checkpoint: Path, rounds: int
+    config: dict[str, Any], payloads: list[bytes], checkpoint: Path, rounds: int, pause_s: float = SETTLE_S
 ) -> tuple[list[Round], bool]:
     """The slab adapter alone, on the file the controllers used, `rounds` times, each right after
     a raw pass over the same slots from the same memory (the better of one stream and as many as
@@ -228,7 +231,7 @@ async def adapter_only(
         for r in range(rounds):
             raw_write_s, raw_read_s = float("inf"), float("inf")
             for streams in (1, cfg.io_threads):  # the better of one stream and as many as the adapter's
-                settle()
+                settle(pause_s)
                 raw_write_s = min(raw_write_s, _raw_pass(fd, raw_views, offsets, streams, write=True))
                 raw_read_s = min(raw_read_s, _raw_pass(fd, raw_outs, offsets, streams, write=False))
             keys = [f"bench-{r}-{i}" for i in range(count)]
@@ -236,7 +239,7 @@ async def adapter_only(
                 (k, codec.encode(k, bytes(8), v, codec.CodecOptions()))
                 for k, v in zip(keys, sources, strict=True)
             ]
-            settle()
+            settle(pause_s)
             start = time.perf_counter()
             stored = await slab.store(blobs)
             store_s = time.perf_counter() - start
@@ -268,20 +271,23 @@ async def _both(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     prefill(slab_file, slab_config["size_bytes"])
     await formatted(slab_config, workdir / "format.index")  # the raw passes leave its superblock be
     rng = random.Random(0)
+    pause_s = args.settle_s
     before = raw_direct(
         slab_file, [rng.randbytes(layout.chunk_bytes) for _ in range(chunks)], slabformat.ALIGN, slot,
-        SLAB_IO_THREADS,
+        SLAB_IO_THREADS, pause_s=pause_s,
     )  # fmt: skip
-    settle()
+    settle(pause_s)
     slab = await _controllers(args, workdir / "s", slab_config)
-    rounds, alone_ok = await adapter_only(slab_config, slab["payloads"], workdir / "alone.index", ROUNDS)
-    after = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS)
+    rounds, alone_ok = await adapter_only(
+        slab_config, slab["payloads"], workdir / "alone.index", ROUNDS, pause_s
+    )
+    after = raw_direct(slab_file, slab["payloads"], slabformat.ALIGN, slot, SLAB_IO_THREADS, pause_s=pause_s)
     raw_write_s = (before.best_write_s + after.best_write_s) / 2
     raw_read_s = (before.best_read_s + after.best_read_s) / 2
     disk_dir = workdir / "d"
     disk_config = {"type": "disk", "name": "disk", "paths": [str(disk_dir / "data" / "l2")],
                    "capacity_gb": 64, "o_direct": True}  # fmt: skip
-    settle()
+    settle(pause_s)
     disk = await _controllers(args, disk_dir, disk_config)
     total = chunks * layout.chunk_bytes
     return {

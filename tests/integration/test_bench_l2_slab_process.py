@@ -30,7 +30,7 @@ def test_bench_l2_slab_prints_both_baselines_and_verifies_every_byte(short_dir: 
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "bench", "l2", "--adapter", "slab", "--requests", "2",
          "--chunks-per-request", "3", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
-         "--chunk-tokens", "16", "--dir", str(short_dir)],
+         "--chunk-tokens", "16", "--settle-s", "0.2", "--dir", str(short_dir)],
         capture_output=True, text=True, env=env, timeout=180, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
