@@ -135,9 +135,11 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_prefi
             p.stop()
 
 
-def complete(fleet: FleetRun, tokens: list[int]) -> tuple[int, dict[str, str], dict[str, Any]]:
-    body = {"model": fleet.members[0].engine.model, "prompt": tokens, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True, "logprobs": 1}  # fmt: skip
+def complete(
+    fleet: FleetRun, tokens: list[int], max_tokens: int = 4
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    body = {"model": fleet.members[0].engine.model, "prompt": tokens, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "logprobs": 1}  # fmt: skip
     resp = httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=1200)
     return resp.status_code, dict(resp.headers), resp.json()
 
@@ -200,10 +202,15 @@ def test_the_holder_killed_mid_request_fails_no_request(fleet: FleetRun) -> None
     other = next(m for m in fleet.members if m is not holder)
     fresh = P1[:2048] + prompt(13, 2048)  # routed to the holder (its prefix), computed there for a while
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(complete, fleet, fresh)
+        # 256 tokens to generate keep it running for seconds after its prefill: on a loaded machine
+        # a scrape of the engine's /metrics can take longer than the prefill itself
+        pending = pool.submit(complete, fleet, fresh, 256)
         deadline = time.monotonic() + 120
         while holder.engine.metric("vllm:num_requests_running") < 1:
-            assert not pending.done(), "answered before the kill: the test proves nothing"
+            if pending.done():  # the test proves nothing: say where it went
+                status, headers, _ = pending.result()
+                where = headers.get("x-kvdepot-engine")
+                raise AssertionError(f"answered ({status}) before the kill, by {where}")
             assert time.monotonic() < deadline, "the request never reached the holder"
             time.sleep(0.05)
         os.killpg(holder.engine.proc.pid, signal.SIGKILL)
