@@ -4,14 +4,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The independent installs run side by side (each mostly waits on downloads and unpacking); their
+# output is shown when they end, and a failed one stops the run before any test.
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+background() {  # name command...: run in the background, its output in $logs/name
+  local name="$1"; shift
+  "$@" >"$logs/$name" 2>&1 &
+  echo $! >"$logs/$name.pid"
+}
+finish() {  # name: wait for a background job, show its output, stop on its failure
+  local rc=0
+  wait "$(cat "$logs/$1.pid")" || rc=$?
+  cat "$logs/$1"
+  if [ "$rc" -ne 0 ]; then
+    echo "error: $1 failed (exit $rc)" >&2
+    exit "$rc"
+  fi
+}
+
+# The e2e suite drives a real vLLM: its own environment (.venv-vllm; quick when already there).
+background setup_vllm tests/e2e/setup_vllm.sh
+
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 # Two distributions: the engine-side connector (./connector) and the sidecar, which depends on it.
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ./connector -e '.[test]'
-
-# The e2e suite drives a real vLLM: its own environment (.venv-vllm; quick when already there).
-tests/e2e/setup_vllm.sh
 
 # The integration suites need a Redis; start one when none answers.
 if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
@@ -26,13 +45,16 @@ tests/redis_cluster.sh
 need=()
 { command -v prometheus && command -v promtool; } >/dev/null || need+=(prometheus)
 command -v chromium >/dev/null || need+=(chromium)
-if [ ${#need[@]} -gt 0 ]; then
-  as_root=()
+install_tools() {
+  local as_root=()
   [ "$(id -u)" -eq 0 ] || as_root=(sudo -n)
   if ! { "${as_root[@]}" apt-get update -q && "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
-         apt-get install -y -q "${need[@]}"; } >/tmp/kvdepot-apt.log 2>&1; then
-    echo "warning: could not install ${need[*]} (see /tmp/kvdepot-apt.log): their tests will fail" >&2
+         apt-get install -y -q "$@"; } >/tmp/kvdepot-apt.log 2>&1; then
+    echo "warning: could not install $* (see /tmp/kvdepot-apt.log): their tests will fail" >&2
   fi
+}
+if [ ${#need[@]} -gt 0 ]; then
+  background tools install_tools "${need[@]}"
 fi
 
 # Under this script a test whose tool is missing fails instead of skipping (tests/integration/tools.py).
@@ -44,5 +66,11 @@ echo "== mypy --strict"
 .venv/bin/mypy app api engine storage gpu fleet connector/kvdepot_connector
 echo "== layering"
 .venv/bin/python tests/check_layering.py
+echo "== setup_vllm"
+finish setup_vllm
+if [ ${#need[@]} -gt 0 ]; then
+  echo "== tools (${need[*]})"
+  finish tools
+fi
 echo "== pytest"
 .venv/bin/python -m pytest "$@"

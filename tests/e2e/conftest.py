@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not VLLM_PYTHON.exists():
         pytest.fail("the e2e suite needs .venv-vllm: run tests/e2e/setup_vllm.sh (tests/run.sh does)")
     return build_model(tmp_path_factory.mktemp("model") / "llama-8x1024")
@@ -35,9 +35,10 @@ def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A plain vLLM (no connector, its own prefix cache on) whose answers are the references: one
     for the whole session (test_vllm.py, then test_vllm_multiturn.py), one engine start fewer. Its
     prefix cache holds what earlier tests sent; a test that needs a full computation sends a
-    `cache_salt` no one else uses."""
+    `cache_salt` no one else uses. Not waited for here: it starts while the module's own engine
+    does, and its first request waits for it."""
     server = VllmServer(
         model_dir, tmp_path_factory.mktemp("reference-logs"), prefix_caching=True, name="reference"
-    ).wait_healthy()
+    )
     yield server
     server.stop()

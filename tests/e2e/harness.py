@@ -127,6 +127,7 @@ class VllmServer:
         extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.model = str(model)
+        self.ready = False  # wait_healthy succeeded: requests need not wait for the start
         self.port = free_port()
         self.log_path = log_dir / f"{name}-{self.port}.log"
         env = dict(os.environ)
@@ -176,6 +177,7 @@ class VllmServer:
                     conn.request("GET", "/health")
                     healthy = conn.getresponse().status == 200
                 if healthy:
+                    self.ready = True
                     self.complete([11, 12, 13, 14], max_tokens=1)  # the first request is slow once
                     return self
             except OSError:
@@ -225,8 +227,15 @@ class VllmServer:
             choice["token_ids"]
         )
 
+    def _started(self) -> None:
+        """Servers may be started side by side without waiting (two starts on two cores take
+        little longer than one): the first request to each waits for it."""
+        if not self.ready:
+            self.wait_healthy()
+
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
         """POST a JSON body (e.g. /v1/load_lora_adapter); the status and the raw answer."""
+        self._started()
         with self._conn(600) as conn:
             conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -245,6 +254,7 @@ class VllmServer:
             "logprobs": True,
             "ignore_eos": True,
         }
+        self._started()
         with self._conn(600) as conn:
             conn.request(
                 "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
@@ -258,6 +268,7 @@ class VllmServer:
         return tokens, int(reply["usage"]["prompt_tokens"])
 
     def metric(self, name: str) -> float:
+        self._started()
         with self._conn(30) as conn:
             conn.request("GET", "/metrics")
             text = conn.getresponse().read().decode()

@@ -46,13 +46,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(mm_model_dir: Path, logs: Path) -> Iterator[VllmServer]:
-    srv = VllmServer(mm_model_dir, logs, name="mm").wait_healthy()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     sc = start_sidecar(tmp_path_factory.mktemp("sidecar"), env={"KVDEPOT_L1__CHUNK_SIZE": str(BLOCK)})
     yield sc
@@ -60,11 +53,28 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess
 
 
 @pytest.fixture(scope="module")
-def engine(mm_model_dir: Path, logs: Path, sidecar: SidecarProcess) -> Iterator[VllmServer]:
+def both(mm_model_dir: Path, logs: Path, sidecar: SidecarProcess) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """The plain server and the one with the connector, started side by side (each one's first
+    request waits for its start)."""
     kv = connector_config(sidecar.url, kvdepot_chunk_size=BLOCK, kvdepot_load="sync")
-    srv = VllmServer(mm_model_dir, logs, kv=kv, name="mm-engine").wait_healthy()
-    yield srv
-    srv.stop()
+    started: list[VllmServer] = []
+    try:
+        started.append(VllmServer(mm_model_dir, logs, name="mm"))
+        started.append(VllmServer(mm_model_dir, logs, kv=kv, name="mm-engine"))
+        yield started[0], started[1]
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(both: tuple[VllmServer, VllmServer]) -> VllmServer:
+    return both[0]
+
+
+@pytest.fixture(scope="module")
+def engine(both: tuple[VllmServer, VllmServer]) -> VllmServer:
+    return both[1]
 
 
 def wait_l1_objects(sc: SidecarProcess, at_least: int) -> None:

@@ -88,11 +88,11 @@ P2 = P1[:2048] + prompt(2, 2048)
 def test_same_prompt_in_two_engine_runs(
     model_dir: Path, logs: Path, reference: VllmServer, sidecar: list[SidecarProcess], engine: VllmServer
 ) -> None:
-    full = ANSWERS["P1 full"] = reference.complete(P1)
-    from_prefix_cache = ANSWERS["P1 cached"] = reference.complete(P1)
     kv = connector_config(sidecar[0].url, kvdepot_chunk_size=BLOCK, kvdepot_load="sync")
-    first = VllmServer(model_dir, logs, kv=kv, name="engine-a")
+    first = VllmServer(model_dir, logs, kv=kv, name="engine-a")  # starts while the reference computes
     try:
+        full = ANSWERS["P1 full"] = reference.complete(P1)
+        from_prefix_cache = ANSWERS["P1 cached"] = reference.complete(P1)
         cold = first.wait_healthy().complete(P1)
     finally:
         first.stop()
