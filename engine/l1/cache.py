@@ -26,6 +26,8 @@ Primitives in call order:
   pin(obj) / unpin(obj, copied)  held for a copy to L2, apart from read locks (never evicted);
                                  records whether the object is in L2 (`in_l2`)
   fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
+  bind_pins(kept)                keys held by prefix pins (engine/pins/): never evicted (deleted,
+                                 cleared and purged all the same)
   evict(...) / delete(obj) / clear(...)
   fence_holder(holder)           a client session is suspect: its reservations are quarantined
   release_holder(holder)         a client session is gone: its reservations and quarantine go
@@ -341,6 +343,11 @@ class L1Cache:
         """Evict `salt`'s least recently used ready objects until it holds no more than its L1
         limit (as far as its unpinned objects allow). Returns the bytes freed."""
         return self._room.fit_quota(salt)
+
+    def bind_pins(self, kept: Callable[[ObjectKey], bool] | None) -> None:
+        """Objects whose key `kept` accepts (a prefix pin holds it in L1) are never evicted, by any
+        policy, for room or for quota; `delete` and `clear` remove them all the same."""
+        self._room.kept = kept
 
     def release_holder(self, holder: int) -> int:
         """The client session `holder` is gone (its lifeline closed: it writes no more): its
