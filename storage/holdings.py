@@ -117,17 +117,22 @@ class Holdings(Generic[V]):
 
     def oldest(self, salt: str | None, nbytes: int, kept: Kept | None = None) -> list[str]:
         """`salt`'s (None: any tenant's) least recently used keys whose sizes add up to `nbytes`
-        (all of them if less), leaving out the keys `kept` holds (pinned)."""
+        (all of them if less), leaving out the keys `kept` holds (pinned). Those it passed over
+        become the most recently used: they do not sit at the head of every later scan."""
         out: list[str] = []
+        passed: list[str] = []
         freed = 0
         source = self._entries if salt is None else self._by_salt.get(salt, OrderedDict())
         for key, held in source.items():
             if freed >= nbytes:
                 break
             if kept is not None and kept(key):
+                passed.append(key)
                 continue
             out.append(key)
             freed += held.size
+        for key in passed:
+            self.touch(key)
         return out
 
     # --- changes -------------------------------------------------------------------------------

@@ -30,8 +30,10 @@ Room is made on reserve, in two steps:
 
 Prefix pins (engine/pins/): `kept` (set through L1Cache.bind_pins) says which keys a tenant's
 prefix pin holds in L1; such objects are never chosen as victims, by any policy, in either step
-(a tenant's pinned chunks count against its quota all the same). When only kept, locked or
-reserved objects are left, the answer is QUOTA or NO_SPACE as above: a miss, never an error.
+(a tenant's pinned chunks count against its quota all the same). Kept objects a scan passes over
+are reported to the policy as accessed, so they do not pile up at the head of its order and every
+later scan does not walk past them again. When only kept, locked or reserved objects are left, the
+answer is QUOTA or NO_SPACE as above: a miss, never an error.
 """
 
 from __future__ import annotations
@@ -151,15 +153,21 @@ class RoomMaker:
         not enough), and their bytes. Chosen first, evicted after: the policy is not changed
         while it is being iterated."""
         victims: list[L1Object] = []
+        passed: list[L1Object] = []
         freed = 0
         aligned = self.allocator.aligned
         kept = self.kept
         for obj in self.policy.candidates(salt):
             if freed >= need:
                 break
-            if obj.evictable and (kept is None or not kept(obj.key)):
+            if obj.evictable:
+                if kept is not None and kept(obj.key):
+                    passed.append(obj)
+                    continue
                 victims.append(obj)
                 freed += aligned(obj.size)
+        for obj in passed:  # pinned: told to the policy as used, so later scans do not pass them again
+            self.policy.on_access(obj)
         return victims, freed
 
     def _evict(self, victims: list[L1Object]) -> None:

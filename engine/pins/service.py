@@ -93,7 +93,7 @@ class PinService:
             raise InvalidInput(f"ttl_s must be an integer in 1..{limits.max_ttl_s} (pins.max_ttl_s) or null")
         hashes = self._hashes(token_ids)
         pin_id = blake3.blake3(model.encode() + b"\0" + hashes[-1]).hexdigest(length=16)
-        replaced = (salt, pin_id) in {(p.salt, p.id) for p in self.table.pins(salt)}
+        replaced = self.table.has(salt, pin_id)
         if not replaced and len(self.table) >= limits.max_pins:
             raise Conflict(f"{len(self.table)} pins exist, the most pins.max_pins allows")
         chunk_bytes = self._chunk_bytes(model, names)
@@ -113,8 +113,7 @@ class PinService:
                 if previous is not None:
                     self.table.put(previous)
                 raise
-        log.info("pin_set", pin=pin_id, tenant=self.engine.tenants.name_of(salt), chunks=pin.chunks,
-                 tiers=list(names), ttl_s=ttl_s)  # fmt: skip
+        log.info("pin_set", pin=pin_id, chunks=pin.chunks, tiers=list(names), ttl_s=ttl_s)  # no salts in logs
         return await self.answer(pin)
 
     async def delete(self, salt: str, pin_id: str | None = None) -> int:
@@ -131,7 +130,7 @@ class PinService:
         """Release the pins whose ttl ran out (the sweeper; also called before every listing)."""
         gone = self.table.expire(self._clock())
         for pin in gone:
-            log.info("pin_expired", pin=pin.id, tenant=self.engine.tenants.name_of(pin.salt))
+            log.info("pin_expired", pin=pin.id)
         self.released += len(gone)
         return gone
 

@@ -13,7 +13,7 @@ hold that chunk (pins of one tenant may share chunks: a prefix and a longer one)
 
 Primitives in call order:
   put(pin)                  add, or replace the pin of the same (salt, id) -> the replaced one
-  get(salt, id) / pins([salt]) / __len__
+  has(salt, id) / get(salt, id) / pins([salt]) / __len__
   holds(tier, model, salt, chunk_hash)
   kept_in_l1(key)           for L1Cache.bind_pins: an ObjectKey a pin holds in L1
   kept_in(tier)             for an adapter's bind_pins: a serialized key a pin holds there
@@ -68,6 +68,9 @@ class PinTable:
         return len(self._pins)
 
     # --- reads ---------------------------------------------------------------------------------
+
+    def has(self, salt: str, pin_id: str) -> bool:
+        return (salt, pin_id) in self._pins
 
     def get(self, salt: str, pin_id: str) -> Pin:
         pin = self._pins.get((salt, pin_id))

@@ -59,7 +59,8 @@ async def test_mutations_are_audited_with_before_after_and_outcome(serve: ServeS
         assert refused["method"] == "DELETE"
         assert refused["outcome"] == {"status": 401, "code": "unauthorized"}
         assert refused["caller"]["token"] == token
-        assert refused["before"] == refused["after"] == {"l1_bytes": 8192, "l2_bytes": 0, "pinned_bytes": None}  # nothing changed
+        unchanged = {"l1_bytes": 8192, "l2_bytes": 0, "pinned_bytes": None}
+        assert refused["before"] == refused["after"] == unchanged  # nothing changed
     assert attach["resource"] == "l2.adapters" and attach["outcome"]["status"] == 201
     assert "m1" not in (attach["before"] or {})
     assert attach["after"]["m1"]["config"]["capacity_gb"] == 0.01
