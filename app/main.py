@@ -31,7 +31,7 @@ from api.http.app import create_app
 from api.http.audit import AuditLog
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
-from api.metrics import DataPlaneMetrics, build_registry
+from api.metrics import DataPlaneMetrics, PinCollector, build_registry
 from api.metrics_events import EventMetrics
 from api.metrics_workers import WorkerCollector
 from app import __version__
@@ -276,6 +276,7 @@ class Service:
             self.engine, s.pins, path=s.data_dir / PIN_FILE, executor=self._state_executor
         )
         self.pins.restore()
+        registry.register(PinCollector(self.pins))
         self.control = ControlContext(
             pins=self.pins,
             audit=audit,
