@@ -93,9 +93,6 @@ class PinService:
             raise InvalidInput(f"ttl_s must be an integer in 1..{limits.max_ttl_s} (pins.max_ttl_s) or null")
         hashes = self._hashes(token_ids)
         pin_id = blake3.blake3(model.encode() + b"\0" + hashes[-1]).hexdigest(length=16)
-        replaced = self.table.has(salt, pin_id)
-        if not replaced and len(self.table) >= limits.max_pins:
-            raise Conflict(f"{len(self.table)} pins exist, the most pins.max_pins allows")
         chunk_bytes = self._chunk_bytes(model, names)
         now, wall = self._clock(), self._wall()
         pin = Pin(
@@ -103,8 +100,10 @@ class PinService:
             created_at=wall, expires_at=None if ttl_s is None else wall + ttl_s,
             deadline=None if ttl_s is None else now + ttl_s, chunk_bytes=chunk_bytes,
         )  # fmt: skip
-        self._check_room(pin)
-        async with self._writing:
+        async with self._writing:  # checked and added with no other change in between
+            if not self.table.has(salt, pin_id) and len(self.table) >= limits.max_pins:
+                raise Conflict(f"{len(self.table)} pins exist, the most pins.max_pins allows")
+            self._check_room(pin)
             previous = self.table.put(pin)
             try:
                 await self._save()
@@ -145,7 +144,11 @@ class PinService:
 
     async def pins(self, salt: str | None = None) -> PinList:
         self.expire()
-        return PinList(pins=[await self.answer(p) for p in self.table.pins(salt)])
+        out = []
+        for pin in self.table.pins(salt):
+            out.append(await self.answer(pin))
+            await asyncio.sleep(0)  # a long listing lets the data plane in between pins
+        return PinList(pins=out)
 
     async def answer(self, pin: Pin) -> PinAnswer:
         """The pin as the control plane shows it, with how many of its chunks each tier holds now

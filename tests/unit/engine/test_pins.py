@@ -5,9 +5,13 @@ when it arrives; pinned chunks count against the tenant's own quota."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -274,3 +278,20 @@ async def test_bad_input_is_invalid_input_and_changes_nothing() -> None:
         with pytest.raises(Conflict, match="no engine of model 'never'"):
             await pins.put("a", "never", seq(1, 1), None, [L1])
         assert len(pins.table) == 0
+
+
+async def test_pins_asked_at_once_are_checked_one_after_the_other(tmp_path: Path) -> None:
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as executor, pinned_engine() as (eng, _, _, clock):
+        pins = PinService(eng, PinSettings(), path=tmp_path / "pins.json", executor=executor, clock=clock)
+        eng.tenants.set_quota("a", Quota(pinned_bytes=2 * PAGE))
+        executor.submit(gate.wait)  # file writes wait behind this: a DELETE holds the writer meanwhile
+        deleting = asyncio.create_task(pins.delete("a"))
+        await asyncio.sleep(0)
+        puts = [asyncio.create_task(pins.put("a", "m", seq(2, w), None, [L1])) for w in (1, 2)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        assert await deleting == 0
+        results = await asyncio.gather(*puts, return_exceptions=True)
+        assert [type(r).__name__ for r in results] == ["PinAnswer", "Conflict"]
+        assert pins.pinned_bytes(L1, "a") == 2 * PAGE
