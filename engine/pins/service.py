@@ -14,7 +14,8 @@ refused, with the reason, when it cannot be honoured (Conflict, 409):
 Bad input (an unknown tier, no full chunk, too many chunks, a ttl out of bounds) is InvalidInput.
 
 State (event loop only): the table, the file `<data_dir>/pins.json` (None: memory only) and the
-executor that writes it, a writer lock (file writes in order), the clocks.
+executor that writes it, a writer lock (checks and file writes in order), the clocks. A change is
+written to the file first, then applied (as quotas are): one whose write failed is not made.
 
 Primitives in call order:
   PinService(engine, settings, path=, executor=)   binds the table to L1 and the L2 tiers
@@ -100,18 +101,13 @@ class PinService:
             created_at=wall, expires_at=None if ttl_s is None else wall + ttl_s,
             deadline=None if ttl_s is None else now + ttl_s, chunk_bytes=chunk_bytes,
         )  # fmt: skip
-        async with self._writing:  # checked and added with no other change in between
+        async with self._writing:  # checked, saved and added with no other change in between
             if not self.table.has(salt, pin_id) and len(self.table) >= limits.max_pins:
                 raise Conflict(f"{len(self.table)} pins exist, the most pins.max_pins allows")
             self._check_room(pin)
-            previous = self.table.put(pin)
-            try:
-                await self._save()
-            except BaseException:
-                self.table.remove(salt, pin_id)
-                if previous is not None:
-                    self.table.put(previous)
-                raise
+            others = [p for p in self.table.pins() if (p.salt, p.id) != (salt, pin_id)]
+            await self._save([*others, pin])  # durable first: a pin whose write failed is not made
+            self.table.put(pin)
         log.info("pin_set", pin=pin_id, chunks=pin.chunks, tiers=list(names), ttl_s=ttl_s)  # no salts in logs
         return await self.answer(pin)
 
@@ -120,10 +116,13 @@ class PinService:
         Returns how many were released; their chunks are evictable at once."""
         check_salt(salt)
         async with self._writing:
-            gone = self.table.remove_tenant(salt) if pin_id is None else [self.table.remove(salt, pin_id)]
-            await self._save()
-        self.released += len(gone)
-        return len(gone)
+            mine = self.table.pins(salt) if pin_id is None else [self.table.get(salt, pin_id)]
+            gone = {(p.salt, p.id) for p in mine}
+            await self._save([p for p in self.table.pins() if (p.salt, p.id) not in gone])
+            for pin in mine:
+                self.table.remove(pin.salt, pin.id)
+        self.released += len(mine)
+        return len(mine)
 
     def expire(self) -> list[Pin]:
         """Release the pins whose ttl ran out (the sweeper; also called before every listing)."""
@@ -304,14 +303,16 @@ class PinService:
         self.table.restore(pins)
         return len(pins)
 
-    async def _save(self) -> None:
+    async def _save(self, pins: list[Pin]) -> None:
+        """`pins` to the file (before they are applied: BackendError, and nothing changes, when it
+        cannot be written)."""
         if self.path is None:
             return
-        await save_state_file(self._executor, self.path, render(self.table.pins()), "pins")
+        await save_state_file(self._executor, self.path, render(pins), "pins")
 
     async def _save_quietly(self) -> None:
         try:
-            await self._save()
+            await self._save(self.table.pins())
         except Exception as exc:
             log.warning("pin_file_not_written", error=str(exc))
 

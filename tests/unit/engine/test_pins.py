@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import Conflict, InvalidInput, NotFound
+from app.errors import BackendError, Conflict, InvalidInput, NotFound
 from engine.facade import CacheEngine
 from engine.keys import Namespace, ObjectKey
 from engine.pins.config import PinSettings
@@ -295,3 +295,20 @@ async def test_pins_asked_at_once_are_checked_one_after_the_other(tmp_path: Path
         results = await asyncio.gather(*puts, return_exceptions=True)
         assert [type(r).__name__ for r in results] == ["PinAnswer", "Conflict"]
         assert pins.pinned_bytes(L1, "a") == 2 * PAGE
+
+
+async def test_a_change_whose_file_write_fails_is_not_made(tmp_path: Path) -> None:
+    with ThreadPoolExecutor(1) as executor, pinned_engine() as (eng, eid, _, clock):
+        state = tmp_path / "state"
+        state.mkdir()
+        pins = PinService(eng, PinSettings(), path=state / "pins.json", executor=executor, clock=clock)
+        kept = await pins.put("a", "m", seq(1, 1), None, [L1])
+        state.rename(tmp_path / "moved")  # the file can no longer be written
+        with pytest.raises(BackendError, match="pins not changed"):
+            await pins.put("a", "m", seq(1, 2), None, [L1])
+        with pytest.raises(BackendError, match="pins not changed"):
+            await pins.delete("a", kept.id)
+        assert [p.id for p in pins.table.pins()] == [kept.id]
+        store(eng, eid, seq(1, 1), "a", 1)
+        storm(eng, eid, 20)
+        assert len(served(eng, eid, seq(1, 1), "a")) == 1  # still held
