@@ -18,12 +18,13 @@ import pytest
 from app.errors import BackendError, Conflict, InvalidInput, NotFound
 from engine.facade import CacheEngine
 from engine.keys import Namespace, ObjectKey
+from engine.l1.lifecycle import L1Object
 from engine.pins.config import PinSettings
 from engine.pins.service import PinService
 from engine.pins.table import Pin, PinTable
 from engine.results import SlotStatus
 from engine.tenants.quota import L1, Quota
-from tests.factories import FakeClock, engine, small_layout
+from tests.factories import FakeClock, engine, key, make_cache, small_layout
 
 pytestmark = pytest.mark.anyio
 
@@ -312,3 +313,16 @@ async def test_a_change_whose_file_write_fails_is_not_made(tmp_path: Path) -> No
         store(eng, eid, seq(1, 1), "a", 1)
         storm(eng, eid, 20)
         assert len(served(eng, eid, seq(1, 1), "a")) == 1  # still held
+
+
+def test_a_pinned_chunk_prefetched_from_l2_is_kept_after_its_reader() -> None:
+    cache = make_cache(8 * PAGE)
+    pinned = {key(1)}
+    cache.bind_pins(pinned.__contains__)
+    for k in (key(1), key(2)):
+        obj = cache.try_reserve(k, PAGE, 0.0, temporary=True)
+        assert isinstance(obj, L1Object)
+        cache.commit(obj.oid, 0.0)
+        cache.lock(obj, 0.0)
+        cache.unlock(obj)  # the reader is done: a temporary object goes
+    assert cache.peek(key(1)) is not None and cache.peek(key(2)) is None
