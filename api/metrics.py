@@ -8,7 +8,8 @@ the tenant ledger at scrape time, labelled by tenant and tier with bounded cardi
 others summed as `other`. When a tenant enters or leaves the top N its series start or stop and
 `other` jumps: Prometheus reads a drop of a counter as a reset. The `tier` label is `l1` or an L2
 adapter's name (bounded by the adapters attached; a detached adapter's counters stay under
-`other`).
+`other`). `PinCollector` reads the prefix pins (engine/pins/): how many, what they hold per tier
+(not per tenant), how many were released.
 
 Each collector is a table: (metric name, help, where the value comes from); one loop per kind of
 family turns a table into metrics, so adding a figure is adding a row.
@@ -28,8 +29,9 @@ from prometheus_client.registry import Collector
 
 from engine.events import EventBus
 from engine.facade import CacheEngine
+from engine.pins.service import PinService
 from engine.tenants.ledger import OTHER
-from engine.tenants.quota import DEFAULT_TENANT
+from engine.tenants.quota import DEFAULT_TENANT, L1
 from kvdepot_connector.protocol import Uncacheable
 
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -244,6 +246,28 @@ class EventsCollector(Collector):
         yield from single(CounterMetricFamily, EVENT_COUNTERS, self.events)
         yield GaugeMetricFamily(
             "kvdepot_events_queue", "Events waiting for the dispatcher.", value=self.events.pending()
+        )
+
+
+class PinCollector(Collector):
+    """Prefix pins: how many, the bytes they may hold per tier (`l1` always), and releases."""
+
+    def __init__(self, pins: PinService) -> None:
+        self.pins = pins
+
+    def collect(self) -> Iterator[Metric]:
+        pins = self.pins
+        yield GaugeMetricFamily("kvdepot_pins", "Prefix pins held (PUT /pins).", value=len(pins.table))
+        held = GaugeMetricFamily(
+            "kvdepot_pinned_bytes", "Bytes prefix pins may hold in the tier, over all tenants.",
+            labels=["tier"],
+        )  # fmt: skip
+        tiers = {L1} | {t for p in pins.table.pins() for t in p.tiers}
+        for tier in sorted(tiers):
+            held.add_metric([tier], pins.pinned_bytes(tier))
+        yield held
+        yield CounterMetricFamily(
+            "kvdepot_pins_released", "Prefix pins released by their TTL or DELETE.", value=pins.released
         )
 
 

@@ -31,7 +31,7 @@ from api.http.app import create_app
 from api.http.audit import AuditLog
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
-from api.metrics import DataPlaneMetrics, build_registry
+from api.metrics import DataPlaneMetrics, PinCollector, build_registry
 from api.metrics_events import EventMetrics
 from api.metrics_workers import WorkerCollector
 from app import __version__
@@ -58,6 +58,7 @@ from engine.l1.arena import SealedArena, instance_id
 from engine.l2.parts import L2Parts
 from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
+from engine.pins.service import PIN_FILE, PinService
 from engine.purge import PURGE_FILE, PurgeJobs
 from engine.status import StatusReader
 from engine.tenants.labels import LABEL_FILE, LabelRegistry
@@ -270,7 +271,14 @@ class Service:
             self.engine, None if self.l2 is None else self.l2.tiers, events,
             path=s.data_dir / PURGE_FILE, executor=self._state_executor,
         )  # fmt: skip
+        # Prefix pins: bound to L1 and the L2 tiers now; those saved before a restart hold again.
+        self.pins = PinService(
+            self.engine, s.pins, path=s.data_dir / PIN_FILE, executor=self._state_executor
+        )
+        self.pins.restore()
+        registry.register(PinCollector(self.pins))
         self.control = ControlContext(
+            pins=self.pins,
             audit=audit,
             settings=s,
             admin=admin,
@@ -385,6 +393,7 @@ class Service:
             self.supervisor.start("tracing-sweep", self.tracing.run_sweeper(), drain=False)
         self.supervisor.start("dataplane", self.dataplane.serve())
         self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
+        self.supervisor.start("pin-sweeper", self.pins.run_sweeper(), drain=False)
         self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
         if s.fleet.directory_url is not None and self.kv_events is not None:
             member = DirectoryMember(s, self.engine, self.kv_events, self._key_id, self.http_port)

@@ -33,6 +33,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.kvevents.config import KvEventsSettings
 from api.tracing.config import TracingSettings
+from engine.pins.config import PinSettings
 from engine.transfer_limits import TransferLimits
 from storage.auth import parse_secret
 from storage.config import (
@@ -369,6 +370,7 @@ class Settings(BaseSettings):
     l1: L1Settings = Field(default_factory=L1Settings)
     l2: L2Settings = Field(default_factory=L2Settings)
     tenants: TenantSettings = Field(default_factory=TenantSettings)
+    pins: PinSettings = Field(default_factory=PinSettings)
     transfers: TransferLimits = Field(default_factory=TransferLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     events: EventSettings = Field(default_factory=EventSettings)

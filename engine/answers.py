@@ -68,6 +68,34 @@ class TenantQuota:
 
 
 @dataclass(frozen=True, slots=True)
+class PinAnswer:
+    """A prefix pin (engine/pins/): the chunks of a token prefix kept from eviction in `tiers`."""
+
+    id: str
+    cache_salt: str
+    tenant: str
+    model: str
+    chunks: int
+    tokens: int
+    """The tokens pinned: the full chunks of the token_ids given (a partial last chunk is not)."""
+    tiers: list[str]
+    ttl_s: int | None
+    created_at: float
+    expires_at: float | None
+    """Unix seconds; null: until deleted."""
+    pinned_bytes: dict[str, int]
+    """Per tier: what the pin may hold there (chunks times their bytes over every namespace of the
+    model), counted against the tenant's pinned_bytes quota."""
+    present_chunks: dict[str, int]
+    """Per tier: of those chunks (in every namespace of the model), how many the tier holds now."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinList:
+    pins: list[PinAnswer]
+
+
+@dataclass(frozen=True, slots=True)
 class ReconcileAnswer:
     """One reconcile of a fleet ledger with a scan of the adapter's prefix."""
 

@@ -127,6 +127,8 @@ SaltOf = Callable[[str], str]
 """The tenant (cache_salt) a key belongs to; given by the owner, since keys are opaque here."""
 HoldingsHook = Callable[[str, int, int, bool], None]
 """(key, delta_bytes, delta_objects, evicted): one change of what an adapter holds."""
+Kept = Callable[[str], bool]
+"""True for a key a pin holds in this adapter (engine/pins/): never evicted while it says so."""
 
 
 @dataclass(frozen=True, slots=True)

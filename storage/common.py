@@ -22,6 +22,8 @@ Primitives in call order:
   set_capacity(bytes)           runtime resize: the capacity, then `_capacity_changed`
   bind_accounting(salt_of, hook) / unbind_accounting()
                                 the owner's per-tenant accounting (storage.base), on `_held`
+  bind_pins(kept)               (adapters whose `honours_pins` is True) which keys pins hold:
+                                never chosen by eviction for capacity or quota
   evict_salt(salt, nbytes)      inside the OpGate, timed as "evict": the subclass's `_evict_salt`;
                                 a failure frees nothing more and shows in health, never raises
   close()                       gate closes (in-flight batches end with ERROR), then `_close`
@@ -51,6 +53,7 @@ from storage.base import (
     AdapterStats,
     Health,
     HoldingsHook,
+    Kept,
     LatencyRecorder,
     LoadResult,
     OpResult,
@@ -82,6 +85,9 @@ class AdapterCore(ABC, Generic[V]):
     `V` is what the subclass keeps per key in `_held`."""
 
     kind: ClassVar[str]
+    #: whether eviction here skips the keys pins hold (`bind_pins`); an adapter that cannot (its
+    #: backend evicts by its own policy) leaves it False and pins on it are refused
+    honours_pins: ClassVar[bool] = False
 
     def __init__(self, name: str, capacity_bytes: int = 0) -> None:
         self._name = name
@@ -94,6 +100,7 @@ class AdapterCore(ABC, Generic[V]):
         self._start_lock = asyncio.Lock()
         self._closed = False
         self._held: Holdings[V] = Holdings()
+        self._kept: Kept | None = None
 
     # --- identity and snapshots ----------------------------------------------------------------
 
@@ -143,6 +150,12 @@ class AdapterCore(ABC, Generic[V]):
 
     def unbind_accounting(self) -> None:
         self._held.unbind()
+
+    def bind_pins(self, kept: Kept | None) -> None:
+        """Keys `kept` says a pin holds are never evicted (None: no pins). Only where `honours_pins`."""
+        if not self.honours_pins:
+            raise ValueError(f"L2 adapter {self._name!r} ({self.kind}) cannot honour pins")
+        self._kept = kept
 
     async def evict_salt(self, salt: str, nbytes: int) -> int:
         """See storage.base. Returns the bytes freed (0 when closed or on a backend failure)."""
@@ -318,9 +331,9 @@ class AdapterCore(ABC, Generic[V]):
 
     async def _evict_salt(self, salt: str, nbytes: int) -> int:
         """Default, for a backend that keeps nothing but `_held` (memory): forget the tenant's
-        least recently used entries. Returns the bytes freed."""
+        least recently used entries (those pins hold stay). Returns the bytes freed."""
         freed = 0
-        for key in self._held.oldest(salt, nbytes):
+        for key in self._held.oldest(salt, nbytes, self._kept):
             held = self._held.pop(key, evicted=True)
             if held is not None:
                 freed += held.size

@@ -36,6 +36,8 @@ Primitives in call order:
   evict_salt(salt, nbytes)
                    drops the tenant's least recently used index entries (the index's order: write
                    or load), enough for nbytes, then unlinks their files
+Pins (`bind_pins`, storage/common.py): eviction for capacity or quota skips the keys pins hold; a
+store that finds no other room is NO_SPACE.
   close()          waits (bounded) for file operations already running, releases the directory
                    locks, and shuts the executor down when this adapter owns it
 
@@ -91,6 +93,7 @@ class DiskAdapter(AdapterCore[str]):
     """`_held` maps each key to its current file's path."""
 
     kind = "disk"
+    honours_pins = True
 
     def __init__(
         self,
@@ -295,7 +298,7 @@ class DiskAdapter(AdapterCore[str]):
     async def _evict_salt(self, salt: str, nbytes: int) -> int:
         paths: list[str] = []
         freed = 0
-        for key in self._held.oldest(salt, nbytes):
+        for key in self._held.oldest(salt, nbytes, self._kept):
             entry = self._held.pop(key, evicted=True)
             assert entry is not None
             self._count_eviction(entry.size)
@@ -308,12 +311,14 @@ class DiskAdapter(AdapterCore[str]):
     # --- bookkeeping ---------------------------------------------------------------------------
 
     async def _evict_to(self, limit: int) -> None:
+        """Evict least recently used blobs (not those pins hold) until at most `limit` bytes are
+        held, or only pinned blobs are left."""
         paths: list[str] = []
-        while self._held.bytes > limit:
-            oldest = self._held.pop_oldest()
-            if oldest is None:
-                break
-            self._count_eviction(oldest[1].size)
-            paths.append(oldest[1].value)
+        held = self._held
+        for key in held.oldest(None, held.bytes - limit, self._kept):
+            entry = held.pop(key, evicted=True)
+            assert entry is not None
+            self._count_eviction(entry.size)
+            paths.append(entry.value)
         if paths:
             await self._io(self._files.remove, paths)

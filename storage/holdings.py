@@ -18,8 +18,12 @@ Primitives in call order:
                                    reported at once) / detach it (later changes are not reported)
   put(key, value, size)            add or replace, as the most recently used -> the previous entry
   get(key) / entry(key) / touch(key)
-  oldest(salt, nbytes)             the tenant's least recently used keys, enough to free `nbytes`
+  oldest(salt, nbytes[, kept])     the tenant's (None: anyone's) least recently used keys, enough
+                                   to free `nbytes`, skipping those `kept` says are held by a pin
   pop(key, evicted) / discard(key, entry, evicted) / pop_oldest() / clear()
+
+Pins (engine/pins/): an adapter that honours them is given a `Kept` predicate (a key held by a pin
+of this tier) and passes it to `oldest`, so eviction for capacity or quota never picks such a key.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from storage.base import HoldingsHook, SaltOf
+from storage.base import HoldingsHook, Kept, SaltOf
 
 V = TypeVar("V")
 
@@ -111,15 +115,24 @@ class Holdings(Generic[V]):
             self._entries.move_to_end(key)
             self._by_salt[held.salt].move_to_end(key)
 
-    def oldest(self, salt: str, nbytes: int) -> list[str]:
-        """`salt`'s least recently used keys whose sizes add up to `nbytes` (all of them if less)."""
+    def oldest(self, salt: str | None, nbytes: int, kept: Kept | None = None) -> list[str]:
+        """`salt`'s (None: any tenant's) least recently used keys whose sizes add up to `nbytes`
+        (all of them if less), leaving out the keys `kept` holds (pinned). Those it passed over
+        become the most recently used: they do not sit at the head of every later scan."""
         out: list[str] = []
+        passed: list[str] = []
         freed = 0
-        for key, held in self._by_salt.get(salt, {}).items():
+        source = self._entries if salt is None else self._by_salt.get(salt, OrderedDict())
+        for key, held in source.items():
             if freed >= nbytes:
                 break
+            if kept is not None and kept(key):
+                passed.append(key)
+                continue
             out.append(key)
             freed += held.size
+        for key in passed:
+            self.touch(key)
         return out
 
     # --- changes -------------------------------------------------------------------------------

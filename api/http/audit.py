@@ -4,9 +4,10 @@
 too) sees every request whose method is not GET, HEAD or OPTIONS. Before and after the call it
 takes a snapshot of what the call may change (`snapshot`): a tenant's quota (PUT/DELETE
 /quotas/{salt}), the attached adapters' configuration and state (/l2/adapters, /l2/adapters/{name}),
-the L2 policy (/l2/policy); anything else has none (null). The record:
+the L2 policy (/l2/policy), a tenant's pins (PUT/DELETE /pins/{salt}: id, chunks, tiers, expiry);
+anything else has none (null). The record:
 
-  ts, method, resource ("quotas", "l2.adapters", "l2.policy", or the path), target (the tenant
+  ts, method, resource ("quotas", "pins", "l2.adapters", "l2.policy", or the path), target (the tenant
   as GET /quotas names it, or the adapter), caller {peer (address:port), token (the first 8 hex
   of the SHA-256 of the bearer token given, null without one)}, before, after,
   outcome {status, code (the error body's code; null on success)}
@@ -78,7 +79,7 @@ class AuditLog:
         self._records.append(entry)
         self.recorded += 1
         line = {k: v for k, v in entry.items() if k != "target"}
-        if entry.get("resource") in ("quotas", "dataplane.clear") and entry.get("target") is not None:
+        if entry.get("resource") in ("quotas", "pins", "dataplane.clear") and entry.get("target") is not None:
             line["target_fp"] = fingerprint(str(entry["target"]))
         elif entry.get("target") is not None:
             line["target"] = entry["target"]
@@ -112,6 +113,8 @@ def target_of(path: str) -> tuple[str, str | None]:
     """(resource, target) of a control-plane path."""
     if path.startswith("/quotas/"):
         return "quotas", unquote(path[len("/quotas/") :]) or None
+    if path.startswith("/pins/"):
+        return "pins", unquote(path[len("/pins/") :]) or None
     if path.rstrip("/") == "/l2/adapters":
         return "l2.adapters", None
     if path.startswith("/l2/adapters/"):
@@ -128,6 +131,9 @@ def snapshot(ctx: ControlContext, resource: str, target: str | None) -> Any:
         if resource == "quotas" and target is not None:
             salt = "" if target == DEFAULT_TENANT else target
             return _plain(admin.quota(salt).quota)
+        if resource == "pins" and target is not None and ctx.pins is not None:
+            salt = "" if target == DEFAULT_TENANT else target
+            return ctx.pins.summary(salt)
         if resource == "l2.adapters":
             adapters = {
                 a.name: {"state": a.state, "config": _plain(a.config)} for a in admin.l2_adapters().adapters

@@ -12,6 +12,7 @@ from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
 from engine.events import EventBus
+from engine.pins.service import PinService
 from engine.purge import PurgeJobs
 from engine.status import StatusReader
 from engine.workers import WorkerRegistry
@@ -45,5 +46,7 @@ class ControlContext:
     workers: WorkerRegistry | None = None
     purge: PurgeJobs | None = None
     """Purge and clear jobs (engine/purge.py)."""
+    pins: PinService | None = None
+    """Prefix pins (engine/pins/)."""
     audit: AuditLog = field(default_factory=AuditLog)
     """The recent mutating calls (api/http/audit.py): GET /audit."""

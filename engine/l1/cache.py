@@ -26,6 +26,9 @@ Primitives in call order:
   pin(obj) / unpin(obj, copied)  held for a copy to L2, apart from read locks (never evicted);
                                  records whether the object is in L2 (`in_l2`)
   fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
+  bind_pins(kept)                keys held by prefix pins (engine/pins/): never evicted (deleted,
+                                 cleared and purged all the same); a temporary object (prefetched
+                                 from L2) of such a key is committed as an ordinary one
   evict(...) / delete(obj) / clear(...)
   fence_holder(holder)           a client session is suspect: its reservations are quarantined
   release_holder(holder)         a client session is gone: its reservations and quarantine go
@@ -242,6 +245,9 @@ class L1Cache:
             raise LeaseExpired(f"reservation {oid} is unknown or its lease expired")
         obj.apply(Event.COMMIT)
         obj.last_access = now
+        kept = self._room.kept
+        if obj.temporary and kept is not None and kept(obj.key):
+            obj.temporary = False  # a prefix pin holds it in L1: kept after its reader, as any other
         self.policy.on_insert(obj)
         self.counters.committed += 1
         if obj.doomed:  # cleared while being written: never visible, so nothing to announce
@@ -341,6 +347,11 @@ class L1Cache:
         """Evict `salt`'s least recently used ready objects until it holds no more than its L1
         limit (as far as its unpinned objects allow). Returns the bytes freed."""
         return self._room.fit_quota(salt)
+
+    def bind_pins(self, kept: Callable[[ObjectKey], bool] | None) -> None:
+        """Objects whose key `kept` accepts (a prefix pin holds it in L1) are never evicted, by any
+        policy, for room or for quota; `delete` and `clear` remove them all the same."""
+        self._room.kept = kept
 
     def release_holder(self, holder: int) -> int:
         """The client session `holder` is gone (its lifeline closed: it writes no more): its

@@ -27,6 +27,13 @@ Room is made on reserve, in two steps:
    objects are never evicted. When nothing is left to evict, the shedder lets go of the oldest
    queued chunks of any tenant (their L2 write is dropped, counted). If that is not enough
    (everything held, or fragmentation), NO_SPACE.
+
+Prefix pins (engine/pins/): `kept` (set through L1Cache.bind_pins) says which keys a tenant's
+prefix pin holds in L1; such objects are never chosen as victims, by any policy, in either step
+(a tenant's pinned chunks count against its quota all the same). Kept objects a scan passes over
+are reported to the policy as accessed, so they do not pile up at the head of its order and every
+later scan does not walk past them again. When only kept, locked or reserved objects are left, the
+answer is QUOTA or NO_SPACE as above: a miss, never an error.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from engine.keys import ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object
@@ -78,6 +86,8 @@ class RoomMaker:
         self._shedder = shedder
         self._release = release
         self._let_go = let_go
+        #: keys a prefix pin holds in L1 (None: no pins): never victims
+        self.kept: Callable[[ObjectKey], bool] | None = None
 
     def fit(self, salt: str, limit: int, charge: int) -> bool:
         """Make `charge` more bytes fit `salt`'s limit by evicting its own LRU ready objects. False
@@ -143,14 +153,21 @@ class RoomMaker:
         not enough), and their bytes. Chosen first, evicted after: the policy is not changed
         while it is being iterated."""
         victims: list[L1Object] = []
+        passed: list[L1Object] = []
         freed = 0
         aligned = self.allocator.aligned
+        kept = self.kept
         for obj in self.policy.candidates(salt):
             if freed >= need:
                 break
             if obj.evictable:
+                if kept is not None and kept(obj.key):
+                    passed.append(obj)
+                    continue
                 victims.append(obj)
                 freed += aligned(obj.size)
+        for obj in passed:  # pinned: told to the policy as used, so later scans do not pass them again
+            self.policy.on_access(obj)
         return victims, freed
 
     def _evict(self, victims: list[L1Object]) -> None:

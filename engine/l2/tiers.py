@@ -17,7 +17,8 @@ Events: every chunk an adapter reports gone is published as REMOVED (tier = the 
 reason "evicted" or "deleted"); a removed adapter as CLEARED of its tier.
 
 Primitives in call order:
-  add(config)               build, bind the accounting, start; Conflict on a duplicate name,
+  bind_pins(kept_for)       prefix pins (engine/pins/): adapters that honour them skip what they hold
+  add(config)               build, bind the accounting (and pins), start; Conflict on a duplicate name,
                             ConfigError (and nothing attached) when the adapter cannot start
   active()                  the tiers new work may use, in order
   tier.use()                context manager counting an operation in flight
@@ -41,7 +42,8 @@ from app.errors import ConfigError, Conflict, NotFound
 from engine.events import EventBus, Kind
 from engine.keys import ObjectKey, salt_of
 from engine.tenants.ledger import TierAccounting
-from storage.base import HoldingsHook, L2Adapter
+from storage.base import HoldingsHook, Kept, L2Adapter
+from storage.common import AdapterCore
 from storage.config import AdapterConfig
 
 log = structlog.get_logger("kvdepot.l2")
@@ -107,6 +109,8 @@ class L2Tiers:
         self._tiers: dict[str, Tier] = {}
         self.drain_timeout_s = drain_timeout_s
         self.ledger = ledger
+        #: tier name -> the keys prefix pins hold there (engine/pins/); None: no pins
+        self._kept_for: Callable[[str], Kept] | None = None
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -137,6 +141,9 @@ class L2Tiers:
         self._tiers[config.name] = tier  # reserve the name before awaiting
         if self.ledger is not None or self.events.enabled:
             adapter.bind_accounting(salt_of, self._hook(config.name, self.ledger, self.events))
+        if self._kept_for is not None and honours_pins(adapter):
+            assert isinstance(adapter, AdapterCore)
+            adapter.bind_pins(self._kept_for(config.name))
         try:
             await adapter.start()
         except BaseException as exc:
@@ -177,6 +184,16 @@ class L2Tiers:
             await tier.adapter.close()
         self._tiers.clear()
 
+    def bind_pins(self, kept_for: Callable[[str], Kept] | None) -> None:
+        """Prefix pins (engine/pins/): every adapter that honours them, attached now or later, is
+        given `kept_for(its name)`; the others cannot hold pins (`honours_pins`)."""
+        self._kept_for = kept_for
+        for tier in self._tiers.values():
+            adapter = tier.adapter
+            if honours_pins(adapter):
+                assert isinstance(adapter, AdapterCore)
+                adapter.bind_pins(None if kept_for is None else kept_for(tier.name))
+
     # --- tenant accounting ---------------------------------------------------------------------
 
     @staticmethod
@@ -200,6 +217,11 @@ class L2Tiers:
         adapter.unbind_accounting()
         if self.ledger is not None:
             self.ledger.forget_tier(adapter.name)
+
+
+def honours_pins(adapter: L2Adapter) -> bool:
+    """Whether eviction in `adapter` can skip the keys prefix pins hold (storage/common.py)."""
+    return isinstance(adapter, AdapterCore) and adapter.honours_pins
 
 
 def _removed(events: EventBus, tier: str, key: str, reason: str) -> None:

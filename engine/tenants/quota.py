@@ -4,7 +4,9 @@ A tenant is a `cache_salt`; the empty salt is the default tenant, written `_defa
 metric labels. A tier is `l1` or the name of an L2 adapter (no adapter may be named `l1`).
 `l1_bytes` limits the tenant's bytes in L1 (engine/l1/cache.py); `l2_bytes` limits its bytes in
 each L2 adapter separately (engine/l2/store.py, at write-behind). None means unlimited; 0 means the
-tenant stores nothing in that tier.
+tenant stores nothing in that tier. `pinned_bytes` limits what the tenant's prefix pins may hold in
+each tier (engine/pins/): a pin past it is refused; pinned chunks count against `l1_bytes` and
+`l2_bytes` like any other.
 
 Pure values, no state; nothing here imports the rest of the package.
 """
@@ -23,7 +25,7 @@ DEFAULT_TENANT = "_default"
 """How the empty salt is written in URLs and metric labels."""
 MAX_SALT_LEN = 256
 LIMIT_MAX = 1 << 62
-FIELDS = ("l1_bytes", "l2_bytes")
+FIELDS = ("l1_bytes", "l2_bytes", "pinned_bytes")
 
 
 def display_name(salt: str) -> str:
@@ -51,17 +53,21 @@ def _check_limit(name: str, value: object) -> None:
 class Quota:
     l1_bytes: int | None = None
     l2_bytes: int | None = None
+    pinned_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_limit("l1_bytes", self.l1_bytes)
         _check_limit("l2_bytes", self.l2_bytes)
+        _check_limit("pinned_bytes", self.pinned_bytes)
 
     def limit(self, tier: str) -> int | None:
         """The limit in `tier`: `l1_bytes` for L1, `l2_bytes` for every L2 adapter."""
         return self.l1_bytes if tier == L1 else self.l2_bytes
 
     def to_json(self) -> dict[str, int | None]:
-        return {"l1_bytes": self.l1_bytes, "l2_bytes": self.l2_bytes}
+        """The fields as JSON; `pinned_bytes` only when set (files written before it stay the same)."""
+        out = {"l1_bytes": self.l1_bytes, "l2_bytes": self.l2_bytes}
+        return out if self.pinned_bytes is None else out | {"pinned_bytes": self.pinned_bytes}
 
     @classmethod
     def from_json(cls, data: object) -> Quota:

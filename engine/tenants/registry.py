@@ -14,7 +14,8 @@ Primitives in call order:
   put(salt, quota)       create or replace
   delete(salt)           NotFound when the tenant has no quota
 
-File format: {"version": 1, "quotas": {"<cache_salt>": {"l1_bytes": int|null, "l2_bytes": int|null}}}
+File format: {"version": 1, "quotas": {"<cache_salt>": {"l1_bytes": int|null, "l2_bytes": int|null,
+"pinned_bytes": int|null}}} (pinned_bytes may be missing: null)
 """
 
 from __future__ import annotations

@@ -114,8 +114,10 @@ def test_quotas_survive_a_restart_of_the_sidecar(sidecar_factory: StartSidecar, 
 
     second = sidecar_factory(data_dir=data_dir, env=env, l1_size_gb=0.02)
     listed = {t["tenant"]: t["quota"] for t in http(second, "GET", "/quotas")[1]["tenants"]}
-    assert listed == {"z": {"l1_bytes": 0, "l2_bytes": None},
-                      "_default": {"l1_bytes": 5 * CHUNK_BYTES, "l2_bytes": 7}}  # fmt: skip
+    assert listed == {
+        "z": {"l1_bytes": 0, "l2_bytes": None, "pinned_bytes": None},
+        "_default": {"l1_bytes": 5 * CHUNK_BYTES, "l2_bytes": 7, "pinned_bytes": None},
+    }
     c = client(second.url)
     try:
         assert store(c, "z", 0, 0, 2, "w").quota == 2

@@ -1,6 +1,6 @@
 """One router per resource; `ROUTERS` collects them for the app factory."""
 
-from api.http.routes import audit, health, inventory, l2, metrics, quotas, status, tenants, workers
+from api.http.routes import audit, health, inventory, l2, metrics, pins, quotas, status, tenants, workers
 
 ROUTERS = [
     health.router,
@@ -8,6 +8,7 @@ ROUTERS = [
     metrics.router,
     l2.router,
     quotas.router,
+    pins.router,
     tenants.router,
     inventory.router,
     workers.router,

@@ -41,6 +41,9 @@ class QuotaBody(BaseModel):
 
     l1_bytes: Limit = None
     l2_bytes: Limit = Field(None, description="Limit in each L2 adapter.")
+    pinned_bytes: Limit = Field(
+        None, description="What the tenant's prefix pins (PUT /pins) may hold in each tier."
+    )
 
 
 def salt_of(name: str) -> str:
@@ -74,7 +77,7 @@ async def get_quota(ctx: Ctx, _: Admin, cache_salt: Salt) -> TenantQuota:
     responses=errors(401, 413, 422),
 )
 async def put_quota(ctx: Ctx, _: Admin, cache_salt: Salt, body: QuotaBody) -> TenantQuota:
-    quota = Quota(l1_bytes=body.l1_bytes, l2_bytes=body.l2_bytes)
+    quota = Quota(l1_bytes=body.l1_bytes, l2_bytes=body.l2_bytes, pinned_bytes=body.pinned_bytes)
     return await ctx.admin.set_quota(salt_of(cache_salt), quota)
 
 

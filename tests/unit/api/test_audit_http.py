@@ -50,16 +50,17 @@ async def test_mutations_are_audited_with_before_after_and_outcome(serve: ServeS
     bad_put, policy, attach, no_token, bad_token, second, first = records
     assert first["method"] == "PUT" and first["resource"] == "quotas" and first["target"] == "tenant-a"
     assert first["before"] is None
-    assert first["after"] == {"l1_bytes": 4096, "l2_bytes": None}
+    assert first["after"] == {"l1_bytes": 4096, "l2_bytes": None, "pinned_bytes": None}
     assert first["outcome"] == {"status": 200, "code": None}
     assert first["caller"]["token"] == FP and first["caller"]["peer"].startswith("127.0.0.1:")
-    assert second["before"] == {"l1_bytes": 4096, "l2_bytes": None}
-    assert second["after"] == {"l1_bytes": 8192, "l2_bytes": 0}
+    assert second["before"] == {"l1_bytes": 4096, "l2_bytes": None, "pinned_bytes": None}
+    assert second["after"] == {"l1_bytes": 8192, "l2_bytes": 0, "pinned_bytes": None}
     for refused, token in ((bad_token, hashlib.sha256(b"not-the-token").hexdigest()[:8]), (no_token, None)):
         assert refused["method"] == "DELETE"
         assert refused["outcome"] == {"status": 401, "code": "unauthorized"}
         assert refused["caller"]["token"] == token
-        assert refused["before"] == refused["after"] == {"l1_bytes": 8192, "l2_bytes": 0}  # nothing changed
+        unchanged = {"l1_bytes": 8192, "l2_bytes": 0, "pinned_bytes": None}
+        assert refused["before"] == refused["after"] == unchanged  # nothing changed
     assert attach["resource"] == "l2.adapters" and attach["outcome"]["status"] == 201
     assert "m1" not in (attach["before"] or {})
     assert attach["after"]["m1"]["config"]["capacity_gb"] == 0.01

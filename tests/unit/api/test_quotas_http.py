@@ -63,7 +63,7 @@ async def test_put_get_list_delete(serve: ServeService) -> None:
         assert r.json() == {
             "cache_salt": "a",
             "tenant": "a",
-            "quota": {"l1_bytes": 2 * PAGE, "l2_bytes": None},
+            "quota": {"l1_bytes": 2 * PAGE, "l2_bytes": None, "pinned_bytes": None},
             "tiers": {
                 "l1": {
                     "limit_bytes": 2 * PAGE, "bytes": 0, "objects": 0, "hits": 0, "misses": 0,
@@ -77,7 +77,7 @@ async def test_put_get_list_delete(serve: ServeService) -> None:
         got = (await c.get("/quotas/a")).json()
         assert got["tiers"]["l1"]["bytes"] == 2 * PAGE and got["tiers"]["l1"]["quota_refusals"] == 1
         r = await c.put("/quotas/a", json={"l1_bytes": None})  # replace: unlimited now
-        assert r.json()["quota"] == {"l1_bytes": None, "l2_bytes": None}
+        assert r.json()["quota"] == {"l1_bytes": None, "l2_bytes": None, "pinned_bytes": None}
         assert store(running.service, "a", 3) == [SlotStatus.EXISTS] * 2 + [SlotStatus.RESERVED]
         listed = (await c.get("/quotas")).json()["tenants"]
         assert [t["cache_salt"] for t in listed] == ["a"]
@@ -279,8 +279,8 @@ async def test_quotas_survive_a_restart_on_the_same_data_dir(serve: ServeService
     async with serve({"data_dir": data_dir}) as again:
         tenants = (await again.client.get("/quotas")).json()["tenants"]
         assert {t["tenant"]: t["quota"] for t in tenants} == {
-            "_default": {"l1_bytes": 0, "l2_bytes": None},
-            "a": {"l1_bytes": 7, "l2_bytes": 8},
+            "_default": {"l1_bytes": 0, "l2_bytes": None, "pinned_bytes": None},
+            "a": {"l1_bytes": 7, "l2_bytes": 8, "pinned_bytes": None},
         }
 
 

@@ -350,7 +350,7 @@ def test_tenant_status_and_describe() -> None:
         assert asdict(admin(eng).quota("a")) == {
             "cache_salt": "a",
             "tenant": "a",
-            "quota": {"l1_bytes": 2 * PAGE, "l2_bytes": 7},
+            "quota": {"l1_bytes": 2 * PAGE, "l2_bytes": 7, "pinned_bytes": None},
             "tiers": {
                 "l1": {
                     "limit_bytes": 2 * PAGE, "bytes": 2 * PAGE, "objects": 2, "hits": 0, "misses": 0,
