@@ -20,7 +20,14 @@ showed for that adapter name (the longest match wins); a name never seen matches
 Multimodal: the request's token ids are keyed without extra keys, so the prefix stops at the first
 chunk that overlaps a multimodal item (its key carries the item).
 
-State: none of its own (reads the registry and the index). Event loop only.
+Cost: a request's chunk keys are hashed once per (layout, chunk size, tenant, extra key), not
+per instance, and only as far as some holder holds them: one dict lookup per chunk gives the
+bitmask of every holder (fleet/index.py), so a 32k-token request is its hashing (two blake3 calls
+per chunk) plus a few microseconds per instance.
+
+State: each instance's holder masks (L1, local L2, shared L2), rebuilt when the registry's holders
+or shared tiers change (`InstanceRegistry.version`); otherwise reads the registry and the index.
+Event loop only.
 
 `match` answers `/v1/match` with the same eligibility rules (fleet/match.py finds the windows; the
 index says who holds each chunk found, in which tier).
