@@ -20,7 +20,14 @@ showed for that adapter name (the longest match wins); a name never seen matches
 Multimodal: the request's token ids are keyed without extra keys, so the prefix stops at the first
 chunk that overlaps a multimodal item (its key carries the item).
 
-State: none of its own (reads the registry and the index). Event loop only.
+Cost: a request's chunk keys are hashed once per (layout, chunk size, tenant, extra key), not
+per instance, and only as far as some holder holds them: one dict lookup per chunk gives the
+bitmask of every holder (fleet/index.py), so a 32k-token request is its hashing (two blake3 calls
+per chunk) plus a few microseconds per instance.
+
+State: each instance's holder masks (L1, local L2, shared L2), rebuilt when the registry's holders
+or shared tiers change (`InstanceRegistry.version`); otherwise reads the registry and the index.
+Event loop only.
 
 `match` answers `/v1/match` with the same eligibility rules (fleet/match.py finds the windows; the
 index says who holds each chunk found, in which tier).
@@ -42,7 +49,7 @@ from fleet.registry import Instance, InstanceRegistry, Tier
 from fleet.spec import DirectoryConfig, NamespaceSpec
 from kvdepot_connector.protocol import encode_tokens
 
-TIERS = (Tier.L1, Tier.LOCAL_L2, Tier.SHARED_L2)
+_L1, _LOCAL, _SHARED = Tier.L1.value, Tier.LOCAL_L2.value, Tier.SHARED_L2.value
 
 
 @dataclass(slots=True)
@@ -85,6 +92,8 @@ class Scorer:
         self.requests = 0
         self.matchers: Matchers | None = None
         self.match_requests = 0
+        self._masks_cache: dict[str, tuple[int, int, int]] = {}
+        self._masks_version = -1
 
     def _namespace(self, inst: Instance, model: str) -> NamespaceSpec | None:
         for ns in inst.spec.namespaces:
@@ -114,57 +123,57 @@ class Scorer:
             data = encode_tokens(token_ids)
         except (OverflowError, TypeError) as exc:
             raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
-        n_tokens = len(data) // 4
-        candidates: list[tuple[Instance, NamespaceSpec | None]] = [
-            (inst, self._namespace(inst, model)) for inst in self.registry.live(now)
-        ]
-        candidates = [(i, ns) for i, ns in candidates if ns is not None]
+        n_tokens = max(len(data) // 4, 1)
         extras: list[bytes] = [b""]
         if lora_name:
             extras = self.lora.extras(lora_name)
-        index = self.registry.index
-        shared_bits = self._shared_bits()
+        masks = self.registry.index.masks
+        holder_masks = self._holder_masks()
         keys_cache: dict[tuple[str, int, str, bytes], list[tuple[int, int]]] = {}
         out: list[InstanceScore] = []
         chunk_size = 0
         w = self.config.weights
-        weight = {Tier.L1: w.l1, Tier.LOCAL_L2: w.local_l2, Tier.SHARED_L2: w.shared_l2}
-        for inst, ns in candidates:
-            assert ns is not None
-            chunk_size = chunk_size or ns.chunk_size
-            best = (0, {t: 0 for t in TIERS})
+        w_l1, w_local, w_shared = w.l1, w.local_l2, w.shared_l2
+        load_l1, load_queue = self.config.load_weight_l1, self.config.load_weight_queue
+        for inst in self.registry.live(now):
+            ns = self._namespace(inst, model)
+            if ns is None:
+                continue
+            size = ns.chunk_size
+            chunk_size = chunk_size or size
+            best = (0, 0, 0)
             if self._tenant_ok(inst, salt):
                 tenant = self.namer.tenant(salt, inst.spec.salt_mode)
-                l1, local, shared = self._masks(inst, shared_bits)
+                l1, local, shared = holder_masks[inst.id]
                 for extra in extras:
-                    ck = (ns.layout_fp, ns.chunk_size, tenant, extra)
+                    ck = (ns.layout_fp, size, tenant, extra)
                     runs = keys_cache.get(ck)
                     if runs is None:
                         seed = seed_of(model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
-                        runs = keys_cache[ck] = _runs(
-                            index.masks, iter_first_blocks(data, ns.chunk_size, seed, extra)
-                        )
-                    found = _walk(runs, l1, local, shared, ns.chunk_size)
+                        runs = keys_cache[ck] = _runs(masks, iter_first_blocks(data, size, seed, extra))
+                    found = _walk(runs, l1, local, shared)
                     if found[0] > best[0]:
                         best = found
-            prefix, per_tier = best
-            value = sum(weight[t] * per_tier[t] for t in TIERS) / max(n_tokens, 1)
-            q = inst.spec.queue_depth
-            value -= self.config.load_weight_l1 * inst.spec.l1_usage
-            value -= self.config.load_weight_queue * q / (q + 8)
+            chunks, in_l1, in_local = best
+            t_l1, t_local, t_shared = in_l1 * size, in_local * size, (chunks - in_l1 - in_local) * size
+            value = (w_l1 * t_l1 + w_local * t_local + w_shared * t_shared) / n_tokens
+            spec = inst.spec
+            q = spec.queue_depth
+            value -= load_l1 * spec.l1_usage
+            value -= load_queue * q / (q + 8)
             out.append(
                 InstanceScore(
-                    id=inst.id,
-                    url=inst.spec.url,
-                    engine_url=inst.spec.engine_url,
-                    prefix_tokens=prefix,
-                    tiers={t.value: per_tier[t] for t in TIERS},
+                    id=spec.id,
+                    url=spec.url,
+                    engine_url=spec.engine_url,
+                    prefix_tokens=chunks * size,
+                    tiers={_L1: t_l1, _LOCAL: t_local, _SHARED: t_shared},
                     score=round(value, 6),
                     queue_depth=q,
-                    l1_usage=inst.spec.l1_usage,
+                    l1_usage=spec.l1_usage,
                 )
             )
-        out.sort(key=lambda s: (-s.score, -s.prefix_tokens, s.queue_depth, s.id))
+        out.sort(key=_rank)
         return Scores(chunk_size=chunk_size, instances=out)
 
     def match(
@@ -184,7 +193,7 @@ class Scorer:
         except (OverflowError, TypeError) as exc:
             raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
         masks = self.registry.index.masks
-        shared_bits = self._shared_bits()
+        holder_masks = self._holder_masks()
         found: dict[tuple[int, str, str], list[tuple[int, int]]] = {}
         out: list[InstanceMatches] = []
         for inst in self.registry.live(now):
@@ -201,7 +210,7 @@ class Scorer:
             hits = found.get(key)
             if hits is None:
                 hits = found[key] = matcher.find((model, tenant, lora_name or ""), data)
-            l1, local, shared = self._masks(inst, shared_bits)
+            l1, local, shared = holder_masks[inst.id]
             end = -1
             for offset, head in hits:
                 if offset < end:
@@ -225,28 +234,34 @@ class Scorer:
         out.sort(key=lambda r: (-len(r.matches), r.id))
         return out
 
-    def _shared_bits(self) -> dict[str, int]:
-        """Shared tier fingerprint -> mask of every holder on it (any instance, live or not)."""
-        out: dict[str, int] = {}
-        for inst in self.registry.instances.values():
+    def _holder_masks(self) -> dict[str, tuple[int, int, int]]:
+        """Instance id -> its (L1, local L2, shared L2) holder masks; the shared mask covers every
+        holder (any instance's, live or not) on a shared tier the instance is attached to. Kept
+        until the registry's holders or shared tiers change (`InstanceRegistry.version`)."""
+        version = self.registry.version
+        if self._masks_version == version:
+            return self._masks_cache
+        instances = self.registry.instances.values()
+        shared_bits: dict[str, int] = {}
+        for inst in instances:
             for medium, fp in inst.shared.items():
                 bit = inst.holders.get(medium)
                 if bit is not None:
-                    out[fp] = out.get(fp, 0) | (1 << bit)
+                    shared_bits[fp] = shared_bits.get(fp, 0) | (1 << bit)
+        out: dict[str, tuple[int, int, int]] = {}
+        for inst in instances:
+            l1 = local = shared = 0
+            for medium, bit in inst.holders.items():
+                tier = inst.tier_of(medium)
+                if tier is Tier.L1:
+                    l1 |= 1 << bit
+                elif tier is Tier.LOCAL_L2:
+                    local |= 1 << bit
+            for fp in set(inst.shared.values()):
+                shared |= shared_bits.get(fp, 0)
+            out[inst.id] = (l1, local, shared)
+        self._masks_cache, self._masks_version = out, version
         return out
-
-    @staticmethod
-    def _masks(inst: Instance, shared_bits: dict[str, int]) -> tuple[int, int, int]:
-        l1 = local = shared = 0
-        for medium, bit in inst.holders.items():
-            tier = inst.tier_of(medium)
-            if tier is Tier.L1:
-                l1 |= 1 << bit
-            elif tier is Tier.LOCAL_L2:
-                local |= 1 << bit
-        for fp in set(inst.shared.values()):
-            shared |= shared_bits.get(fp, 0)
-        return l1, local, shared
 
 
 def _runs(masks: dict[int, int], heads: Iterable[int]) -> list[tuple[int, int]]:
@@ -271,10 +286,8 @@ def _runs(masks: dict[int, int], heads: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _walk(
-    runs: list[tuple[int, int]], l1: int, local: int, shared: int, chunk_size: int
-) -> tuple[int, dict[Tier, int]]:
-    """The servable prefix (tokens) and its tokens per best tier."""
+def _walk(runs: list[tuple[int, int]], l1: int, local: int, shared: int) -> tuple[int, int, int]:
+    """The servable prefix of one instance, in chunks: (all, best tier L1, best tier local L2)."""
     every = l1 | local | shared
     n = in_l1 = in_local = 0
     for mask, count in runs:
@@ -285,9 +298,8 @@ def _walk(
         elif mask & local:
             in_local += count
         n += count
-    counts = {
-        Tier.L1: in_l1 * chunk_size,
-        Tier.LOCAL_L2: in_local * chunk_size,
-        Tier.SHARED_L2: (n - in_l1 - in_local) * chunk_size,
-    }
-    return n * chunk_size, counts
+    return n, in_l1, in_local
+
+
+def _rank(s: InstanceScore) -> tuple[float, int, int, str]:
+    return (-s.score, -s.prefix_tokens, s.queue_depth, s.id)

@@ -6,7 +6,10 @@ One JSON object:
   an index of `--chunks` chunks spread over `--instances` instances; from the token ids to the
   ranked answer (hashing included; HTTP parsing not). Baseline in the same run: hashing the same
   tokens into chunk keys alone (`TokenHasher.chunk_hashes`, what a sidecar does per lookup):
-  `score_vs_hashing_p50`.
+  `score_vs_hashing_p50`. Beside the wall times, to tell the code's cost from the machine's:
+  `score_cpu_p50_ms` / `score_cpu_p99_ms`, the thread CPU time of the same calls, and
+  `score_preempted_share`, the share of those calls during which the thread was switched out for
+  another process (involuntary context switches).
 - `ingest_events_per_s`: real KVEventBatch msgpack bytes (the sidecar's encoder: 64 events a batch,
   each a chunk of `--chunk-size` tokens as `chunk-size / block-size` block hashes with token ids,
   parent, tenant extra keys; 3 stores to 1 removal) decoded and applied to the populated index.
@@ -27,6 +30,7 @@ import argparse
 import gc
 import json
 import random
+import resource
 import sys
 import time
 from typing import Any
@@ -62,6 +66,12 @@ def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * 4096 / (1 << 20)
+
+
+def _involuntary_switches() -> int:
+    """Times this thread was switched out for another runnable one (Linux; 0 elsewhere)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nivcsw if who is not None else 0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -182,19 +192,28 @@ def run(args: argparse.Namespace) -> int:
     rss_per_m = (_rss_mb() - rss0) / indexed * 1e6
     gc.freeze()  # as a long-running process's start-up objects: out of the collector's passes
 
-    # scores, against hashing alone (alternating)
+    # scores, against hashing alone (alternating); each score's thread CPU time and whether the
+    # thread was switched out meanwhile (other processes on the machine) beside its wall time
     hasher = TokenHasher(args.chunk_size)
     score_ms: list[float] = []
+    score_cpu_ms: list[float] = []
+    preempted = 0
     hash_ms: list[float] = []
     answer = d.scorer.score(MODEL, tokens, SALT, None, 1.0)
     for _ in range(args.scores):
+        switches = _involuntary_switches()
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         d.scorer.score(MODEL, tokens, SALT, None, 1.0)
         t1 = time.perf_counter()
-        hasher.chunk_hashes(encode_tokens(tokens))
+        c1 = time.thread_time()
+        preempted += _involuntary_switches() > switches
         t2 = time.perf_counter()
+        hasher.chunk_hashes(encode_tokens(tokens))
+        t3 = time.perf_counter()
         score_ms.append((t1 - t0) * 1000)
-        hash_ms.append((t2 - t1) * 1000)
+        score_cpu_ms.append((c1 - c0) * 1000)
+        hash_ms.append((t3 - t2) * 1000)
     n_chunks = len(heads)
     upto = [n_chunks * (i + 1) // args.instances for i in range(args.instances)]
     shared = max((u for i, u in enumerate(upto) if i % 3 == 2), default=0)  # counts for every one
@@ -254,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
         "chunks_indexed": indexed, "instances": args.instances, "request_tokens": args.tokens,
         "chunk_size": args.chunk_size,
         "score_p50_ms": round(_pct(score_ms, 50), 4), "score_p99_ms": round(_pct(score_ms, 99), 4),
+        "score_cpu_p50_ms": round(_pct(score_cpu_ms, 50), 4),
+        "score_cpu_p99_ms": round(_pct(score_cpu_ms, 99), 4),
+        "score_preempted_share": round(preempted / max(args.scores, 1), 4),
         "hashing_p50_ms": round(_pct(hash_ms, 50), 4), "hashing_p99_ms": round(_pct(hash_ms, 99), 4),
         "score_vs_hashing_p50": round(_pct(score_ms, 50) / max(_pct(hash_ms, 50), 1e-9), 3),
         "ingest_events_per_s": round(applied / ingest_s),

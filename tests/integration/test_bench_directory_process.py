@@ -29,6 +29,8 @@ def test_bench_directory_prints_one_sane_object() -> None:
     for name in ("score_p50_ms", "score_p99_ms", "hashing_p50_ms", "rebuild_s", "rss_mb_per_million_chunks"):
         assert got[name] > 0, name
     assert got["score_p99_ms"] >= got["score_p50_ms"]
+    assert 0 < got["score_cpu_p50_ms"] <= got["score_cpu_p99_ms"]
+    assert 0 <= got["score_preempted_share"] <= 1
     assert got["ingest_events_per_s"] > 0 and got["full_decode_events_per_s"] > 0
     assert got["ingest_with_match_events_per_s"] > 0
     # i05 put the whole prefix in the shared tier (every instance serves it from there); i03 holds

@@ -227,3 +227,24 @@ def test_bad_token_ids_are_invalid_input() -> None:
     for bad in ([-1], [1 << 32], [1] * 65):
         with pytest.raises(InvalidInput):
             d.scorer.score(MODEL, bad, None, None, 0.0)
+
+
+def test_a_tier_an_instance_starts_announcing_counts_at_the_next_score() -> None:
+    d = directory()
+    now = time.monotonic()
+    d.registry.register(spec("a", shared="aa" * 8), now)
+    toks = tokens(8, 4)
+    feed(d, "a", batch_of(stored_events(toks[:32], "")))
+    first = d.scorer.score(MODEL, toks, None, None, now).instances[0]
+    assert first.tiers == {"l1": 32, "local_l2": 0, "shared_l2": 0}
+    feed(d, "a", batch_of(stored_events(toks[:48], "", tier="disk")))  # a new holder: DISK
+    feed(d, "a", batch_of(stored_events(toks, "", tier="redis")))  # and REDIS, a shared tier
+    then = d.scorer.score(MODEL, toks, None, None, now).instances[0]
+    assert then.tiers == {"l1": 32, "local_l2": 16, "shared_l2": 16}
+    # forgotten, its bits go to the next instance: nothing of a's is credited to it
+    d.registry.forget("a")
+    d.registry.register(spec("b"), now)
+    feed(d, "b", batch_of(stored_events(toks[:16], "", tier="disk")))
+    assert [(s.id, s.tiers) for s in d.scorer.score(MODEL, toks, None, None, now).instances] == [
+        ("b", {"l1": 0, "local_l2": 16, "shared_l2": 0})
+    ]
