@@ -19,7 +19,9 @@ Variants (`--variants`, comma-separated):
 
 Per variant, over the measured pass only: hit rate (hit chunks / chunks looked up, as the client
 saw them), the part of it that L1 served (the sidecar's L1 hit counter) and that L2 served (the
-rest), L1 evictions, L2 chunks written and loads, and the lookup+store round trip p50/p99 in ms.
+rest), L1 evictions, L2 chunks written, not admitted (seen_twice) and loaded, and the
+lookup+store round trip p50/p99 in ms; L2 chunks written and not admitted over the whole run
+(warm pass included) as `run_l2_written` / `run_l2_not_admitted`.
 The baseline is the first variant (lru by default): each variant's hit rate is also given as a
 ratio to it (`hit_rate_vs_first`). Prints ONE JSON object.
 """
@@ -120,6 +122,7 @@ def run_variant(args: argparse.Namespace, name: str, out: Path) -> dict[str, Any
             "variant": name, "l1_eviction": policy, "l2_store_policy": admission,
             "pool_prefixes": workload.pool, "l1_capacity_chunks": capacity // layout.chunk_bytes,
         }  # fmt: skip
+        first = sidecar.get_json("/status")
         for spec in workload.passes():
             before = sidecar.get_json("/status")
             hits = looked = 0
@@ -135,6 +138,10 @@ def run_variant(args: argparse.Namespace, name: str, out: Path) -> dict[str, Any
             if spec.measured:
                 result |= _figures(before, after, hits, looked, times, l2=admission is not None)
                 result["requests"] = len(times)
+                if admission is not None:  # the warm pass included: what admission saves
+                    whole = _figures(first, after, 0, 0, [0.0], l2=True)
+                    result["run_l2_written"] = whole["l2_written"]
+                    result["run_l2_not_admitted"] = whole["l2_not_admitted"]
         client.close()
     finally:
         sidecar.stop(timeout=30)
