@@ -23,7 +23,9 @@ rest), L1 evictions, L2 chunks written, not admitted (seen_twice) and loaded, an
 lookup+store round trip p50/p99 in ms; L2 chunks written and not admitted over the whole run
 (warm pass included) as `run_l2_written` / `run_l2_not_admitted`.
 The baseline is the first variant (lru by default): each variant's hit rate is also given as a
-ratio to it (`hit_rate_vs_first`). Prints ONE JSON object.
+ratio to it (`hit_rate_vs_first`). `policy_costs`: each policy's cost per lookup hit (on_access)
+and per insert + eviction, in ns and as a ratio to lru's, measured in this process on real
+L1Objects (app/bench/eviction_costs.py). Prints ONE JSON object.
 """
 
 from __future__ import annotations
@@ -202,6 +204,29 @@ def _figures(
     }
 
 
+def policy_costs(objects: int = 20_000, accesses: int = 200_000) -> dict[str, dict[str, float]]:
+    """In this process: ns per on_access (the lookup hot path) and per on_insert + eviction of one
+    object through candidates() (the room's walk), per policy over `objects` live objects, and
+    each as a ratio to lru's, measured alternately (lru, s3fifo, arc, lru, ...) three times; the
+    best of three is kept."""
+    import random
+
+    from app.bench.eviction_costs import measure
+
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(3):
+        for name in POLICIES:
+            got = measure(name, objects, accesses, random.Random(0))
+            mine = best.setdefault(name, dict(got))
+            for k, v in got.items():
+                mine[k] = min(mine[k], v)
+    base = best["lru"]
+    for got in best.values():
+        for k in ("access_ns", "churn_ns"):
+            got[f"{k[:-3]}_vs_lru"] = round(got[k] / base[k], 2)
+    return best
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -213,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-eviction-"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    costs = policy_costs()
     results = [run_variant(args, v, out) for v in variants]
     first = results[0]["hit_rate"]
     for r in results:
@@ -221,6 +247,6 @@ def run(args: argparse.Namespace) -> int:
         "bench": "eviction", "workload": "prefix-suffix-tuner", "reuse": args.reuse,
         "pool_multiple": args.pool_multiple, "requests": args.requests, "seed": args.seed,
         "l1_mib": args.l1_mib, "l2_multiple": args.l2_multiple, "seconds": round(time.monotonic() - t0, 1),
-        "variants": results,
+        "variants": results, "policy_costs": costs,
     }))  # fmt: skip
     return 0

@@ -34,3 +34,14 @@ def test_l1_only_variants_have_no_l2_and_l2_variants_one_bounded_disk(tmp_path: 
 def test_an_unknown_variant_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "eviction", "--variants", "lru,mru"]) == 2
     assert "unknown variant 'mru'" in capsys.readouterr().err
+
+
+def test_policy_costs_are_measured_for_every_policy_against_lru() -> None:
+    import random
+
+    from app.bench.eviction import POLICIES
+    from app.bench.eviction_costs import measure
+
+    for name in POLICIES:
+        got = measure(name, 200, 2000, random.Random(1))
+        assert got["access_ns"] > 0 and got["churn_ns"] > 0
