@@ -118,6 +118,11 @@ STORE_COUNTERS: tuple[Row, ...] = (
     ("l2_store_submitted", "Chunks queued for write-behind.", "submitted"),
     ("l2_store_dropped", "Queued chunks dropped because the queue was full.", "dropped"),
     ("l2_store_written", "Chunks written to at least one adapter.", "written"),
+    (
+        "l2_store_not_admitted",
+        "Chunks not written behind under the seen_twice store policy: seen once so far.",
+        "not_admitted",
+    ),
     ("l2_store_failed", "Adapter writes that failed.", "failed"),
     (
         "l2_store_skipped_quota",

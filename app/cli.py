@@ -87,6 +87,11 @@ def _bench_parser(sub: Any) -> None:
     bench_engine.add_arguments(
         bsub.add_parser("engine", help="sustained load with cache workloads against an OpenAI server")
     )
+    from app.bench import eviction as bench_eviction
+
+    bench_eviction.add_arguments(
+        bsub.add_parser("eviction", help="hit rate per L1 eviction policy and L2 admission, no model")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(

@@ -185,6 +185,12 @@ class L1Settings(BaseModel):
         "chunk); the chunks beyond are refused as no_space.",
     )  # fmt: skip
     populate: bool = Field(True, description="Reserve the arena's pages at start (fails early if short).")
+    eviction: Literal["lru", "s3fifo", "arc"] = Field(
+        "lru",
+        description="Which ready objects go first when L1 makes room: least recently used (lru), "
+        "S3-FIFO (a small FIFO for new chunks, a main FIFO with reinsertion, a ghost queue) or an "
+        "ARC-like recency/frequency split with ghost lists (arc).",
+    )  # fmt: skip
     quarantine_max_bytes: int | None = Field(
         None, ge=0, le=1 << 50,
         description="Bytes of expired write reservations one engine instance may hold quarantined "

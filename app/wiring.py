@@ -32,7 +32,7 @@ from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
-from engine.l1.eviction import LRUPolicy
+from engine.l1.eviction import make_policy
 from engine.l1.room import Shedder
 from engine.l2.layouts import codec_options
 from engine.l2.parts import L2Parts
@@ -108,11 +108,11 @@ def build_cache(
     l1: L1Settings, capacity: int, ledger: TenantLedger | None = None, shedder: Shedder | None = None,
     events: EventBus | None = None,
 ) -> L1Cache:  # fmt: skip
-    """An L1 cache over `capacity` bytes of arena, LRU, reporting into `ledger` (a fresh one if None),
-    letting go of chunks queued for write-behind through `shedder` when it has no other room,
-    publishing on `events` (None: a disabled bus)."""
+    """An L1 cache over `capacity` bytes of arena, evicting by `l1.eviction`, reporting into
+    `ledger` (a fresh one if None), letting go of chunks queued for write-behind through `shedder`
+    when it has no other room, publishing on `events` (None: a disabled bus)."""
     return L1Cache(
-        ExtentAllocator(capacity, l1.alignment), LRUPolicy(), high_watermark=l1.high_watermark,
+        ExtentAllocator(capacity, l1.alignment), make_policy(l1.eviction), high_watermark=l1.high_watermark,
         low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
         quarantine_max_bytes=l1.quarantine_max_bytes, events=events,
     )  # fmt: skip

@@ -173,7 +173,7 @@ class CacheEngine:
         pending = 0
         if l2 is not None:
             if l2.store.policy == "seen_twice":
-                l2.store.note_lookup(reg, [ObjectKey(ns, salt, h) for h in hashes], locked)
+                l2.store.note_lookup(reg, [ObjectKey(ns, salt, h) for h in hashes], locked, rid)
             if hit < n and l2.tiers.active():
                 self._requests.keep(rid, state)
                 missing = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
@@ -324,7 +324,7 @@ class CacheEngine:
                 key = ObjectKey(reg.namespace, salt, hashes[i])
                 if seen:
                     assert self.l2 is not None
-                    self.l2.store.note_seen(key)
+                    self.l2.store.note_seen(key, (engine_id, request_id))
                 present = cache.peek(key)
                 if present is not None:
                     if limited and present.visible:

@@ -43,4 +43,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.engine import run as run_engine
 
         return run_engine(args)
+    if args.bench == "eviction":
+        from app.bench.eviction import run as run_eviction
+
+        return run_eviction(args)
     raise SystemExit(f"unknown benchmark {args.bench}")

@@ -5,6 +5,10 @@ anything that is not evictable (reserved, read-locked). Policies are told of eve
 and removal. `candidates` iterates the live order without copying it (an eviction looks at a few
 objects at the head, not at all of them): callers choose their victims first and remove them
 after the iteration ended.
+
+Policies: `lru` (here), `s3fifo` (engine/l1/s3fifo.py), `arc` (engine/l1/arc.py); `make_policy`
+builds the one `l1.eviction` names. A policy with ghosts (keys of evicted objects, for a second
+chance when they come back) keeps them by ObjectKey, bounded by the number of objects held.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Protocol
 
+from engine.l1.arc import ARCPolicy
 from engine.l1.lifecycle import L1Object
+from engine.l1.s3fifo import S3FIFOPolicy
 
 
 class EvictionPolicy(Protocol):
@@ -62,3 +68,17 @@ class LRUPolicy:
     def candidates(self, salt: str | None = None) -> Iterator[L1Object]:
         source = self._order if salt is None else self._by_salt.get(salt, _EMPTY)
         return iter(source.values())
+
+
+POLICIES = ("lru", "s3fifo", "arc")
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """The policy `l1.eviction` names."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r} (one of {', '.join(POLICIES)})")
+    if name == "s3fifo":
+        return S3FIFOPolicy()
+    if name == "arc":
+        return ARCPolicy()
+    return LRUPolicy()

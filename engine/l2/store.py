@@ -9,7 +9,8 @@ one blob, signed with the deployment's first key, serves every tier) runs in the
 adapter I/O in the adapters.
 
 Primitives in call order:
-  note_seen(keys)          lookups and stores report the chunks they saw (seen_twice policy)
+  note_seen(key, request)  lookups and stores report the chunks they saw (seen_twice policy: a
+                           chunk is written once a second request saw it)
   submit(obj, reg)         after COMMIT: pin and queue the chunk if the policy wants it; when the
                            queue is full the OLDEST pending chunk is dropped (unpinned), counted
   run_worker()             supervised loop(s): take a batch, encode, store to the tiers the policy
@@ -97,7 +98,8 @@ class StoreController:
         self._codec_options = codec_options
         self._executor = executor
         self._keys = keys
-        self._seen: OrderedDict[ObjectKey, int] = OrderedDict()
+        #: key -> (requests that saw it, the last one): the bounded record of the seen_twice policy
+        self._seen: OrderedDict[ObjectKey, tuple[int, tuple[int, str] | None]] = OrderedDict()
         self._writing: dict[tuple[str, str], int] = {}  # (salt, tier) -> bytes being written
 
     @property
@@ -110,32 +112,43 @@ class StoreController:
 
     # --- called synchronously by the facade ----------------------------------------------------
 
-    def note_seen(self, key: ObjectKey) -> int:
-        count = self._seen.pop(key, 0) + 1
-        self._seen[key] = count
-        if len(self._seen) > SEEN_MEMORY:
-            self._seen.popitem(last=False)
+    def note_seen(self, key: ObjectKey, request: tuple[int, str]) -> int:
+        """`request` (engine id, request id) saw `key`: how many requests have seen it. The same
+        request counts once however often it looks the chunk up and stores it (the connector
+        looks a request up, then stores what missed)."""
+        seen = self._seen
+        count, last = seen.pop(key, (0, None))
+        if last != request:
+            count += 1
+        seen[key] = (count, request)
+        if len(seen) > SEEN_MEMORY:
+            seen.popitem(last=False)
         return count
 
-    def note_lookup(self, reg: Registration, keys: list[ObjectKey], found: list[L1Object]) -> None:
-        """A lookup saw `keys`, the first `len(found)` of them in L1 (`found`). Under `seen_twice`
-        each is noted, and a found chunk seen for the second time is queued for write-behind."""
+    def note_lookup(
+        self, reg: Registration, keys: list[ObjectKey], found: list[L1Object], request: tuple[int, str]
+    ) -> None:
+        """`request` looked up `keys`, the first `len(found)` of them in L1 (`found`). Under
+        `seen_twice` each is noted, and a found chunk seen by a second request is queued for
+        write-behind."""
         if self.policy != "seen_twice":
             return
         for i, key in enumerate(keys):
-            if self.note_seen(key) >= 2 and i < len(found):
+            if self.note_seen(key, request) >= 2 and i < len(found):
                 self.submit(found[i], reg)
 
     def wants(self, key: ObjectKey) -> bool:
         if not self.tiers.active():
             return False
-        return self.policy != "seen_twice" or self._seen.get(key, 0) >= 2
+        return self.policy != "seen_twice" or self._seen.get(key, (0, None))[0] >= 2
 
     def submit(self, obj: L1Object, reg: Registration, request_id: str = "") -> bool:
         """Queue a ready chunk for write-behind (for `request_id`, whose COMMIT made it ready: its
         write-behind events name it). False when the policy does not want it."""
         if obj.in_l2 or not self.wants(obj.key):
             self.counters.skipped_policy += 1
+            if not obj.in_l2 and self.policy == "seen_twice" and self.tiers.active():
+                self.counters.not_admitted += 1
             return False
         if self._refused_everywhere(obj.key.salt):
             return False

@@ -31,6 +31,8 @@ from engine.results import Registration
 class StoreCounters:
     submitted: int = 0
     skipped_policy: int = 0
+    not_admitted: int = 0
+    """Chunks not written behind under `seen_twice`: seen once so far (also in skipped_policy)."""
     skipped_quota: int = 0
     """Chunks not queued: their tenant may store nothing in any target tier (quota 0, allowlist)."""
     dropped: int = 0

@@ -192,6 +192,26 @@ async def test_policy_first_writes_to_the_first_tier_only(policy: str, in_m2: bo
         assert held(eng, "m2") == (set(names(eng, eid, toks)) if in_m2 else set())
 
 
+async def test_seen_twice_counts_a_lookup_and_the_store_of_one_request_as_one_sighting() -> None:
+    """The connector looks a request up, then stores what missed: that chunk was seen once."""
+    adapters = [MockAdapterConfig(name="m1")]
+    async with l2_engine(1 << 20, adapters, build, store_policy="seen_twice") as (eng, _):
+        assert eng.l2 is not None
+        eid = eng.register("m", small_layout()).engine_id
+        toks = seq(2, 0)
+        assert eng.lookup(eid, "a", toks, "").hit_chunks == 0
+        slots = eng.store(eid, "a", toks, "")
+        assert all(eng.commit(eid, [s.oid for s in slots if s.status is R]))
+        eng.end_request(eid, "a")
+        assert await eng.l2.store.wait_idle(10)
+        assert held(eng, "m1") == set()
+        assert eng.l2.store.counters.not_admitted == 2
+        assert eng.lookup(eid, "b", toks, "").hit_chunks == 2  # another request: the second sighting
+        assert await eng.l2.store.wait_idle(10)
+        assert held(eng, "m1") == set(names(eng, eid, toks))
+        eng.end_request(eid, "b")
+
+
 async def test_policy_seen_twice_writes_only_chunks_seen_twice() -> None:
     adapters = [MockAdapterConfig(name="m1")]
     async with l2_engine(1 << 20, adapters, build, store_policy="seen_twice") as (eng, _):
@@ -202,7 +222,9 @@ async def test_policy_seen_twice_writes_only_chunks_seen_twice() -> None:
         store(eng, eid, twice)
         assert await eng.l2.store.wait_idle(10)
         assert held(eng, "m1") == set()
+        assert eng.l2.store.counters.not_admitted == 4  # every chunk seen once so far, counted
         assert eng.lookup(eid, "r", twice, "").hit_chunks == 2  # seen a second time
         assert await eng.l2.store.wait_idle(10)
         assert held(eng, "m1") == set(names(eng, eid, twice))
+        assert eng.l2.store.counters.not_admitted == 4
         assert eng.release(eid, "r")
