@@ -13,10 +13,10 @@ carries on: it never dies silently.
 (tests give the SDK's InMemorySpanExporter, and read the spans as the SDK would have made them).
 
 State: the deque (appended by the loop, popped by the thread: deque operations are atomic), the
-counters, the HTTP connection (the thread only; `flush`/`close` take the export lock).
+counters, the HTTP connection (used under the export lock: by the thread, or by `flush`'s caller).
 
 Primitives in call order: OtlpExporter(endpoint, encoder, ...) -> add(record)... -> flush()
--> close().
+-> close() (the last export, bounded in time).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class OtlpExporter:
         """Export requests that failed (their spans lost)."""
         self.failed_spans = 0
         self._queue: deque[SpanRecord] = deque()
+        self._in_flight = 0
         self._wake = threading.Event()
         self._stopped = False
         self._export_lock = threading.Lock()
@@ -113,24 +114,32 @@ class OtlpExporter:
     # -- the exporter's thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopped:
+        """Export every `delay_s` (sooner when `batch` records wait) until closed, then once more."""
+        while True:
             self._wake.wait(self.delay_s)
             self._wake.clear()
+            stopping = self._stopped
             try:
                 self._export_queued()
             except Exception:
                 log.exception("span export failed unexpectedly; the exporter carries on")
+            if stopping:
+                with self._export_lock:
+                    self._disconnect()
+                return
 
     def _export_queued(self) -> None:
         with self._export_lock:
             queue = self._queue
             while queue:
                 records = [queue.popleft() for _ in range(min(self.batch, len(queue)))]
+                self._in_flight = len(records)
                 if self._post(self.encoder.encode(records)):
                     self.exported += len(records)
                 else:
                     self.failed += 1
                     self.failed_spans += len(records)
+                self._in_flight = 0
 
     def _post(self, body: bytes) -> bool:
         """POST one export request; answers whether it was accepted (2xx), after retries."""
@@ -185,13 +194,16 @@ class OtlpExporter:
         self._export_queued()
         return not self._queue
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Export what is queued (the thread's last round) and stop, waiting at most `timeout_s`:
+        an endpoint that does not answer does not hold up shutdown (what it had is counted lost)."""
         self._stopped = True
         self._wake.set()
-        self._thread.join(self.timeout_s * TRIES)
-        self._export_queued()
-        with self._export_lock:
-            self._disconnect()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            lost = len(self._queue) + self._in_flight
+            self.failed_spans += lost
+            log.warning("span exporter busy %.1f s into shutdown; %d queued spans lost", timeout_s, lost)
 
 
 class SdkSpanSink:

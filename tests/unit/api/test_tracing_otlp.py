@@ -6,6 +6,7 @@ decided once per request."""
 from __future__ import annotations
 
 import socket
+import time
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -94,6 +95,24 @@ def test_a_dead_endpoint_loses_batches_counted_and_a_full_queue_drops() -> None:
     finally:
         exporter.close()
     assert exporter.failed == 1 and exporter.failed_spans == 64 and exporter.exported == 0
+
+
+def test_an_endpoint_that_never_answers_does_not_hold_up_shutdown() -> None:
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces"
+        exporter = OtlpExporter(url, OtlpEncoder({}, "", "k", None), timeout_s=30, queue=64, delay_s=0.01)
+        for i in range(10):
+            exporter.add(("lookup", TRACE, 0, 1, False, i, i, (), None))
+        deadline = time.monotonic() + 10
+        while exporter.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exporter.pending() == 0, "the thread took the batch"
+        began = time.monotonic()
+        exporter.close(timeout_s=0.3)
+        assert time.monotonic() - began < 2
+    assert exporter.failed_spans == 10 and exporter.exported == 0
 
 
 def lookup_pair(span: int, rid: str, ts: int, trace: str = "") -> list[Event]:
