@@ -87,6 +87,11 @@ def _bench_parser(sub: Any) -> None:
     bench_engine.add_arguments(
         bsub.add_parser("engine", help="sustained load with cache workloads against an OpenAI server")
     )
+    from app.bench import tracing as bench_tracing
+
+    bench_tracing.add_arguments(
+        bsub.add_parser("tracing", help="CPU a span costs (loop and process) against the SDK's own path")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(
