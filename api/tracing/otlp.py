@@ -6,7 +6,7 @@ plain tuple: making one costs a fraction of a microsecond on the event loop, whe
 (api/tracing/export.py) encodes a batch of records with `OtlpEncoder.encode` into the bytes of one
 `ExportTraceServiceRequest` (opentelemetry-proto's trace.proto and trace_service.proto): the
 resource and the instrumentation scope are encoded once, each span is a few byte strings joined
-(about 2 us a span instead of the SDK encoder's 15-25 us, which also held the GIL that long, away
+(3-4 us a span instead of the SDK encoder's 15-25 us, which also held the GIL that long, away
 from the loop). Fields are those the SDK's encoder writes for the same span (kind INTERNAL, the
 status, the is-remote flags of the parent); tests/unit/api/test_tracing_otlp.py decodes both and
 compares them.
