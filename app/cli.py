@@ -92,6 +92,11 @@ def _bench_parser(sub: Any) -> None:
     bench_eviction.add_arguments(
         bsub.add_parser("eviction", help="hit rate per L1 eviction policy and L2 admission, no model")
     )
+    from app.bench import tracing as bench_tracing
+
+    bench_tracing.add_arguments(
+        bsub.add_parser("tracing", help="CPU a span costs (loop and process) against the SDK's own path")
+    )
     from app.bench import events as bench_events
 
     bench_events.add_arguments(

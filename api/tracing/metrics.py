@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from api.tracing.export import OtlpExporter
 from api.tracing.spans import SpanBuilder
 
 COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -16,11 +17,19 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("trace_spans_refused", "Spans not made: tracing.max_open_spans were open.", "refused"),
     ("trace_unmatched_ends", "END events without their START (refused, dropped by the bus).", "unmatched"),
 )
+EXPORT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("trace_spans_exported", "Spans the OTLP endpoint accepted.", "exported"),
+    ("trace_spans_dropped", "Ended spans not exported: tracing.export_queue spans waited.", "dropped"),
+    ("trace_export_failed_spans", "Spans lost with an export request that failed (after retries).",
+     "failed_spans"),
+)  # fmt: skip
 
 
 class TracingCollector(Collector):
-    def __init__(self, builder: SpanBuilder) -> None:
+    def __init__(self, builder: SpanBuilder, exporter: OtlpExporter | None = None) -> None:
+        """`exporter`: its figures too (the OTLP exporter; none when spans go to an SDK exporter)."""
         self.builder = builder
+        self.exporter = exporter
 
     def collect(self) -> Iterator[Metric]:
         for name, help_text, attribute in COUNTERS:
@@ -29,3 +38,7 @@ class TracingCollector(Collector):
             "kvdepot_trace_open_spans", "Spans open now (roots and children).",
             value=self.builder.open_spans(),
         )  # fmt: skip
+        if self.exporter is not None:
+            for name, help_text, attribute in EXPORT_COUNTERS:
+                value = getattr(self.exporter, attribute)
+                yield CounterMetricFamily(f"kvdepot_{name}", help_text, value=value)

@@ -31,6 +31,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from app.bench.events import run as run_events
 
         return run_events(args)
+    if args.bench == "tracing":
+        from app.bench.tracing import run as run_tracing
+
+        return run_tracing(args)
     if args.bench == "directory":
         from app.bench.directory import run as run_directory
 

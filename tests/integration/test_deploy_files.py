@@ -33,6 +33,7 @@ POD = DEPLOY / "kubernetes" / "pod.yaml"
 PROMQL_WORDS = {
     "sum", "rate", "increase", "by", "histogram_quantile", "le", "op", "adapter", "tenant", "tier",
     "state", "instance", "job", "up", "and", "or", "unless", "on", "ignoring", "without", "offset",
+    "group_left", "group_right",
 }  # fmt: skip
 
 

@@ -5,11 +5,13 @@ orphans ended and counted, the open-span cap, ENDs without STARTs, error status.
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import StatusCode
 
+from api.tracing.export import SdkSpanSink
 from api.tracing.spans import ROOT, SpanBuilder
 from engine.events import Event, Kind
 
@@ -21,12 +23,11 @@ def exporter() -> InMemorySpanExporter:
     return InMemorySpanExporter()
 
 
-def builder(exporter: InMemorySpanExporter, *, timeout_s: float = 10.0, max_open: int = 1000) -> SpanBuilder:
-    provider = TracerProvider()
-    processor = SimpleSpanProcessor(exporter)
-    provider.add_span_processor(processor)
-    tracer = provider.get_tracer("test")
-    return SpanBuilder(tracer, processor, provider.resource, orphan_timeout_s=timeout_s, max_open=max_open)
+def builder(
+    exporter: InMemorySpanExporter, *, timeout_s: float = 10.0, max_open: int = 1000, ratio: float = 1.0
+) -> SpanBuilder:
+    sink = SdkSpanSink(exporter, Resource.create(), InstrumentationScope("test"))
+    return SpanBuilder(sink, orphan_timeout_s=timeout_s, max_open=max_open, sample_ratio=ratio)
 
 
 def start(span: int, op: str, rid: str, ts: int, tier: str = "", trace: str = "") -> Event:
