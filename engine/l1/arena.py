@@ -16,6 +16,11 @@ derived from the data directory) only labels it in /proc and in `/status`.
 
 Primitives in call order: `SealedArena.create_sealed(...)`, `fd` (to offer), views, `close()`
 (unmaps and closes; clients that still map it keep their mapping until they unmap).
+
+A populated arena larger than the memory available (MemAvailable, and the cgroup's memory.max
+less its usage when one is set) is refused before anything is reserved: a memfd is not bounded by
+/dev/shm's size, so reserving more than there is would not fail but wake the OOM killer, which
+takes other processes (an engine) first.
 """
 
 from __future__ import annotations
@@ -38,6 +43,28 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvdepot.l1.arena")
 
 PREFIX = "kvdepot-"
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable, less when its cgroup (v2) has a
+    memory.max with less room left; None when neither can be read."""
+    found: list[int] = []
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((CGROUP / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
@@ -98,6 +125,13 @@ class SealedArena(SharedArena):
     @classmethod
     def create_sealed(cls, size: int, instance: str, *, populate: bool = True) -> SealedArena:
         name = f"{PREFIX}{instance}-{os.getpid()}"
+        if populate:
+            free = available_memory()
+            if free is not None and size > free:
+                raise ConfigError(
+                    f"l1.size_gb: {size / (1 << 30):.2f} GiB asked, {free / (1 << 30):.2f} GiB of memory"
+                    " available"
+                )
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)

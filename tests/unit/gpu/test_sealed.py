@@ -131,3 +131,18 @@ def test_a_client_refuses_an_arena_descriptor_that_could_be_resized() -> None:
             ArenaMapping.from_fd(fd, 1 << 16)
     finally:
         os.close(fd)
+
+
+def test_an_arena_larger_than_the_free_memory_is_refused_before_anything_is_reserved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from app.errors import ConfigError
+    from engine.l1 import arena as arena_module
+
+    free = arena_module.available_memory()
+    assert free is not None and free > 0  # /proc/meminfo is read
+    monkeypatch.setattr(arena_module, "available_memory", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match="memory"):
+        SealedArena.create_sealed(2 << 20, "test", populate=True)
+    SealedArena.create_sealed(1 << 20, "test", populate=True).close()  # what fits is made
+    SealedArena.create_sealed(2 << 20, "test", populate=False).close()  # unpopulated: not checked
