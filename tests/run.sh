@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the environment and runs every gate: ruff, mypy --strict, import layering, pytest.
-# Extra arguments go to pytest (e.g. tests/run.sh -k allocator).
+# Extra arguments go to one pytest run over what they name (e.g. tests/run.sh -k allocator);
+# without any, the unit suite runs beside the installs, then the integration and e2e suites.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +40,12 @@ fi
 # ... and a 3-node Redis Cluster on 7101-7103 (the cluster variants of the L2 tests).
 tests/redis_cluster.sh
 
+# Without arguments the unit suite (in-process, needs neither vLLM nor Debian's tools) runs now, in
+# the background beside the installs and the static gates; the other suites run after them.
+if [ $# -eq 0 ]; then
+  background unit .venv/bin/python -m pytest tests/unit
+fi
+
 # Debian's prometheus (promtool checks; a real Prometheus scrapes a sidecar in
 # tests/integration/test_prometheus.py) and chromium (the /docs page in a headless browser), when
 # missing. As root, or through sudo without a password; a failed install fails those tests.
@@ -72,5 +79,19 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "== tools (${need[*]})"
   finish tools
 fi
-echo "== pytest"
-.venv/bin/python -m pytest "$@"
+if [ $# -eq 0 ]; then
+  echo "== pytest: unit (run beside the installs)"
+  unit_rc=0
+  wait "$(cat "$logs/unit.pid")" || unit_rc=$?
+  cat "$logs/unit"
+  echo "== pytest: integration, e2e"
+  rest_rc=0
+  .venv/bin/python -m pytest tests/integration tests/e2e || rest_rc=$?
+  if [ "$unit_rc" -ne 0 ] || [ "$rest_rc" -ne 0 ]; then
+    echo "error: pytest failed (unit: exit $unit_rc; integration and e2e: exit $rest_rc)" >&2
+    exit 1
+  fi
+else
+  echo "== pytest"
+  .venv/bin/python -m pytest "$@"
+fi
