@@ -10,9 +10,9 @@ queue, engine/l2/store_queue.py).
 Only this package changes an L1Object; the L2 controllers go through the primitives below.
 
 Primitives in call order:
-  find(key)                      visible object or None (touches LRU)
+  find(key)                      visible object or None (an access for the eviction policy)
   find_chain(ns, salt, hashes)   the visible objects of a chain of chunk hashes, up to the first
-                                 missing one (touches LRU); no key is built (a second index:
+                                 missing one (an access for the policy); no key is built (a second index:
                                  (namespace, salt) -> chunk hash -> object, kept with the first)
   alive(oid)                     the object is still the same committed object (bytes unchanged)
   try_reserve(key, size, now[, temporary, owner])
@@ -25,7 +25,7 @@ Primitives in call order:
   make_ordinary(obj)             a temporary object is kept after its last reader
   pin(obj) / unpin(obj, copied)  held for a copy to L2, apart from read locks (never evicted);
                                  records whether the object is in L2 (`in_l2`)
-  fit_quota(salt)                evict the tenant's LRU ready objects down to its L1 limit
+  fit_quota(salt)                evict the tenant's ready objects (policy order) down to its L1 limit
   bind_pins(kept)                keys held by prefix pins (engine/pins/): never evicted (deleted,
                                  cleared and purged all the same); a temporary object (prefetched
                                  from L2) of such a key is committed as an ordinary one
@@ -50,7 +50,7 @@ temporary object), or the reason `delete`/`clear` are given; a reservation that 
 visible announces nothing.
 
 Room is made on reserve by the `RoomMaker` (engine/l1/room.py), which shares the allocator,
-policy, ledger and counters: first within the tenant's L1 quota (its own LRU ready objects, then
+policy, ledger and counters: first within the tenant's L1 quota (its own ready objects in policy order, then
 its chunks queued for write-behind; else QUOTA), then within the arena's watermarks (ready objects
 of any tenant in policy order, then queued chunks of any tenant; else NO_SPACE).
 """
@@ -146,7 +146,7 @@ class L1Cache:
         return iter(list(self._objects.values()))
 
     def peek(self, key: ObjectKey) -> L1Object | None:
-        """The object under `key` in any live state, without touching LRU."""
+        """The object under `key` in any live state, without telling the eviction policy."""
         return self._objects.get(key)
 
     def find(self, key: ObjectKey, now: float) -> L1Object | None:
@@ -344,7 +344,7 @@ class L1Cache:
         return self._room.evict(need, salt)
 
     def fit_quota(self, salt: str) -> int:
-        """Evict `salt`'s least recently used ready objects until it holds no more than its L1
+        """Evict `salt`'s ready objects (policy order) until it holds no more than its L1
         limit (as far as its unpinned objects allow). Returns the bytes freed."""
         return self._room.fit_quota(salt)
 

@@ -12,11 +12,11 @@ Primitives in call order (L1Cache.try_reserve calls the first two, in this order
   fit(salt, limit, charge)  -> True when `charge` more bytes fit the tenant's L1 limit
   allocate(size)            -> an arena offset, or None (no space)
   evict(need[, salt])       ready objects in policy order, until `need` bytes were freed
-  fit_quota(salt)           the tenant's LRU ready objects, down to its L1 limit
+  fit_quota(salt)           the tenant's ready objects in policy order, down to its L1 limit
 
 Room is made on reserve, in two steps:
 1. The tenant's quota (when it has an L1 limit): if its held bytes plus this object would exceed
-   the limit, its own least recently used ready objects are evicted (never another tenant's) until
+   the limit, its own ready objects are evicted in policy order (never another tenant's) until
    it fits; when they are not enough, the shedder lets go of the tenant's oldest chunks queued for
    write-behind first. If that is still not enough (the rest is locked or reserved), nothing is
    evicted and the answer is QUOTA; an object larger than the limit (limit 0 included) is QUOTA
@@ -90,7 +90,7 @@ class RoomMaker:
         self.kept: Callable[[ObjectKey], bool] | None = None
 
     def fit(self, salt: str, limit: int, charge: int) -> bool:
-        """Make `charge` more bytes fit `salt`'s limit by evicting its own LRU ready objects. False
+        """Make `charge` more bytes fit `salt`'s limit by evicting its own ready objects (policy order). False
         (and nothing evicted) when they cannot fit."""
         if charge > limit:
             return False
@@ -130,7 +130,7 @@ class RoomMaker:
         return freed
 
     def fit_quota(self, salt: str) -> int:
-        """Evict `salt`'s least recently used ready objects until it holds no more than its L1
+        """Evict `salt`'s ready objects (policy order) until it holds no more than its L1
         limit (as far as its unpinned objects allow). Returns the bytes freed."""
         limit = self.ledger.limit(salt, L1)
         if limit is None:
