@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
 import socket
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from api.directory.ingest import Subscriptions
 from api.directory.metrics import DirectoryCollector
 from app import __version__
 from app.errors import ConfigError
+from app.serving import QuietUvicorn, bind_listener
 from app.settings import HttpSettings, LoggingSettings
 from app.settings_load import describe_validation_error
 from fleet.directory import Directory
@@ -98,14 +98,6 @@ def load_directory_settings(overrides: Mapping[str, Any], config_file: Path | No
     return DirectorySettings.model_construct(http=http, directory=built.directory, logging=built.logging)
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
 def tenant_key(config: DirectoryConfig) -> tuple[bytes | None, str | None]:
     """The MAC key the sidecars hash tenants with (`l2.auth_keys`' first), and its key id."""
     if not config.deployment_keys:
@@ -130,16 +122,7 @@ class DirectoryService:
         key, key_id = tenant_key(s.directory)
         self.directory = Directory(s.directory, key, key_id)
         host, port = s.http.host, s.http.port
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(f"http.port: {host}:{port} is already in use") from None
-            why = exc.strerror
-            raise ConfigError(f"http.host/http.port: cannot listen on {host}:{port}: {why}") from None
+        sock = bind_listener(host, port)
         self.sock = sock
 
     def request_stop(self) -> None:
@@ -159,7 +142,7 @@ class DirectoryService:
             create_directory_app(ctx), log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=2,
         )  # fmt: skip
-        server = _Uvicorn(config)
+        server = QuietUvicorn(config)
         now = time.monotonic()
         for spec in s.directory.static_instances:
             d.registry.register(spec, now, static=True)

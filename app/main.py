@@ -12,13 +12,10 @@ Nothing imports this module but the CLI and tests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import gc
 import signal
 import socket
 import time
-from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -39,6 +36,7 @@ from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
 from app.fleet_member import DirectoryMember
 from app.kv_events import KvEvents, build_kv_events
+from app.serving import QuietUvicorn, bind_listener
 from app.settings import Settings
 from app.supervisor import Supervisor
 from app.tracing import Tracing, build_tracing
@@ -78,29 +76,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvdepot")
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-def bind_http(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(f"http.port: {host}:{port} is already in use") from None
-        raise ConfigError(f"http.host/http.port: cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def with_admin_token(settings: Settings) -> Settings:
     """`settings` with the admin token of `http.admin_token_file` in `http.admin_token` (read, or
     generated on first start) when only the file is set; otherwise `settings` unchanged."""
@@ -124,7 +99,7 @@ class Service:
         self.engine: CacheEngine | None = None
         self.dataplane: DataPlaneServer | None = None
         self.lifeline: LifelineServer | None = None
-        self.http_server: _Uvicorn | None = None
+        self.http_server: QuietUvicorn | None = None
         self.http_socket: socket.socket | None = None
         self.l2: L2Parts | None = None
         self.control: ControlContext | None = None
@@ -266,7 +241,7 @@ class Service:
             workers=self.dataplane.workers,
         )  # fmt: skip
         self.dataplane.bind()
-        self.http_socket = bind_http(s.http.host, s.http.port)
+        self.http_socket = bind_listener(s.http.host, s.http.port)
         self.purge = PurgeJobs(
             self.engine, None if self.l2 is None else self.l2.tiers, events,
             path=s.data_dir / PURGE_FILE, executor=self._state_executor,
@@ -298,7 +273,7 @@ class Service:
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
         )
-        self.http_server = _Uvicorn(config)
+        self.http_server = QuietUvicorn(config)
 
     def event_subscribers(self) -> list[Subscriber]:
         """The event bus's subscribers, called once everything is built and before the bus runs

@@ -15,12 +15,8 @@ run_router(settings) -> exit status.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import signal
-import socket
 import tomllib
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +27,7 @@ from pydantic import ValidationError
 from api.route.app import create_router_app
 from app.errors import ConfigError
 from app.logs import configure_logging
+from app.serving import QuietUvicorn, bind_listener
 from app.settings import LoggingSettings
 from app.settings_load import describe_validation_error
 from app.supervisor import Supervisor
@@ -63,28 +60,14 @@ def load_router_settings(config_file: Path | None, overrides: dict[str, Any]) ->
         raise ConfigError(describe_validation_error(exc)) from None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port: {host}:{port} is already in use") from None
-        raise ConfigError(f"host/port: cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
-
-
 def run_router(settings: RouterSettings) -> int:
     configure_logging(LoggingSettings(level=settings.log_level))
-    sock = _bind(settings.host, settings.port)
+    sock = bind_listener(settings.host, settings.port, keys="")
     config = uvicorn.Config(
         create_router_app(settings, Supervisor()), log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=5,
     )  # fmt: skip
-    server = _Server(config)
+    server = QuietUvicorn(config)
     host, port = sock.getsockname()[:2]
     log.info(
         "route_listening", host=host, port=port, engines=[e.url for e in settings.engines],
@@ -103,15 +86,3 @@ def run_router(settings: RouterSettings) -> int:
         runner.run(serve())
     log.info("route_stopped")
     return 0
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling (it re-raises the signal at exit): SIGTERM and
-    SIGINT stop accepting, let the requests in flight finish (5 s at most), and exit 0."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-    def request_exit(self) -> None:
-        self.should_exit = True
