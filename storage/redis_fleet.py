@@ -46,8 +46,6 @@ scan(keys_per_s), reconcile(keys_per_s).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,7 +55,8 @@ from urllib.parse import unquote
 from redis.asyncio.client import Pipeline
 
 from app.errors import BackendError
-from storage.redis_router import RedisNode, RedisRouter
+from storage.redis_router import RedisRouter
+from storage.redis_scan import as_text, scan_names
 
 META = "__fleet:"
 """After the key prefix: the meta keys. No blob key starts so (they start with their version)."""
@@ -171,10 +170,6 @@ class ReconcileReport:
     """What the scan found per tenant: (bytes, blobs)."""
 
 
-def glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
 class FleetLedger:
     def __init__(
         self, router: RedisRouter, prefix: str, grace_s: float,
@@ -269,13 +264,13 @@ class FleetLedger:
         out = []
         for i in range(0, len(flat), 3):
             key, score, size = flat[i : i + 3]
-            out.append((_text(key), _text(score), int(size)))
+            out.append((as_text(key), as_text(score), int(size)))
         return out
 
     async def usage(self, salt: str) -> tuple[int, int, int | None]:
         """(bytes, blobs, fleet l2_bytes quota or None) of `salt`."""
         used, count, quota = await self._script(salt, _USAGE)
-        text = _text(quota)
+        text = as_text(quota)
         return int(used), int(count), (None if text in ("", "-1") else int(text))
 
     async def set_quota(self, salt: str, l2_bytes: int | None) -> None:
@@ -294,50 +289,30 @@ class FleetLedger:
 
     # --- reconcile -----------------------------------------------------------------------------
 
-    async def _nodes(self) -> list[RedisNode]:
-        await self.router.start()
-        smap = self.router.slot_map
-        if smap is None:
-            return [self.router.first]
-        return [self.router.node_at(n) for n in smap.nodes]
-
     async def scan(self, keys_per_s: int) -> tuple[dict[str, dict[str, int]], set[str], int]:
         """Every blob of the prefix by tenant (key -> STRLEN), the tenants with meta keys, and the
-        number of keys of the prefix seen; at most `keys_per_s` keys examined a second (Pace)."""
+        number of keys of the prefix seen; at most `keys_per_s` keys examined a second."""
         found: dict[str, dict[str, int]] = {}
         metas: set[str] = set()
         scanned = 0
-        pattern = glob_escape(self.prefix) + "*"
-        pace = Pace(keys_per_s)
-        for node in await self._nodes():
-            cursor = 0
-            while True:
-                try:
-                    cursor, names = await node.client.scan(cursor, match=pattern, count=pace.count)
-                except Exception as exc:
-                    raise BackendError(f"redis fleet reconcile: scan {node.describe}: {exc}") from exc
-                blobs: list[tuple[str, str]] = []
-                for raw in names:
-                    name = _text(raw)
-                    if name.startswith(self.prefix + META):
-                        salt = self.salt_of_meta(name)
-                        if salt is not None:
-                            metas.add(salt)
-                        continue
-                    key = name[len(self.prefix) :]
-                    salt = self._salt_of(key)
+        async for names in scan_names(self.router, self.prefix, keys_per_s, "redis fleet reconcile: scan"):
+            scanned += len(names)
+            blobs: list[tuple[str, str]] = []
+            for key in names:
+                if key.startswith(META):
+                    salt = self.salt_of_meta(self.prefix + key)
                     if salt is not None:
-                        blobs.append((salt, key))
-                if blobs:
-                    rkeys = [(self.prefix + k).encode("utf-8") for _, k in blobs]
-                    sizes = await self.router.pipeline(rkeys, partial(_each, rkeys, "strlen"))
-                    for (salt, key), size in zip(blobs, sizes, strict=True):
-                        if isinstance(size, int) and size > 0:
-                            found.setdefault(salt, {})[key] = size
-                scanned += len(names)
-                await pace.step()
-                if int(cursor) == 0:
-                    break
+                        metas.add(salt)
+                    continue
+                salt = self._salt_of(key)
+                if salt is not None:
+                    blobs.append((salt, key))
+            if blobs:
+                rkeys = [(self.prefix + k).encode("utf-8") for _, k in blobs]
+                sizes = await self.router.pipeline(rkeys, partial(_each, rkeys, "strlen"))
+                for (salt, key), size in zip(blobs, sizes, strict=True):
+                    if isinstance(size, int) and size > 0:
+                        found.setdefault(salt, {})[key] = size
         return found, metas, scanned
 
     async def reconcile(self, keys_per_s: int = 2000) -> ReconcileReport:
@@ -351,7 +326,7 @@ class FleetLedger:
             (held,) = await self.router.pipeline([sizes_key], partial(_hgetall, sizes_key))
             if isinstance(held, Exception):
                 raise BackendError(f"redis fleet reconcile: {held}")
-            reserved = {_text(k): int(v) for k, v in held.items()}
+            reserved = {as_text(k): int(v) for k, v in held.items()}
             gone = [k for k in reserved if k not in blobs]
             if gone:  # not seen by the scan: gone unless written since (EXISTS says)
                 rkeys = [(self.prefix + k).encode("utf-8") for k in gone]
@@ -373,41 +348,10 @@ async def scan_blobs(router: RedisRouter, prefix: str, keys_per_s: int) -> Async
     """The blob keys under `prefix` (without it; the fleet ledger's keys left out), a batch per
     SCAN reply, from every node of a cluster, at most `keys_per_s` keys a second. BackendError
     when a node does not answer."""
-    await router.start()
-    smap = router.slot_map
-    nodes = [router.first] if smap is None else [router.node_at(n) for n in smap.nodes]
-    pattern = glob_escape(prefix) + "*"
-    pace = Pace(keys_per_s)
-    for node in nodes:
-        cursor = 0
-        while True:
-            try:
-                cursor, names = await node.client.scan(cursor, match=pattern, count=pace.count)
-            except Exception as exc:
-                raise BackendError(f"redis scan {node.describe}: {type(exc).__name__}: {exc}") from exc
-            batch = [n[len(prefix) :] for n in map(_text, names) if not n.startswith(prefix + META)]
-            if batch:
-                yield batch
-            await pace.step()
-            if int(cursor) == 0:
-                break
-
-
-class Pace:
-    """At most `keys_per_s` keys examined a second: each SCAN asks for `count` (<= 200) keys of the
-    whole keyspace (matching or not) and is followed by the sleep that keeps the rate."""
-
-    def __init__(self, keys_per_s: int) -> None:
-        self.count = max(1, min(200, keys_per_s))
-        self.keys_per_s = keys_per_s
-        self.examined = 0
-        self.started = time.monotonic()
-
-    async def step(self) -> None:
-        self.examined += self.count
-        ahead = self.examined / self.keys_per_s - (time.monotonic() - self.started)
-        if ahead > 0:
-            await asyncio.sleep(ahead)
+    async for names in scan_names(router, prefix, keys_per_s, "redis scan"):
+        batch = [n for n in names if not n.startswith(META)]
+        if batch:
+            yield batch
 
 
 def _each(keys: list[bytes], command: str, pipe: Pipeline, i: int) -> object:
@@ -425,9 +369,3 @@ def key_salt(key: str) -> str | None:
     if len(parts) != 7 or not parts[0].startswith("kvd") or not parts[5].startswith("s="):
         return None
     return unquote(parts[5][2:])
-
-
-def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    return str(value)

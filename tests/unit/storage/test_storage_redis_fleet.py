@@ -9,8 +9,9 @@ from pydantic import ValidationError
 from engine.keys import Namespace, ObjectKey
 from storage.config import RedisAdapterConfig
 from storage.redis_cluster import SlotMap
-from storage.redis_fleet import META, FleetLedger, glob_escape, key_salt
+from storage.redis_fleet import META, FleetLedger, key_salt
 from storage.redis_router import RedisRouter
+from storage.redis_scan import glob_escape
 
 SALTS = ["", "a", "c/d", "é{x}", "%2F", "x" * 256]
 
