@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from app import malloc
 from app.errors import ConfigError
 
 
@@ -135,6 +136,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         config_file=args.config,
     )
     configure_logging(settings.logging)
+    malloc.tune()
 
     async def main() -> int:
         service = Service(settings)
@@ -154,6 +156,7 @@ def _run_directory(args: argparse.Namespace) -> int:
 
     settings = load_directory_settings({"host": args.http_host, "port": args.http_port}, args.config)
     configure_logging(settings.logging)
+    malloc.tune()
 
     async def main() -> int:
         service = DirectoryService(settings)
@@ -178,6 +181,7 @@ def _run_route(args: argparse.Namespace) -> int:
             "log_level": args.log_level,
         },
     )
+    malloc.tune()
     return run_router(settings)
 
 

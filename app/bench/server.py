@@ -232,9 +232,12 @@ def _start_sidecar(
     """A sidecar with an L1 big enough for every client's requests (and the prompt), and no L2."""
     from app.bench.sidecar import start_sidecar
 
-    need = shape.chunk_bytes(args) * shape.chunks_per_request * args.requests * max(args.clients)
-    need += (args.prompt_tokens or 0) * 2 * 64 * 2  # the prompt's layout: 256 bytes per token
-    size_gb = need * 1.25 / (1 << 30) + 0.0625
+    request = shape.chunk_bytes(args) * shape.chunks_per_request
+    need = request * args.requests * max(args.clients)
+    prompt = (args.prompt_tokens or 0) * 2 * 64 * 2  # the prompt's layout: 256 bytes per token
+    # One store may take at most l1.max_request_share (0.5) of the arena: room for twice the
+    # largest single store (a request, or the prompt) whatever the request count.
+    size_gb = max((need + prompt) * 1.25, 2.5 * max(request, prompt)) / (1 << 30) + 0.0625
     # L1 and the data plane only: write-behind to L2 would compete for the same cores.
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
     if args.kv_events_endpoint:
