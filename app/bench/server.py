@@ -25,7 +25,11 @@ chained blake3 of the same tokens alone (`hash_p50_ms`, `hash_ns_per_token`).
 JSON: the first run's figures under the keys this benchmark always had, every run under `runs` (with
 `store_vs_memcpy_p50` and `retrieve_vs_memcpy_p50`, the median over requests of each request's own
 ratio, which a burst of outside load during one request does not move, and the PING round trip of
-client 0 right before the run: the overhead every call pays), the prompt under `prompt`,
+client 0 right before the run: the overhead every call pays; and `phases_ms`, the median per client
+and request of each step and of its parts: `memcpy`, `store` = `reserve` (the STORE round trip)
++ `copy_in` (a memmove per chunk into its slot) + `commit` (the COMMIT round trip), `retrieve` =
+`retrieve` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`: where the time
+beyond the copy goes), the prompt under `prompt`,
 `/proc/loadavg` before and after, and `sidecar_cpu_s`: the CPU seconds each started sidecar used
 from ready to exit (less moved by other load on the machine than any time). `--tracing`: the sidecar
 exports its spans over OTLP/HTTP to a receiver in this process (app/bench/otlp.py), which reports
@@ -154,10 +158,16 @@ class Clients:
             stdin.flush()
         return [self._read(i) for i in chosen]
 
-    def timed(self, op: str, r: int) -> tuple[float, bool]:
-        """Step `op` of request `r` in every client at once: (the span of all, every client ok)."""
+    def timed(self, op: str, r: int, phases: dict[str, list[float]] | None = None) -> tuple[float, bool]:
+        """Step `op` of request `r` in every client at once: (the span of all, every client ok).
+        Each client's own time of the step and of its parts goes into `phases`."""
         answers = self.ask({"op": op, "r": r, "start": time.monotonic() + LEAD_S})
         span = max(a["end"] for a in answers) - min(a["begin"] for a in answers)
+        if phases is not None:
+            for a in answers:
+                phases.setdefault(op, []).append(a["end"] - a["begin"])
+                for name, seconds in a.get("phases", {}).items():
+                    phases.setdefault(name, []).append(seconds)
         return span, all(a["ok"] for a in answers)
 
     def close(self) -> None:
@@ -181,6 +191,13 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
+def _median_ms(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return round(median * 1000, 3)
+
+
 def _paired_median(baseline: list[float], measured: list[float]) -> float:
     """The median over requests of each request's memcpy time over its own store (or retrieve)
     time: what a burst of outside load during one request does not move."""
@@ -193,16 +210,17 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
     """One run: every request stored, then retrieved, each step after its memcpy, in all clients."""
     ping = clients.ask({"op": "ping", "samples": PINGS}, only=0)[0]
     spans: dict[str, list[float]] = {"memcpy_store": [], "store": [], "memcpy_retrieve": [], "retrieve": []}
+    phases: dict[str, list[float]] = {}
     ok = True
     for r in range(args.requests):
         for op, key in (("memcpy", "memcpy_store"), ("store", "store")):
-            span, good = clients.timed(op, r)
+            span, good = clients.timed(op, r, phases)
             spans[key].append(span)
             ok = ok and good
     for r in range(args.requests):
         ok = ok and all(a["ok"] for a in clients.ask({"op": "lock", "r": r}))
         for op, key in (("memcpy", "memcpy_retrieve"), ("retrieve", "retrieve")):
-            span, good = clients.timed(op, r)
+            span, good = clients.timed(op, r, phases)
             spans[key].append(span)
             ok = ok and good
     t = {key: sum(values) for key, values in spans.items()}
@@ -221,6 +239,7 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
         "store_vs_memcpy_p50": _paired_median(spans["memcpy_store"], spans["store"]),
         "retrieve_vs_memcpy_p50": _paired_median(spans["memcpy_retrieve"], spans["retrieve"]),
         "ping_p50_ms": ping["p50_ms"], "ping_p99_ms": ping["p99_ms"],
+        "phases_ms": {name: _median_ms(values) for name, values in phases.items()},
         "bytes_verified": sum(a["bytes_verified"] for a in verified),
         "ok": ok and all(a["ok"] for a in verified),
     }  # fmt: skip

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvdepot_connector.client import KVDepotClient
-from kvdepot_connector.protocol import Layout, encode_tokens
+from kvdepot_connector.protocol import Layout, SlotStatus, encode_tokens
 
 
 @dataclass
@@ -119,14 +119,14 @@ class Worker:
                 req.zero()
                 return {"begin": begin, "end": end, "ok": True}
             if op == "store":
-                outcome = c.store(req.tokens, req.chunks, request_id=req.rid, cache_salt=self.salt)
+                stored, phases = self._store(req)
                 end = time.monotonic()
                 hit = c.lookup(req.tokens, request_id=req.rid, cache_salt=self.salt).hit_chunks
                 c.free_lookup_locks(req.rid)
-                ok = outcome.stored == len(req.chunks) and hit == len(req.chunks)
-                return {"begin": begin, "end": end, "ok": ok}
-            valid = c.retrieve(req.rid, req.outs)
-            return {"begin": begin, "end": time.monotonic(), "ok": valid}
+                ok = stored == len(req.chunks) and hit == len(req.chunks)
+                return {"begin": begin, "end": end, "ok": ok, "phases": phases}
+            valid, phases = self._retrieve(req)
+            return {"begin": begin, "end": time.monotonic(), "ok": valid, "phases": phases}
         if op == "lock":
             req = self.requests[cmd["r"]]
             hit = c.lookup(req.tokens, request_id=req.rid, cache_salt=self.salt).hit_chunks
@@ -147,6 +147,41 @@ class Worker:
         if op == "prompt":
             return self._prompt(cmd["tokens"], cmd["samples"])
         raise ValueError(f"unknown step {op!r}")
+
+    def _store(self, req: Request) -> tuple[int, dict[str, float]]:
+        """`KVDepotClient.store`'s three steps through its public calls (reserve, one memmove into
+        each slot as `store` does, commit), each timed: where a store's time goes beyond the copy.
+        Returns (chunks stored, seconds per step)."""
+        c = self.client
+        t0 = time.perf_counter()
+        reply = c.reserve(req.tokens, request_id=req.rid, cache_salt=self.salt)
+        t1 = time.perf_counter()
+        oids = []
+        for slot in reply.slots:
+            if slot.status is SlotStatus.RESERVED:
+                src = req.chunks[slot.chunk]
+                ctypes.memmove(c.slot_view(slot).data_ptr(), src.data_ptr(), slot.size)
+                oids.append(slot.oid)
+        t2 = time.perf_counter()
+        committed = c.commit(oids)
+        t3 = time.perf_counter()
+        stored = sum(committed)
+        return stored, {"reserve": t1 - t0, "copy_in": t2 - t1, "commit": t3 - t2}
+
+    def _retrieve(self, req: Request) -> tuple[bool, dict[str, float]]:
+        """`KVDepotClient.retrieve`'s three steps through its public calls (the locked extents, one
+        memmove out of each as `retrieve` does, the release), each timed. Returns (copy valid,
+        seconds per step)."""
+        c = self.client
+        t0 = time.perf_counter()
+        locked = c.locked(req.rid, first_chunk=0, num_chunks=len(req.outs))
+        t1 = time.perf_counter()
+        for view, dst in zip(locked.views, req.outs, strict=True):
+            ctypes.memmove(dst.data_ptr(), view.data_ptr(), view.numel())
+        t2 = time.perf_counter()
+        valid = c.release(req.rid, locked.oids)
+        t3 = time.perf_counter()
+        return valid, {"retrieve": t1 - t0, "copy_out": t2 - t1, "release": t3 - t2}
 
     def _lookups(self, samples: int) -> dict[str, Any]:
         """LOOKUPs of request 0 as its token list (the client encodes the tokens each time)."""
