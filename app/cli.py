@@ -105,13 +105,18 @@ def _bench_parser(sub: Any) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, benches: bool = True) -> argparse.ArgumentParser:
+    """The command line. `benches=False`: `bench` without its subcommands, whose modules import
+    what only benchmarks need (redis-py, torch, ...): what `serve` and the others parse with."""
     parser = argparse.ArgumentParser(prog="kvdepot", description="KV-cache sidecar for LLM inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _directory_parser(sub)
     _route_parser(sub)
-    _bench_parser(sub)
+    if benches:
+        _bench_parser(sub)
+    else:
+        sub.add_parser("bench", help="benchmarks; each prints one JSON object", add_help=False)
     from app import status_cli
 
     status_cli.add_arguments(sub.add_parser("status", help="a terminal summary of a running sidecar"))
@@ -186,7 +191,9 @@ def _run_route(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    benches = not words or words[0] not in ("serve", "directory", "route", "status")
+    args = build_parser(benches=benches).parse_args(argv)
     try:
         if args.command == "serve":
             return _run_serve(args)

@@ -45,7 +45,6 @@ from engine.l2.tiers import L2Tiers, Tier
 from engine.tenants.quota import L1, check_salt
 from engine.tenants.registry import write_atomically
 from storage.base import Status
-from storage.redis_adapter import RedisAdapter
 from storage.redis_fleet import key_salt, scan_blobs
 
 log = structlog.get_logger("kvdepot.purge")
@@ -254,11 +253,14 @@ class PurgeJobs:
 
     async def _keys(self, tier: Tier) -> AsyncIterator[list[str]]:
         adapter = tier.adapter
-        if isinstance(adapter, RedisAdapter):
-            rate = adapter.config.scan_keys_per_s
-            async for batch in scan_blobs(adapter.router, adapter.config.key_prefix, rate):
-                yield batch
-            return
+        if adapter.kind == "redis":  # imported here: redis-py loads only with a Redis tier
+            from storage.redis_adapter import RedisAdapter
+
+            if isinstance(adapter, RedisAdapter):
+                rate = adapter.config.scan_keys_per_s
+                async for batch in scan_blobs(adapter.router, adapter.config.key_prefix, rate):
+                    yield batch
+                return
         keys = adapter.held_keys()
         for start in range(0, len(keys), BATCH):
             yield keys[start : start + BATCH]

@@ -49,14 +49,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from redis.asyncio.client import Pipeline
-
 from app.errors import BackendError
-from storage.redis_router import RedisRouter
 from storage.redis_scan import as_text, scan_names
+
+if TYPE_CHECKING:  # redis-py loads only where a Redis tier is configured
+    from redis.asyncio.client import Pipeline
+
+    from storage.redis_router import RedisRouter
 
 META = "__fleet:"
 """After the key prefix: the meta keys. No blob key starts so (they start with their version)."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from app.errors import BackendError
-from storage.redis_router import RedisRouter
+
+if TYPE_CHECKING:  # redis-py loads only where a Redis tier is configured
+    from storage.redis_router import RedisRouter
 
 
 def glob_escape(text: str) -> str:

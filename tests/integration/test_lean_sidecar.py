@@ -30,6 +30,12 @@ def torch_mapped(sc: SidecarProcess) -> bool:
     return "libtorch" in Path(f"/proc/{sc.proc.pid}/maps").read_text()
 
 
+def redis_mapped(sc: SidecarProcess) -> bool:
+    """redis-py brings hiredis' extension in: mapped only where a Redis tier is configured (or
+    something imported it anyway, as the benchmark modules once did through the command line)."""
+    return "hiredis" in Path(f"/proc/{sc.proc.pid}/maps").read_text()
+
+
 def tokens(seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 60_000, (CHUNKS * CHUNK,), generator=g).tolist()
@@ -65,6 +71,7 @@ def test_serving_and_the_disk_tier_never_load_torch(
         assert all(torch.equal(a, b) for a, b in zip(retrieved(c, "r"), data, strict=True))
         wait_for(lambda: first.get_json("/status")["l2"]["store"]["written"] >= CHUNKS, what="write-behind")
     assert not torch_mapped(first)
+    assert not redis_mapped(first)
     assert first.stop() == 0
 
     second = sidecar_factory(env=env, data_dir=data_dir)  # the disk tier's index survives
@@ -81,6 +88,7 @@ def test_serving_and_the_disk_tier_never_load_torch(
     else:
         assert all(torch.equal(a, b) for a, b in zip(back, data, strict=True))
     assert not torch_mapped(second)
+    assert not redis_mapped(second)
 
 
 # The sidecar copying an engine's KV cache itself: K and V planes of 2 layers, 128 bytes per block.
