@@ -28,7 +28,7 @@ ratio, which a burst of outside load during one request does not move, and the P
 client 0 right before the run: the overhead every call pays; and `phases_ms`, the median per client
 and request of each step and of its parts: `memcpy`, `store` = `reserve` (the STORE round trip)
 + `copy_in` (a memmove per chunk into its slot) + `commit` (the COMMIT round trip), `retrieve` =
-`retrieve` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`: where the time
+`extents` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`: where the time
 beyond the copy goes), the prompt under `prompt`,
 `/proc/loadavg` before and after, and `sidecar_cpu_s`: the CPU seconds each started sidecar used
 from ready to exit (less moved by other load on the machine than any time). `--tracing`: the sidecar

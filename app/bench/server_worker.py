@@ -169,9 +169,9 @@ class Worker:
         return stored, {"reserve": t1 - t0, "copy_in": t2 - t1, "commit": t3 - t2}
 
     def _retrieve(self, req: Request) -> tuple[bool, dict[str, float]]:
-        """`KVDepotClient.retrieve`'s three steps through its public calls (the locked extents, one
-        memmove out of each as `retrieve` does, the release), each timed. Returns (copy valid,
-        seconds per step)."""
+        """`KVDepotClient.retrieve`'s three steps through its public calls (`extents`: the RETRIEVE
+        round trip naming the locked extents; one memmove out of each, as `retrieve` does; the
+        release), each timed. Returns (copy valid, seconds per step)."""
         c = self.client
         t0 = time.perf_counter()
         locked = c.locked(req.rid, first_chunk=0, num_chunks=len(req.outs))
@@ -181,7 +181,7 @@ class Worker:
         t2 = time.perf_counter()
         valid = c.release(req.rid, locked.oids)
         t3 = time.perf_counter()
-        return valid, {"retrieve": t1 - t0, "copy_out": t2 - t1, "release": t3 - t2}
+        return valid, {"extents": t1 - t0, "copy_out": t2 - t1, "release": t3 - t2}
 
     def _lookups(self, samples: int) -> dict[str, Any]:
         """LOOKUPs of request 0 as its token list (the client encodes the tokens each time)."""
