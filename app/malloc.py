@@ -43,11 +43,11 @@ def tune() -> dict[str, int]:
     """Set the thresholds the module docstring gives; returns those set."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only
-    except (OSError, AttributeError):
+    except OSError:
         return {}
-    del gnu_get_libc_version
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its mallopt parameters differ
+        return {}
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     done: dict[str, int] = {}

@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -191,19 +192,10 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _median_ms(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return round(median * 1000, 3)
-
-
 def _paired_median(baseline: list[float], measured: list[float]) -> float:
     """The median over requests of each request's memcpy time over its own store (or retrieve)
     time: what a burst of outside load during one request does not move."""
-    ratios = sorted(b / m for b, m in zip(baseline, measured, strict=True))
-    mid = len(ratios) // 2
-    return round(ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2, 3)
+    return round(statistics.median(b / m for b, m in zip(baseline, measured, strict=True)), 3)
 
 
 def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) -> dict[str, Any]:
@@ -239,7 +231,7 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
         "store_vs_memcpy_p50": _paired_median(spans["memcpy_store"], spans["store"]),
         "retrieve_vs_memcpy_p50": _paired_median(spans["memcpy_retrieve"], spans["retrieve"]),
         "ping_p50_ms": ping["p50_ms"], "ping_p99_ms": ping["p99_ms"],
-        "phases_ms": {name: _median_ms(values) for name, values in phases.items()},
+        "phases_ms": {name: round(statistics.median(v) * 1000, 3) for name, v in phases.items()},
         "bytes_verified": sum(a["bytes_verified"] for a in verified),
         "ok": ok and all(a["ok"] for a in verified),
     }  # fmt: skip
