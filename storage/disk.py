@@ -223,12 +223,14 @@ class DiskAdapter(AdapterCore[str]):
         size = blob.nbytes
         if size > self._capacity:
             return OpResult(Status.NO_SPACE, f"blob of {size} bytes exceeds capacity {self._capacity}")
-        await self._evict_to(self._capacity - self._reserved - size)
-        if self._held.bytes + self._reserved + size > self._capacity:
-            return OpResult(Status.NO_SPACE, "no room: capacity held by writes in flight")
-        path = self.path_for(key)
+        # Reserved before making room: writes that run together each make room for their own blob
+        # (reserved after, one write's room was taken by the next, and a full tier refused it).
         self._reserved += size
         try:
+            await self._evict_to(self._capacity - self._reserved)
+            if self._held.bytes + self._reserved > self._capacity:
+                return OpResult(Status.NO_SPACE, "no room: capacity held by writes in flight")
+            path = self.path_for(key)
             await self._io(self._files.write_atomic, path, blob.segments)
         except OSError as exc:
             if exc.errno in _NO_SPACE_ERRNOS:

@@ -57,7 +57,8 @@ def storm(c: KVDepotClient, sc: SidecarProcess, round_: int) -> None:
         for tag, salt in ((1, "b"), (2, "c")):
             which = 1000 * round_ + 10 * i + tag
             store(c, salt, tag, which, STORM_CHUNKS, f"storm-{salt}-{which}")
-    wait_for(lambda: written_behind(sc), what="write-behind of the storm", timeout=60)
+        if i % 5 == 4:  # 80 chunks, half of L1: write-behind keeps up, even on a busy host
+            wait_for(lambda: written_behind(sc), what="write-behind of the storm", timeout=60)
 
 
 def served(c: KVDepotClient, which: int, rid: str, l2: bool = True) -> list[torch.Tensor] | None:
@@ -128,7 +129,8 @@ def test_a_pinned_prefix_survives_storms_until_its_ttl_or_delete(
         after = status(sc)
         l1_evicted = after["l1"]["counters"]["evicted"] - before["l1"]["counters"]["evicted"]
         disk_evicted = next(a for a in after["l2"]["adapters"] if a["name"] == "disk")["stats"]["evictions"]
-        # Each tier turned over several times (write-behind drops some chunks under the storm).
+        # Each tier turned over several times: every chunk it held before the storm (a's, the
+        # oldest) would have gone without the pin.
         assert l1_evicted > 4 * 160 and disk_evicted > 2 * 160, (l1_evicted, disk_evicted)
         assert identical(served(c, 0, "r1", l2=False), 0)  # from L1
         assert on_disk(data_dir, "a") == CHUNKS

@@ -139,6 +139,23 @@ async def test_capacity_evicts_in_lru_order_and_deletes_files(make_disk: MakeDis
     assert disk.stats.no_space == 1
 
 
+async def test_a_full_tier_takes_a_whole_batch_by_evicting(make_disk: MakeDisk, tmp_path: Path) -> None:
+    """Write-behind hands a full tier batches whose blobs are written together: each makes room
+    for itself, and none is refused for room another write of the batch took."""
+    disk = make_disk()
+    one = blob("old-0-0").nbytes  # every key below is as long: every blob is this size
+    await disk.set_capacity(8 * one)
+    assert all(r.ok for r in await disk.store([(f"old-0-{i}", blob(f"old-0-{i}")) for i in range(8)]))
+    for round_ in range(3):
+        batch = [(f"new-{round_}-{i}", blob(f"new-{round_}-{i}")) for i in range(6)]
+        results = await disk.store(batch)
+        assert [r.status for r in results] == [Status.OK] * 6, [r.message for r in results]
+        assert disk.usage().bytes_used <= 8 * one
+    assert disk.stats.no_space == 0 and disk.stats.evictions == 18
+    assert len(blob_files(tmp_path / "l2")) == 8
+    assert sorted(disk.keys_lru()[-6:]) == [f"new-2-{i}" for i in range(6)]  # in the order written
+
+
 async def test_index_is_rebuilt_from_the_files(make_disk: MakeDisk, tmp_path: Path) -> None:
     first = make_disk()
     keys = [f"key-{i}" for i in range(20)]
