@@ -25,11 +25,15 @@ chained blake3 of the same tokens alone (`hash_p50_ms`, `hash_ns_per_token`).
 JSON: the first run's figures under the keys this benchmark always had, every run under `runs` (with
 `store_vs_memcpy_p50` and `retrieve_vs_memcpy_p50`, the median over requests of each request's own
 ratio, which a burst of outside load during one request does not move, and the PING round trip of
-client 0 right before the run: the overhead every call pays; and `phases_ms`, the median per client
-and request of each step and of its parts: `memcpy`, `store` = `reserve` (the STORE round trip)
-+ `copy_in` (a memmove per chunk into its slot) + `commit` (the COMMIT round trip), `retrieve` =
-`extents` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`: where the time
-beyond the copy goes), the prompt under `prompt`,
+client 0 right before the run: the overhead every call pays, back to back (`ping_p50_ms`) and each
+right after a memmove of one request's bytes (`ping_after_copy_p50_ms`); `phases_ms`, the median
+per client and request of each step and of its parts: `memcpy`, `store` = `reserve` (the STORE
+round trip) + `copy_in` (a memmove per chunk into its slot) + `commit` (the COMMIT round trip),
+`retrieve` = `extents` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`:
+where the time beyond the copy goes; and, with a sidecar this benchmark started, `sidecar_ms`: the
+mean time the sidecar itself spent handling one STORE, COMMIT, LOOKUP, RETRIEVE and RELEASE during
+the run, from its /metrics: the rest of a round trip is the transport and the client), the prompt
+under `prompt`,
 `/proc/loadavg` before and after, and `sidecar_cpu_s`: the CPU seconds each started sidecar used
 from ready to exit (less moved by other load on the machine than any time). `--tracing`: the sidecar
 exports its spans over OTLP/HTTP to a receiver in this process (app/bench/otlp.py), which reports
@@ -49,17 +53,21 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-if TYPE_CHECKING:
-    from app.bench.sidecar import SidecarProcess
+from app.bench.event_reader import EventReader
+from app.bench.sidecar import SidecarProcess, ops_delta, start_sidecar
 
 DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch is imported by the clients only
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: how far ahead of now a step is scheduled, so that every client has read it before it starts
 LEAD_S = 0.01
-#: PINGs timed before each run (client 0): the round trip every call pays
+#: PINGs timed before each run (client 0): the round trip every call pays; and as many again,
+#: each right after a memmove of one request's bytes (what a call after a copy pays)
 PINGS = 200
+PINGS_AFTER_COPY = 50
+#: the operations of a store and a retrieve, as the sidecar's /metrics names them
+SIDECAR_OPS = ("store", "commit", "lookup", "retrieve", "release")
 WORKER_ARGS = ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
 
 
@@ -198,9 +206,12 @@ def _paired_median(baseline: list[float], measured: list[float]) -> float:
     return round(statistics.median(b / m for b, m in zip(baseline, measured, strict=True)), 3)
 
 
-def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) -> dict[str, Any]:
+def measure(
+    clients: Clients, args: argparse.Namespace, shape: Shape, n: int, sidecar: SidecarProcess | None
+) -> dict[str, Any]:
     """One run: every request stored, then retrieved, each step after its memcpy, in all clients."""
-    ping = clients.ask({"op": "ping", "samples": PINGS}, only=0)[0]
+    ping = clients.ask({"op": "ping", "samples": PINGS, "after_copy": PINGS_AFTER_COPY}, only=0)[0]
+    handled = sidecar.dataplane_ops() if sidecar is not None else {}
     spans: dict[str, list[float]] = {"memcpy_store": [], "store": [], "memcpy_retrieve": [], "retrieve": []}
     phases: dict[str, list[float]] = {}
     ok = True
@@ -216,6 +227,7 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
             spans[key].append(span)
             ok = ok and good
     t = {key: sum(values) for key, values in spans.items()}
+    sidecar_ms = {} if sidecar is None else ops_delta(handled, sidecar.dataplane_ops())
     verified = clients.ask({"op": "verify"})
     chunk_bytes = shape.chunk_bytes(args)
     total = n * args.requests * shape.chunks_per_request * chunk_bytes
@@ -231,6 +243,8 @@ def measure(clients: Clients, args: argparse.Namespace, shape: Shape, n: int) ->
         "store_vs_memcpy_p50": _paired_median(spans["memcpy_store"], spans["store"]),
         "retrieve_vs_memcpy_p50": _paired_median(spans["memcpy_retrieve"], spans["retrieve"]),
         "ping_p50_ms": ping["p50_ms"], "ping_p99_ms": ping["p99_ms"],
+        "ping_after_copy_p50_ms": ping["after_copy_p50_ms"],
+        "sidecar_ms": {op: v["mean_ms"] for op, v in sidecar_ms.items() if op in SIDECAR_OPS},
         "phases_ms": {name: round(statistics.median(v) * 1000, 3) for name, v in phases.items()},
         "bytes_verified": sum(a["bytes_verified"] for a in verified),
         "ok": ok and all(a["ok"] for a in verified),
@@ -241,8 +255,6 @@ def _start_sidecar(
     args: argparse.Namespace, shape: Shape, tmp: Path, otlp_endpoint: str | None = None
 ) -> SidecarProcess:
     """A sidecar with an L1 big enough for every client's requests (and the prompt), and no L2."""
-    from app.bench.sidecar import start_sidecar
-
     request = shape.chunk_bytes(args) * shape.chunks_per_request
     need = request * args.requests * max(args.clients)
     prompt = (args.prompt_tokens or 0) * 2 * 64 * 2  # the prompt's layout: 256 bytes per token
@@ -256,40 +268,6 @@ def _start_sidecar(
     if otlp_endpoint:
         env["KVDEPOT_TRACING__OTLP_ENDPOINT"] = otlp_endpoint
     return start_sidecar(tmp, env=env, l1_size_gb=round(size_gb, 3))
-
-
-class EventReader:
-    """A subscriber of the sidecar's KV events in a thread of this process: reads every batch (a
-    consumer that keeps up, as a router does) and counts batches and bytes."""
-
-    def __init__(self, endpoint: str) -> None:
-        import threading
-
-        import zmq
-
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(endpoint)
-        self.batches = 0
-        self.bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="kv-events-reader", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            if self._sub.poll(100):
-                frames = self._sub.recv_multipart()
-                self.batches += 1
-                self.bytes += sum(len(f) for f in frames)
-
-    def stop(self) -> dict[str, int]:
-        self._stop.set()
-        self._thread.join()
-        self._sub.close(0)
-        self._ctx.term()
-        return {"batches_read": self.batches, "bytes_read": self.bytes}
 
 
 def _cpu_s(pid: int) -> float:
@@ -314,11 +292,14 @@ def _loadavg() -> list[float]:
         return []
 
 
-def _run_shape(args: argparse.Namespace, shape: Shape, url: str, tmp: Path, out: dict[str, Any]) -> None:
+def _run_shape(
+    args: argparse.Namespace, shape: Shape, sidecar: SidecarProcess | None, tmp: Path, out: dict[str, Any]
+) -> None:
+    url = args.url if sidecar is None else sidecar.url
     for n in args.clients:
         clients = Clients(args, shape, url, n, tmp)
         try:
-            out["runs"].append(measure(clients, args, shape, n))
+            out["runs"].append(measure(clients, args, shape, n, sidecar))
             if "lookups" not in out:
                 out["lookups"] = clients.ask({"op": "lookups", "samples": args.lookups}, only=0)[0]
             if args.prompt_tokens and "prompt" not in out:
@@ -373,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
             sidecar = None if args.url is not None else _start_sidecar(args, shape, Path(tmp) / f"s{i}", otlp)
             started_cpu = 0.0 if sidecar is None else _cpu_s(sidecar.proc.pid)
             try:
-                _run_shape(args, shape, args.url if sidecar is None else sidecar.url, Path(tmp), out)
+                _run_shape(args, shape, sidecar, Path(tmp), out)
             except RuntimeError as exc:
                 print(str(exc), file=sys.stderr)
                 return 1

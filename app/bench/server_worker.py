@@ -13,7 +13,9 @@ stdin, one JSON object a line, and answers each with one line:
   {"op": "lock", "r": i}                  LOOKUP of request i (read locks for the retrieve)
   {"op": "retrieve", "r": i, "start": t}  RETRIEVE + copies + RELEASE into the output memory
   {"op": "verify"}                        every retrieved byte against what was stored
-  {"op": "ping", "samples": n}            round trips of a PING (the per-call overhead)
+  {"op": "ping", "samples": n,            round trips of a PING (the per-call overhead), back to
+   "after_copy": m}                       back, and m more each right after a memmove of request
+                                          0's chunks (the caches as a call after a copy finds them)
   {"op": "lookups", "samples": n}         latency of LOOKUPs of request 0 (token encoding included)
   {"op": "prompt", "tokens": T, ...}      latency of LOOKUPs of a T-token prompt (hashing included)
                                           and of the server's hash chain of the same tokens alone
@@ -136,12 +138,22 @@ class Worker:
             total = sum(req.nbytes for req in self.requests)
             return {"ok": verified == total, "bytes_verified": verified}
         if op == "ping":
-            times = []
+            times, after = [], []
             for _ in range(cmd["samples"]):
                 start = time.perf_counter()
                 c.ping()
                 times.append(time.perf_counter() - start)
-            return {"p50_ms": _percentile_ms(times, 0.5), "p99_ms": _percentile_ms(times, 0.99)}
+            req = self.requests[0]
+            for _ in range(cmd.get("after_copy", 0)):
+                req.memcpy()
+                start = time.perf_counter()
+                c.ping()
+                after.append(time.perf_counter() - start)
+            req.zero()
+            return {
+                "p50_ms": _percentile_ms(times, 0.5), "p99_ms": _percentile_ms(times, 0.99),
+                "after_copy_p50_ms": _percentile_ms(after, 0.5) if after else None,
+            }  # fmt: skip
         if op == "lookups":
             return self._lookups(cmd["samples"])
         if op == "prompt":

@@ -64,6 +64,20 @@ class SidecarProcess:
         with urllib.request.urlopen(self.http + path, timeout=5) as resp:
             return json.loads(resp.read())
 
+    def dataplane_ops(self) -> dict[str, tuple[float, float]]:
+        """Per data-plane operation so far: (calls, seconds the sidecar spent handling them), from
+        the `kvdepot_dataplane_request_seconds` histogram of its /metrics."""
+        with urllib.request.urlopen(self.http + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        ops: dict[str, list[float]] = {}
+        for line in text.splitlines():
+            for suffix, i in (("_count{", 0), ("_sum{", 1)):
+                head = "kvdepot_dataplane_request_seconds" + suffix
+                if line.startswith(head):
+                    op = line[len(head) :].split('"')[1]
+                    ops.setdefault(op, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+        return {op: (n, secs) for op, (n, secs) in ops.items()}
+
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -79,6 +93,19 @@ class SidecarProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def ops_delta(
+    before: Mapping[str, tuple[float, float]], after: Mapping[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """What `dataplane_ops` grew by between two readings: per operation called in between, its
+    calls and the mean milliseconds the sidecar spent on one."""
+    out = {}
+    for op, (n, secs) in after.items():
+        n0, s0 = before.get(op, (0.0, 0.0))
+        if n > n0:
+            out[op] = {"calls": int(n - n0), "mean_ms": round((secs - s0) / (n - n0) * 1000, 3)}
+    return out
 
 
 def start_sidecar(

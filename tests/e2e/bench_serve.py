@@ -15,11 +15,12 @@ Cases (8-layer random Llama, 2048-token prefixes + 128-token suffixes, 8 output 
            too, so the second pass loads from the disk tier. Without kvdepot nothing survives a
            restart: `none` and `native` give what they give on a fresh server (their `fits` runs)
 
-Each setup gets a fresh server (and a fresh sidecar where kvdepot is on); its runs use different
-seeds, so each run's prefixes are new to every cache. Per run: TTFT of every request in dispatch
-order (`ttfts`, seconds), mean/p50/p99, the server's prefix-cache counters (native queries and
-hits, kvdepot's external hits) read before and after, and the sidecar's view (`sidecar_ops`: calls
-and mean handling time per data-plane operation during the run). One JSON object per run on stdout and in
+Each setup gets a fresh server (and a fresh sidecar where kvdepot is on); run N is seeded 1000*N
+in every setup, so the setups see the same prompts and each run's prefixes are new to every cache.
+Per run: TTFT of every request in dispatch order (`ttfts`, seconds), mean/p50/p99, the server's
+prefix-cache counters (native queries and hits, kvdepot's external hits) read before and after,
+and the sidecar's view (`sidecar_ops`: calls and mean handling time per data-plane operation
+during the run). One JSON object per run on stdout and in
 OUT/<case>-<config>-<run>.json; OUT/summary.jsonl collects the rows of every invocation.
 
 `--trace`: the connector writes its per-request timeline (lookup, prefetch polling, load, save,
@@ -36,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ sys.path[:0] = [str(REPO), str(REPO / "connector"), str(REPO / "tests" / "e2e")]
 
 from harness import VLLM_PYTHON, VllmServer, build_model, connector_config  # noqa: E402
 
-from app.bench.sidecar import SidecarProcess, start_sidecar  # noqa: E402
+from app.bench.sidecar import SidecarProcess, ops_delta, start_sidecar  # noqa: E402
 
 CASES = {
     "fits": {"prefixes": 4, "prompts": 24, "blocks": None},
@@ -55,9 +55,10 @@ CASES = {
 CONFIGS = ("none", "native", "both", "kvdepot", "disk")
 KVDEPOT = ("both", "kvdepot", "disk")
 CHUNK = 256
-# float32, not the checkpoint's bfloat16: on a CPU without AVX512-BF16/AMX (this machine: AVX2 only)
-# torch runs bfloat16 matmuls at ~0.4 GFLOP/s against ~65 in float32, and every prefill would take
-# tens of seconds. The KV cache is float32 too (32 KiB a token here, 8 MiB a 256-token chunk).
+# float32, not the checkpoint's bfloat16: on a CPU without AVX512-BF16/AMX (some hosts of this
+# machine have AVX2 only) torch runs bfloat16 matmuls at ~0.4 GFLOP/s against ~65 in float32, and
+# every prefill would take tens of seconds; float32 runs alike on every host. The KV cache is
+# float32 too (32 KiB a token here, 8 MiB a 256-token chunk).
 DTYPE = "float32"
 
 BENCH = """
@@ -81,29 +82,9 @@ def _counters(server: VllmServer) -> dict[str, float]:
     return {k: server.metric(name) for k, name in COUNTERS.items()}
 
 
-def _sidecar_ops(sidecar: SidecarProcess | None) -> dict[str, list[float]]:
-    """The sidecar's view: per data-plane operation, [count, seconds] handled so far."""
-    if sidecar is None:
-        return {}
-    with urllib.request.urlopen(sidecar.http + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    ops: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        for suffix, i in (("_count{", 0), ("_sum{", 1)):
-            head = "kvdepot_dataplane_request_seconds" + suffix
-            if line.startswith(head):
-                op = line[len(head) :].split('"')[1]
-                ops.setdefault(op, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
-    return ops
-
-
-def _ops_delta(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for op, (n, secs) in after.items():
-        n0, s0 = before.get(op, [0.0, 0.0])
-        if n > n0:
-            out[op] = {"calls": int(n - n0), "mean_ms": round((secs - s0) / (n - n0) * 1000, 3)}
-    return out
+def _sidecar_ops(sidecar: SidecarProcess | None) -> dict[str, tuple[float, float]]:
+    """The sidecar's view: per data-plane operation, (calls, seconds handled) so far."""
+    return {} if sidecar is None else sidecar.dataplane_ops()
 
 
 def _bench(server: VllmServer, model: Path, case: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
@@ -181,7 +162,7 @@ def run_setup(
     server = _server(model, out, config, case, url, where)
     try:
         for run in runs:
-            seed = 1000 * run + len(config)
+            seed = 1000 * run  # the same prompts in every setup
             if name == "restart":
                 _bench(server, model, case, seed, out)  # first pass: fills whatever caches there are
                 server.stop()
@@ -198,7 +179,7 @@ def run_setup(
                 "case": name, "config": config, "run": run, "seed": seed,
                 "seconds": round(time.monotonic() - t0, 2), **_summary(got["ttfts"]),
                 "counters": {k: after[k] - before[k] for k in after}, "loadavg": os.getloadavg()[0],
-                "sidecar_ops": _ops_delta(ops, ops_after),
+                "sidecar_ops": ops_delta(ops, ops_after),
                 **got,
             }  # fmt: skip
             (out / f"{name}-{config}-{run}.json").write_text(json.dumps(row))

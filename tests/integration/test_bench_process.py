@@ -70,8 +70,13 @@ def test_bench_server_runs_chunk_sizes_client_counts_and_a_long_prompt() -> None
         assert r["ok"] is True
         for key in ("store_gbps", "retrieve_gbps", "memcpy_store_gbps", "memcpy_retrieve_gbps",
                     "store_vs_memcpy", "retrieve_vs_memcpy", "store_vs_memcpy_p50",
-                    "retrieve_vs_memcpy_p50", "ping_p50_ms", "ping_p99_ms"):  # fmt: skip
+                    "retrieve_vs_memcpy_p50", "ping_p50_ms", "ping_p99_ms",
+                    "ping_after_copy_p50_ms"):  # fmt: skip
             assert r[key] > 0
+        # The sidecar's own handling of each call of the run (its /metrics), a part of the round trip.
+        assert set(r["sidecar_ms"]) == {"store", "commit", "lookup", "retrieve", "release"}
+        assert 0 < r["sidecar_ms"]["commit"] < r["phases_ms"]["commit"]
+        assert 0 < r["sidecar_ms"]["release"] < r["phases_ms"]["release"]
         steps = r["phases_ms"]
         parts = {"reserve", "copy_in", "commit", "extents", "copy_out", "release"}
         assert set(steps) == {"memcpy", "store", "retrieve", *parts}
