@@ -30,6 +30,7 @@ from api.tracing.metrics import TracingCollector
 from api.tracing.otlp import OtlpEncoder
 from api.tracing.spans import SpanBuilder
 from app import __version__
+from app.errors import ConfigError
 from engine.events import Subscriber
 
 #: how often open spans are checked for orphans (at most; a tenth of the timeout when shorter)
@@ -78,9 +79,13 @@ def build_tracing(
     else:
         assert settings.otlp_endpoint is not None
         encoder = OtlpEncoder(resource.attributes, resource.schema_url, "kvdepot", __version__)
-        sink = OtlpExporter(
-            settings.otlp_endpoint, encoder, timeout_s=settings.export_timeout_s, queue=settings.export_queue
-        )
+        try:
+            sink = OtlpExporter(
+                settings.otlp_endpoint, encoder, timeout_s=settings.export_timeout_s,
+                queue=settings.export_queue,
+            )  # fmt: skip
+        except ValueError as exc:  # an OTEL_EXPORTER_OTLP_* file or value it cannot use
+            raise ConfigError(f"tracing: {exc}") from None
     builder = SpanBuilder(
         sink, orphan_timeout_s=settings.orphan_timeout_s, max_open=settings.max_open_spans,
         sample_ratio=settings.sample_ratio,

@@ -1,7 +1,9 @@
 """A tiny OTLP/HTTP traces receiver in a thread of the benchmark's process: it accepts what the
-sidecar's exporter POSTs to /v1/traces (protobuf), counts requests, bytes and spans, and answers
-200 with an empty ExportTraceServiceResponse, as a collector that keeps up does; with `keep` it
-also keeps the last spans decoded (tests read them).
+sidecar's exporter POSTs to /v1/traces (protobuf, gzipped or not), counts requests, bytes and
+spans, and answers 200 with an empty ExportTraceServiceResponse, as a collector that keeps up does;
+with `keep` it also keeps the last spans decoded (tests read them); with `tls` it serves https
+(a server-side SSLContext: a collector behind TLS, mutual TLS when the context asks for a client
+certificate).
 
 Primitives in call order: OtlpReceiver() (binds 127.0.0.1, a free port) -> endpoint -> stop() ->
 the figures.
@@ -9,6 +11,8 @@ the figures.
 
 from __future__ import annotations
 
+import gzip
+import ssl
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -35,9 +39,10 @@ class ReceivedSpan:
 
 
 class OtlpReceiver:
-    def __init__(self, keep: int = 0) -> None:
+    def __init__(self, keep: int = 0, tls: ssl.SSLContext | None = None) -> None:
         """`keep`: the last this many spans received are kept, decoded (`received()`; tests)."""
         self.requests = 0
+        self.gzipped = 0
         self.bytes = 0
         self.spans = 0
         self.errors = 0
@@ -56,6 +61,10 @@ class OtlpReceiver:
                 body = self.rfile.read(length)
                 request = ExportTraceServiceRequest()
                 try:
+                    if self.headers.get("content-encoding") == "gzip":
+                        body = gzip.decompress(body)
+                        with receiver._lock:
+                            receiver.gzipped += 1
                     request.ParseFromString(body)
                 except Exception:
                     receiver._count(0, 0, error=True)
@@ -76,6 +85,10 @@ class OtlpReceiver:
                 return
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._scheme = "http"
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+            self._scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
         self._thread.start()
 
@@ -104,7 +117,7 @@ class OtlpReceiver:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}/v1/traces"
 
     def stop(self) -> dict[str, int]:
         self._server.shutdown()
