@@ -23,11 +23,10 @@ The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py)
 lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
 of an instance takes the instance's read locks and registrations (`engine.end_instance`).
 
-The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS: engine/transfers.py, which
-needs torch) are given built (`transfers`, where a CUDA device is configured) or as a factory
-(`make_transfers`) that the first REGISTER_KV_CACHE awaits, once for all its concurrent callers, or
-that `prepare_transfers` starts early (an engine shared memory over its lifeline): a sidecar that
-no engine asks to copy never imports torch.
+The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS) are answered by
+`copies` (api/dataplane/copies.py: the transfers given built, or made when first needed, so that a
+sidecar no engine asks to copy never imports torch); `prepare_transfers` starts making them early
+(an engine shared memory over its lifeline).
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task), both the
 transport's, `handle(frame, peer) -> reply bytes` (what the transport calls for each frame; also
@@ -36,7 +35,6 @@ what tests and the fuzzer drive), `stop()`, `close()`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -44,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
+from api.dataplane.copies import SidecarCopies
 from api.dataplane.errors import wire_code
 from api.dataplane.sessions import Session, SessionTable
 from api.dataplane.transport import RouterTransport
@@ -55,9 +54,7 @@ from app import __version__
 from app.errors import (
     InvalidInput,
     KVDepotError,
-    NotFound,
     ProtocolError,
-    TransferError,
     Unauthorized,
     UnsupportedVersion,
 )
@@ -102,9 +99,7 @@ class DataPlaneServer:
         self.audit = audit
         #: START/END around every operation and ERROR for every error reply go to the engine's bus
         self.events = engine.events
-        self.transfers: KVTransfers | None = None
-        self._make_transfers = make_transfers
-        self._making: asyncio.Task[KVTransfers] | None = None
+        self.copies = SidecarCopies(engine, transfers, make_transfers)
         self.url = url
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
@@ -115,8 +110,6 @@ class DataPlaneServer:
         self.sessions.on_instance_gone.append(engine.end_instance)
         self.lifeline_path = lifeline_path
         self.workers = None if workers is None else WorkerWatch(engine, self.sessions, workers)
-        if transfers is not None:
-            self._attach(transfers)
         self.transport = RouterTransport(
             url=url, max_frame_bytes=max_frame_bytes, handle=self.handle,
             malformed=lambda: self._error(-1, "malformed", ProtocolError("expected exactly one frame")),
@@ -398,77 +391,24 @@ class DataPlaneServer:
                                                                             "code": exc.code},
         })  # fmt: skip
 
-    # --- copies done by the sidecar (engines that share their KV cache) ------------------------
+    # --- copies done by the sidecar (engines that share their KV cache): api/dataplane/copies.py
 
-    def _attach(self, transfers: KVTransfers) -> None:
-        self.transfers = transfers
-        self.engine.engines.on_drop.append(transfers.drop)
-
-    def _transfers(self) -> KVTransfers:
-        if self.transfers is None:
-            if self._make_transfers is None:
-                raise InvalidInput("this sidecar does not copy engine KV caches itself")
-            # Not made yet: no engine registered a KV cache (a REGISTER_KV_CACHE may be on its way).
-            raise NotFound("no engine registered a KV cache (REGISTER_KV_CACHE first)")
-        return self.transfers
+    @property
+    def transfers(self) -> KVTransfers | None:
+        return self.copies.transfers
 
     def prepare_transfers(self) -> None:
-        """Start making the copies without waiting for them (an engine shared memory for the
-        sidecar to copy into: its REGISTER_KV_CACHE is coming); nothing when made or being made."""
-        if self.transfers is None and self._make_transfers is not None and self._making is None:
-            self._start_making()
-
-    def _start_making(self) -> asyncio.Task[KVTransfers]:
-        assert self._make_transfers is not None
-        making = self._making = asyncio.get_running_loop().create_task(self._make_transfers())
-
-        def done(task: asyncio.Task[KVTransfers]) -> None:
-            if task.cancelled() or task.exception() is not None:
-                if self._making is task:
-                    self._making = None  # the next REGISTER_KV_CACHE tries again
-                if not task.cancelled():
-                    log.error("transfers_unavailable", exc_info=task.exception())
-            elif self.transfers is None:
-                self._attach(task.result())
-
-        making.add_done_callback(done)
-        return making
-
-    async def _made_transfers(self) -> KVTransfers:
-        """The transfers, made once for every caller (the others await the same task); a failure
-        is answered to every waiting caller, and the next REGISTER_KV_CACHE tries again."""
-        making = self._making or self._start_making()
-        try:
-            return await asyncio.shield(making)
-        except KVDepotError:
-            raise
-        except Exception as exc:
-            raise TransferError(f"the sidecar cannot copy KV caches: {type(exc).__name__}: {exc}") from None
+        """See SidecarCopies.prepare: an engine shared memory, its REGISTER_KV_CACHE is coming."""
+        self.copies.prepare()
 
     def _register_kv_cache(self, m: p.RegisterKVCache, _: Session) -> p.Reply | Awaitable[p.Reply]:
-        handles = [msgspec.structs.asdict(h) for h in m.layers]
-        if self.transfers is None and self._make_transfers is not None:
-            return self._register_when_made(m.id, m.engine_id, handles)
-        return p.CountReply(id=m.id, count=self._transfers().register(m.engine_id, handles))
-
-    async def _register_when_made(self, rid: int, engine_id: int, handles: list[dict[str, Any]]) -> p.Reply:
-        transfers = await self._made_transfers()
-        return p.CountReply(id=rid, count=transfers.register(engine_id, handles))
+        return self.copies.register(m)
 
     async def _load_blocks(self, m: p.LoadBlocks, _: Session) -> p.Reply:
-        valid = await self._transfers().load(
-            m.engine_id, m.request_id, first_chunk=m.first_chunk, num_chunks=m.num_chunks,
-            block_ids=m.block_ids, skip_blocks=m.skip_blocks,
-        )  # fmt: skip
-        return p.ReleaseReply(id=m.id, valid=valid)
+        return await self.copies.load(m)
 
     async def _save_blocks(self, m: p.SaveBlocks, _: Session) -> p.Reply:
-        out = await self._transfers().save(
-            m.engine_id, m.request_id, tokens=self._tokens(m.tokens), salt=m.cache_salt,
-            first_chunk=m.first_chunk, block_ids=m.block_ids, extras=m.extra_keys,
-            prompt_tokens=m.prompt_tokens, lora_name=m.lora_name,
-        )  # fmt: skip
-        return p.SaveReply(id=m.id, stored=out.stored, existing=out.existing, refused=out.refused)
+        return await self.copies.save(m, self._tokens(m.tokens))
 
 
 def _code(exc: Exception) -> p.ErrorCode:

@@ -123,7 +123,7 @@ async def test_prepared_copies_are_made_before_the_registration_comes() -> None:
         server.prepare_transfers()
         server.prepare_transfers()  # being made: nothing more
         maker.gate.set()
-        making = server._making
+        making = server.copies._making
         assert making is not None
         await making  # its own callback (attaching the copies) runs before this await returns
         assert server.transfers is maker.made
