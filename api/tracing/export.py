@@ -5,12 +5,12 @@ exporter's own thread wakes every `delay_s`, or as soon as `batch` records wait,
 `batch` records at a time (api/tracing/otlp.py) and POSTs them to the endpoint (OTLP/HTTP,
 protobuf). As the SDK's exporter, it reads the OTLP variables, OTEL_EXPORTER_OTLP_TRACES_<X> before
 OTEL_EXPORTER_OTLP_<X>: HEADERS; CERTIFICATE (the CA file that verifies an https endpoint, instead
-of the system's), CLIENT_CERTIFICATE and CLIENT_KEY (mutual TLS); COMPRESSION (`gzip` or `none`).
-A file that cannot be read, or a compression it does not know, is a ValueError at construction.
-A full deque drops the new record (`dropped`); a failed export (after retries on a refused
-connection, 429, 502, 503, 504) drops its batch (`failed` batches, `failed_spans`) and is logged at
-most once a minute. The thread logs an unexpected error and
-carries on: it never dies silently.
+of the system's), CLIENT_CERTIFICATE and CLIENT_KEY (mutual TLS); COMPRESSION (`gzip`, `deflate`
+or `none`). A file that cannot be read, or a compression it does not know, is a ValueError at
+construction. A full deque drops the new record (`dropped`); a failed export (after retries on a
+refused connection, 429, 502, 503, 504) drops its batch (`failed` batches, `failed_spans`) and is
+logged at most once a minute. The thread logs an unexpected error and carries on: it never dies
+silently.
 
 `SdkSpanSink`: each record made into the SDK's ReadableSpan and handed to a SpanExporter at once
 (tests give the SDK's InMemorySpanExporter, and read the spans as the SDK would have made them).
@@ -33,6 +33,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import zlib
 from collections import deque
 from typing import Protocol
 
@@ -53,9 +54,8 @@ TRIES = 3
 #: the first wait between tries (doubled each time) and the least time between two failure logs
 BACKOFF_S = 0.25
 LOG_EVERY_S = 60.0
-#: gzip's level for export bodies (the SDK's exporter uses the module's default, 9; 6 costs a
-#: third of the CPU for a body a few percent larger)
-GZIP_LEVEL = 6
+#: the compression level of export bodies: zlib's default
+LEVEL = 6
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
 
@@ -96,12 +96,13 @@ def tls_context(scheme: str) -> ssl.SSLContext | None:
     return context
 
 
-def compression() -> bool:
-    """Whether export bodies are gzipped, per COMPRESSION (`gzip`; `none` or unset: not)."""
+def compression() -> str:
+    """How export bodies are compressed, per COMPRESSION: "gzip", "deflate" (as the SDK's exporter
+    also offers), or "" (`none` or unset)."""
     value = otlp_env("COMPRESSION").strip().lower()
-    if value not in ("", "none", "gzip"):
-        raise ValueError(f"OTEL_EXPORTER_OTLP_COMPRESSION {value!r}: gzip or none")
-    return value == "gzip"
+    if value not in ("", "none", "gzip", "deflate"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_COMPRESSION {value!r}: gzip, deflate or none")
+    return "" if value == "none" else value
 
 
 class OtlpExporter:
@@ -120,9 +121,9 @@ class OtlpExporter:
         headers = parse_env_headers(otlp_env("HEADERS"), liberal=True)
         self._headers = {**headers, "Content-Type": "application/x-protobuf"}
         self._tls = tls_context(url.scheme)
-        self._gzip = compression()
-        if self._gzip:
-            self._headers["Content-Encoding"] = "gzip"
+        self._compression = compression()
+        if self._compression:
+            self._headers["Content-Encoding"] = self._compression
         self.encoder = encoder
         self.timeout_s = timeout_s
         self.queue_max = queue
@@ -182,8 +183,10 @@ class OtlpExporter:
                 records = [queue.popleft() for _ in range(min(self.batch, len(queue)))]
                 self._in_flight = len(records)
                 body = self.encoder.encode(records)
-                if self._gzip:
-                    body = gzip.compress(body, GZIP_LEVEL)
+                if self._compression == "gzip":
+                    body = gzip.compress(body, LEVEL)
+                elif self._compression == "deflate":
+                    body = zlib.compress(body, LEVEL)
                 if self._post(body):
                     self.exported += len(records)
                 else:

@@ -1,5 +1,5 @@
 """A tiny OTLP/HTTP traces receiver in a thread of the benchmark's process: it accepts what the
-sidecar's exporter POSTs to /v1/traces (protobuf, gzipped or not), counts requests, bytes and
+sidecar's exporter POSTs to /v1/traces (protobuf; gzip, deflate or plain), counts requests, bytes and
 spans, and answers 200 with an empty ExportTraceServiceResponse, as a collector that keeps up does;
 with `keep` it also keeps the last spans decoded (tests read them); with `tls` it serves https
 (a server-side SSLContext: a collector behind TLS, mutual TLS when the context asks for a client
@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import ssl
 import threading
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,7 +43,8 @@ class OtlpReceiver:
     def __init__(self, keep: int = 0, tls: ssl.SSLContext | None = None) -> None:
         """`keep`: the last this many spans received are kept, decoded (`received()`; tests)."""
         self.requests = 0
-        self.gzipped = 0
+        self.compressed = {"gzip": 0, "deflate": 0}
+        """Requests received compressed, by Content-Encoding."""
         self.bytes = 0
         self.spans = 0
         self.errors = 0
@@ -61,10 +63,11 @@ class OtlpReceiver:
                 body = self.rfile.read(length)
                 request = ExportTraceServiceRequest()
                 try:
-                    if self.headers.get("content-encoding") == "gzip":
-                        body = gzip.decompress(body)
+                    encoding = self.headers.get("content-encoding")
+                    if encoding in ("gzip", "deflate"):
+                        body = gzip.decompress(body) if encoding == "gzip" else zlib.decompress(body)
                         with receiver._lock:
-                            receiver.gzipped += 1
+                            receiver.compressed[encoding] += 1
                     request.ParseFromString(body)
                 except Exception:
                     receiver._count(0, 0, error=True)

@@ -1,9 +1,10 @@
 """The OTLP exporter behind TLS, as an operator configures it with the OTLP variables: a collector
 whose certificate comes from a private CA (OTEL_EXPORTER_OTLP_CERTIFICATE), mutual TLS
-(CLIENT_CERTIFICATE, CLIENT_KEY) and gzip (COMPRESSION), against a real https receiver with
-certificates made by openssl here. A server the configured CA did not sign, or one that wants a
-client certificate the exporter does not have, gets nothing (the batches are counted lost); a file
-that cannot be read or an unknown compression stops `kvdepot serve` at start with the variable named."""
+(CLIENT_CERTIFICATE, CLIENT_KEY) and compression (COMPRESSION: gzip or deflate), against a real
+https receiver with certificates made by openssl here. A server the configured CA did not sign, or
+one that wants a client certificate the exporter does not have, gets nothing (the batches are
+counted lost); a file that cannot be read or an unknown compression stops `kvdepot serve` at
+start with the variable named."""
 
 from __future__ import annotations
 
@@ -87,19 +88,22 @@ def export(endpoint: str, spans: int) -> OtlpExporter:
     return exporter
 
 
-def test_mutual_tls_and_gzip_deliver_every_span(pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("compression", ["gzip", "deflate"])
+def test_mutual_tls_and_compression_deliver_every_span(
+    pki: Path, monkeypatch: pytest.MonkeyPatch, compression: str
+) -> None:
     receiver = OtlpReceiver(keep=1000, tls=collector_tls(pki, client_ca=True))
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(pki / "ca.pem"))
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", str(pki / "sidecar.pem"))
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", str(pki / "sidecar.key"))
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", compression.upper())
     try:
         exporter = export(receiver.endpoint, 300)
     finally:
         figures = receiver.stop()
     assert receiver.endpoint.startswith("https://")
     assert exporter.exported == figures["spans"] == 300 and exporter.failed == 0 and figures["errors"] == 0
-    assert receiver.gzipped == figures["exports"] >= 300 // 64
+    assert receiver.compressed[compression] == figures["exports"] >= 300 // 64
     assert sorted(s.attributes["kvdepot.chunks"] for s in receiver.received()) == list(range(300))
 
 
@@ -138,7 +142,7 @@ def test_a_collector_that_wants_a_client_certificate_gets_nothing_without_one(
         ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", "OTEL_EXPORTER_OTLP_CERTIFICATE"),
         ("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "CLIENT_CERTIFICATE"),
         ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/nonexistent/c.key", "CLIENT_KEY is set without"),
-        ("OTEL_EXPORTER_OTLP_COMPRESSION", "deflate", "gzip or none"),
+        ("OTEL_EXPORTER_OTLP_COMPRESSION", "br", "gzip, deflate or none"),
     ],
 )
 def test_an_unusable_variable_is_a_config_error_naming_it(
