@@ -50,7 +50,9 @@ def test_random_interleaved_tenants_never_read_each_others_bytes(sidecar_factory
             hits += len(got)
     finally:
         c.close()
-    assert hits > 150
+    # Reads did find chunks to compare: 255-270 on a quiet machine (277 with no L2 tier), 148 once on
+    # a busy CI host: the L2 prefetches and write-behind run beside the reads, so the count is timing.
+    assert hits > 50, hits
     l1 = sc.get_json("/status")["l1"]
     assert l1["allocator_ok"] and l1["counters"]["evicted"] > 0 and l1["counters"]["quota_evicted"] > 0
     quotas = {t["tenant"]: t for t in sc.get_json("/quotas")["tenants"]}
