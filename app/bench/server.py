@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from app.bench.event_reader import EventReader
 from app.bench.sidecar import SidecarProcess, ops_delta, start_sidecar
 
 DTYPES = ("bfloat16", "float16", "float32")  # torch's names; torch is imported by the clients only
@@ -342,7 +341,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out: dict[str, Any] = {"runs": []}
     load_before = _loadavg()
-    subscriber = EventReader(args.kv_events_endpoint) if args.kv_events_endpoint else None
+    subscriber = None
+    if args.kv_events_endpoint:
+        from app.bench.event_reader import EventReader  # zmq in this process only when asked for
+
+        subscriber = EventReader(args.kv_events_endpoint)
     receiver = None
     if args.tracing:
         from app.bench.otlp import OtlpReceiver
