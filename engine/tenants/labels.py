@@ -8,7 +8,9 @@ serialized by one asyncio.Lock (readers read the ledger).
 
 A label is 1..64 characters of [A-Za-z0-9_.:-], starting with a letter or digit, never `other` or
 `_default` (the metrics' reserved names), unique among labels, and not the salt of another tenant
-the ledger knows (best effort: a salt seen later may still be spelled like a label).
+the ledger knows, labelled or not (a quota or bytes held; 409 otherwise: a label is shown where the
+salt is hidden, so it must never spell another tenant's salt). Best effort: a salt first seen later
+may still be spelled like a label.
 
 State: the file path (None: in memory only), the executor, the writer lock. Event loop.
 
@@ -84,7 +86,8 @@ class LabelRegistry:
             taken = next((s for s, v in labels.items() if v == name and s != salt), None)
             if taken is not None:
                 raise Conflict(f"label {name!r} names another tenant")
-            if name != salt and name in {display_name(s) for s in self.ledger.tenants() if s not in labels}:
+            if name != salt and name in {display_name(s) for s in self.ledger.tenants()}:
+                # labelled or not: a label is shown where salts are hidden, never another's salt
                 raise Conflict(f"label {name!r} is spelled like another tenant's cache_salt")
             await self._save(labels | {salt: name})
             self.ledger.set_label(salt, name)

@@ -80,3 +80,20 @@ def test_a_labelled_tenants_salt_never_appears_in_metrics(
     assert http(sc, "DELETE", f"/tenants/{SECRET}/label")[0] == 204
     assert http(sc, "DELETE", f"/tenants/{SECRET}/label")[0] == 404
     assert SECRET in scrape(sc)
+
+
+def test_a_label_spelled_like_a_labelled_tenants_salt_is_refused(
+    sidecar_factory: StartSidecar, tmp_path: Path
+) -> None:
+    """A tenant's label never shows another tenant's salt: once SECRET is labelled `acme`, labelling
+    another tenant `SECRET` would put SECRET in /metrics and /status as that tenant's name."""
+    sc = start(sidecar_factory, tmp_path / "data")
+    traffic(sc, "a")
+    assert http(sc, "PUT", f"/tenants/{SECRET}/label", {"label": "acme"})[0] == 200
+    status, body = http(sc, "PUT", "/tenants/plain/label", {"label": SECRET})
+    assert status == 409 and body["error"]["code"] == "conflict", body
+    assert SECRET not in scrape(sc)
+    # a salt with a quota and no bytes yet is a known salt too
+    assert http(sc, "PUT", "/quotas/quiet-salt-42", {"l1_bytes": 1 << 20})[0] == 200
+    assert http(sc, "PUT", "/tenants/plain/label", {"label": "quiet-salt-42"})[0] == 409
+    assert http(sc, "PUT", f"/tenants/{SECRET}/label", {"label": SECRET})[0] == 200  # its own salt
