@@ -2,7 +2,9 @@
 
 Request-scoped fields (request id, operation) are bound with `structlog.contextvars` by api/ and
 appear on every line logged while that request is handled. Standard-library loggers (uvicorn, ...)
-go through the same renderer.
+go through the same renderer. Every line passes `mask_urls` last: the credentials of any URL in
+it (a field's value, a message, an error's text) are `***` (app/redact.py), so no setting's secret
+is logged, whoever logs the URL.
 """
 
 from __future__ import annotations
@@ -14,11 +16,32 @@ from typing import Any, TextIO
 import orjson
 import structlog
 
+from app.redact import redact_text
 from app.settings import LoggingSettings
 
 
 def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
+
+
+def _masked(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str):
+        return redact_text(value)
+    if depth >= 3:
+        return value
+    if isinstance(value, dict):
+        return {k: _masked(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_masked(v, depth + 1) for v in value]
+    return value
+
+
+def mask_urls(_: Any, __: str, event_dict: Any) -> Any:
+    """structlog processor: every URL's credentials in the line's values masked."""
+    for key, value in event_dict.items():
+        if not key.startswith("_"):  # `_record` and the like: the formatter's own
+            event_dict[key] = _masked(value)
+    return event_dict
 
 
 def configure_logging(settings: LoggingSettings, stream: TextIO | None = None) -> None:
@@ -37,6 +60,7 @@ def configure_logging(settings: LoggingSettings, stream: TextIO | None = None) -
         shared.append(structlog.processors.format_exc_info)
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=False)
+    shared.append(mask_urls)  # last: an exception's text is masked too
     level = getattr(logging, settings.level.upper())
 
     structlog.configure(

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
 
 from app.errors import ConfigError
+from app.redact import redact_text
 from app.settings import Settings
 
 __all__ = ["describe_validation_error", "env_overrides_present", "load_settings"]
@@ -93,14 +94,13 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 _SECRET_NAME = re.compile(r"token|secret|password|(^|_)keys?$")
-_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
 
 
 def _shown(loc: tuple[int | str, ...], value: Any) -> str:
     """`value` as an error line may show it: never a secret (a token, a key, a URL's password)."""
     if any(isinstance(p, str) and _SECRET_NAME.search(p) for p in loc):
         return "***"
-    return repr(_URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value)
+    return repr(redact_text(value) if isinstance(value, str) else value)
 
 
 def _check_env_names(environ: Mapping[str, str]) -> None:

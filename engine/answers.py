@@ -4,22 +4,20 @@ Frozen, slotted dataclasses, no behaviour; FastAPI builds the OpenAPI schemas of
 from them (api/http declares them as response models). Counters the engine keeps as dataclasses
 (`StoreCounters`, `PrefetchCounters`, an adapter's `AdapterStats`, `Usage`, `Health`) appear as
 copies taken when the answer is built. Secrets never appear: an adapter's config is the redacted
-one (`redacted`: the password of a Redis URL is `***`).
+one (`redacted`: a Redis URL's credentials are `***`, app/redact.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from app.redact import redact_url
 from engine.l2.prefetch import PrefetchCounters
 from engine.l2.store_queue import StoreCounters
 from engine.tenants.quota import Quota
 from storage.base import AdapterStats, Health, Usage
 from storage.config import AdapterConfig, RedisAdapterConfig
-
-MASK = "***"
 
 StorePolicy = Literal["all", "first", "seen_twice"]
 
@@ -218,21 +216,6 @@ class L1Status:
 
 
 # --- secrets ---------------------------------------------------------------------------------------
-
-
-def redact_url(url: str) -> str:
-    """`url` with the password of its user part, and a `password` query parameter (redis-py reads
-    one there too), replaced by `***` (the rest unchanged)."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        user = parts.username or ""
-        host = parts.netloc.rpartition("@")[2]
-        parts = parts._replace(netloc=f"{user}:{MASK}@{host}")
-    if "password" in parts.query.lower():
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        masked = [(k, MASK if k.lower() == "password" else v) for k, v in query]
-        parts = parts._replace(query=urlencode(masked, safe="*"))
-    return urlunsplit(parts)
 
 
 def redacted(config: AdapterConfig) -> AdapterConfig:

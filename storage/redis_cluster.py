@@ -21,6 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.crc import key_slot
 
+from app.redact import redact_url
+
 SLOTS = 16384
 
 _REDIRECT = re.compile(r"^(MOVED|ASK) (\d+) (\S+):(\d+)$")
@@ -55,7 +57,7 @@ def seed_urls(url: str) -> list[str]:
     urls = []
     for hostport in hosts.split(","):
         if not hostport.strip():
-            raise ValueError(f"an empty seed node in {_redacted(url)}")
+            raise ValueError(f"an empty seed node in {redact_url(url)}")
         netloc = f"{auth}@{hostport.strip()}" if auth else hostport.strip()
         urls.append(urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)))
     return urls
@@ -137,10 +139,3 @@ class SlotMap:
     @property
     def nodes(self) -> list[Node]:
         return sorted({n for n in self._owners if n is not None})
-
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit((parts.scheme, "***@" + parts.netloc.rpartition("@")[2], parts.path, parts.query, ""))

@@ -2,8 +2,8 @@
 the directory and the router) never imports api/; the connector
 imports none of the sidecar, and the sidecar uses only the connector's pure modules (the wire
 protocol and the layout arithmetic); storage/, gpu/ and engine/ own their config types and use
-only app's error vocabulary (never app.settings). Parses every module (function-level imports
-included) with `ast`.
+only app's error vocabulary and app.redact (never app.settings). Parses every module
+(function-level imports included) with `ast`.
 
 Run: python tests/check_layering.py   (exit 1 and one line per violation when a rule is broken)
 """
@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "api", "engine", "storage", "gpu", "fleet", "kvdepot_connector")
 # where a package lives, when not at the root (the connector is a distribution of its own)
 HOMES = {"kvdepot_connector": ROOT / "connector"}
-SHARED_APP = ("app.errors", "app.settings", "app.__version__")  # what every layer may use of app/
+SHARED_APP = ("app.errors", "app.settings", "app.__version__", "app.redact")  # what any layer may use
 # layers below api/ whose config types live with them: only app's error vocabulary is theirs to use
 LOWER_LAYERS = ("storage", "gpu", "engine", "fleet")
-LOWER_APP = ("app.errors", "app.__version__")
+LOWER_APP = ("app.errors", "app.__version__", "app.redact")  # app.redact: pure, masks URLs
 # What the sidecar's packages may use of the connector: pure modules (stdlib and msgspec only).
 CONNECTOR_PURE = (
     "kvdepot_connector.protocol", "kvdepot_connector.wire", "kvdepot_connector.kv_sharing",

@@ -10,8 +10,8 @@ from fastapi import APIRouter
 from api.http.answers import ServiceStatus, errors
 from api.http.deps import AdminView, Ctx
 from app import __version__
+from app.redact import redact_text
 from app.settings import Settings
-from engine.answers import redact_url
 
 router = APIRouter(tags=["status"])
 
@@ -40,9 +40,18 @@ async def status(ctx: Ctx, admin: AdminView) -> ServiceStatus:
 
 
 def settings_summary(settings: Settings) -> dict[str, Any]:
-    """The settings without secrets: the admin token and Redis URL passwords masked."""
-    out = settings.summary()
-    for adapter in out["l2"]["adapters"]:
-        if "url" in adapter:
-            adapter["url"] = redact_url(adapter["url"])
-    return out
+    """The settings without secrets: the admin token masked (Settings.summary), and the credentials
+    of every URL (the user part, token-like query parameters: app/redact.py), whichever setting
+    holds it (Redis adapters, tracing.otlp_endpoint, fleet.directory_url, fleet.engine_url...)."""
+    masked: dict[str, Any] = _redacted(settings.summary())
+    return masked
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
