@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
 
-from api.http.audit import AuditMiddleware
+from api.http.audit import AuditCollector, AuditMiddleware
 from api.http.context import ControlContext
 from api.http.deps import token_ok
 from api.http.docs import install_docs
@@ -45,8 +45,9 @@ def create_app(ctx: ControlContext) -> FastAPI:
     app.add_middleware(
         RequestGuard, max_body_bytes=http.max_body_bytes, token_ok=functools.partial(token_ok, http)
     )
-    # Outside the guard: every mutating call is audited, those it refuses too.
+    # Outside the guard: every mutating call is audited, those it refuses too (rate-limited).
     app.add_middleware(AuditMiddleware, audit=ctx.audit, ctx=ctx)
+    ctx.registry.register(AuditCollector(ctx.audit))
 
     @app.middleware("http")
     async def request_scope(

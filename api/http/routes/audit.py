@@ -38,6 +38,10 @@ class AuditRecord(BaseModel):
 class AuditList(BaseModel):
     recorded: int = Field(description="Calls recorded since start (the oldest beyond the last "
                           f"{CAPACITY} are gone).")  # fmt: skip
+    refused: int = Field(0, description="Mutations refused for want of the token (401/403) since start.")
+    refused_unlogged: int = Field(
+        0, description="Of those, the ones past the per-minute budget: summed in one log line, not kept here."
+    )
     records: list[AuditRecord] = Field(description="Newest first.")
 
 
@@ -51,6 +55,8 @@ async def recent_calls(
     ctx: Ctx, _: Admin,
     limit: Annotated[int, Query(ge=1, le=CAPACITY, description="Records, newest first.")] = 100,
 ) -> AuditList:  # fmt: skip
+    audit = ctx.audit
     return AuditList(
-        recorded=ctx.audit.recorded, records=[AuditRecord.model_validate(r) for r in ctx.audit.recent(limit)]
+        recorded=audit.recorded, refused=audit.refused, refused_unlogged=audit.refused_unlogged,
+        records=[AuditRecord.model_validate(r) for r in audit.recent(limit)],
     )

@@ -91,3 +91,31 @@ async def test_a_full_ring_keeps_the_newest(serve: ServeService) -> None:
         assert body["recorded"] == 1005
         assert len(body["records"]) == 1000
         assert body["records"][0]["target"] == "t1004" and body["records"][-1]["target"] == "t5"
+
+
+async def test_a_flood_of_refused_calls_is_aggregated_not_logged_line_by_line(serve: ServeService) -> None:
+    """120 mutations without the token: each is refused (401) and counted, a bounded number are
+    logged and kept one by one, the rest summed into one line; the real calls before them stay in
+    the ring (a flood cannot push them out)."""
+    flood = 120
+    with structlog.testing.capture_logs() as logs:
+        async with serve({"http.admin_token": TOKEN}) as running:
+            c = running.client
+            assert (await c.put("/quotas/tenant-a", json={"l1_bytes": 4096}, headers=AUTH)).status_code == 200
+            for i in range(flood):
+                assert (await c.delete(f"/quotas/t{i}")).status_code == 401
+            # a call after the window: the suppressed ones are summed in one line
+            audit = running.service.control
+            assert audit is not None
+            audit.audit.clock = lambda: 1e12
+            assert (await c.delete("/quotas/late")).status_code == 401
+            body = (await c.get("/audit?limit=1000", headers=AUTH)).json()
+            text = (await c.get("/metrics")).text
+    refused_lines = [e for e in logs if e.get("event") == "admin_call" and e["outcome"]["status"] == 401]
+    assert len(refused_lines) <= 21, len(refused_lines)
+    summaries = [e for e in logs if e.get("event") == "admin_calls_refused"]
+    assert len(summaries) == 1 and summaries[0]["unlogged"] == flood - (len(refused_lines) - 1)
+    assert body["refused"] == flood + 1 and body["refused_unlogged"] == summaries[0]["unlogged"]
+    assert body["records"][-1]["resource"] == "quotas" and body["records"][-1]["outcome"]["status"] == 200
+    assert f"kvdepot_audit_refused_calls_total {float(flood + 1)}" in text
+    assert f"kvdepot_audit_refused_unlogged_total {float(summaries[0]['unlogged'])}" in text
