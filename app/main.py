@@ -64,7 +64,7 @@ from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 from engine.workers import WorkerRegistry
 from gpu.presence import cuda_may_be_present
-from gpu.sealed import SealedRegions
+from gpu.sealed import RegionLimits, SealedRegions
 from storage.auth import KEY_FILE, BlobKeys
 from storage.factory import build_adapter
 
@@ -207,7 +207,11 @@ class Service:
             s.tracing, f"{socket.gethostname()}/{instance_id(s.data_dir)}", registry, self._span_exporter
         )
         self._key_id = keys.signer.key_id.hex()  # named to the directory, which hashes tenants alike
-        regions = SealedRegions()
+        t = s.transfers  # engines' sealed regions: by (instance, name), bytes bounded
+        regions = SealedRegions(RegionLimits(
+            max_bytes=t.max_region_bytes, holder_bytes=t.max_region_bytes_per_instance,
+            total_bytes=t.max_region_bytes_total,
+        ))  # fmt: skip
         f = s.fleet
         workers = WorkerRegistry(
             timeout_s=f.worker_timeout_s, heartbeat_s=f.heartbeat_s, dead_kept=f.dead_kept
@@ -301,7 +305,8 @@ class Service:
         device.pin(self.engine.arena.tensor_all)
         log.info("transfers_ready", device=device.kind)
         return KVTransfers(
-            self.engine, TransferEngine(device, self._transfer_executor), self.settings.transfers
+            self.engine, TransferEngine(device, self._transfer_executor), self.settings.transfers,
+            regions=regions,
         )
 
     async def _make_transfers(self, regions: SealedRegions) -> KVTransfers:

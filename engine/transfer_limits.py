@@ -1,4 +1,5 @@
-"""TransferLimits: the bounds on the sidecar's own copies, composed into the settings.
+"""TransferLimits: the bounds on the sidecar's own copies and on the sealed regions engines share
+for them (gpu/sealed.py), composed into the settings.
 
 Its own small module so that the settings import no torch. No state.
 """
@@ -20,4 +21,14 @@ class TransferLimits(BaseModel):
     max_chunks_per_call: int = Field(4096, ge=1, le=1 << 16, description="Chunks one call may copy.")
     max_copies_per_call: int = Field(
         1 << 21, ge=1, le=1 << 26, description="Block copies (planes x blocks) one call may make."
+    )
+    max_region_bytes: int = Field(
+        64 << 30, ge=4096, le=1 << 44,
+        description="Bytes of one sealed region an engine shares over its lifeline (its KV cache).",
+    )  # fmt: skip
+    max_region_bytes_per_instance: int = Field(
+        256 << 30, ge=4096, le=1 << 46, description="Bytes of sealed regions one engine instance may share."
+    )
+    max_region_bytes_total: int = Field(
+        1 << 40, ge=4096, le=1 << 46, description="Bytes of sealed regions all engines together may share."
     )

@@ -13,7 +13,10 @@ block ids, the first block to copy) to the transfer executor, which expands it i
 bounded batch at a time (gpu.TransferEngine.run_lazy), merging runs of consecutive blocks.
 
 Engine ids are per engine instance (engine/registry.py), so two engines of one model never share
-planes; `drop` lets the planes of a registration the registry dropped go.
+planes; `drop` lets the planes of a registration the registry dropped go. Planes are opened among
+the memory of the registering instance alone (the device looks sealed regions up by that instance
+and name, gpu/sealed.py), and the planes registered in a sealed region must cover it (a region is
+no larger than the layout needs).
 
 Primitives in call order:
   register(engine, handles)                     open, check against the engine's layout
@@ -38,6 +41,7 @@ from engine.facade import CacheEngine
 from engine.results import SlotStatus
 from engine.transfer_limits import TransferLimits
 from gpu.device import HandleError
+from gpu.sealed import SealedRegions, SealError
 from gpu.transfer import CopyPair, TransferEngine
 from kvdepot_connector.layout import ChunkFormat, blocks_per_chunk
 from kvdepot_connector.protocol import TOKEN_BYTES
@@ -78,11 +82,14 @@ class _Plan:
 
 class KVTransfers:
     def __init__(
-        self, engine: CacheEngine, transfer: TransferEngine, limits: TransferLimits | None = None
-    ) -> None:
+        self, engine: CacheEngine, transfer: TransferEngine, limits: TransferLimits | None = None,
+        regions: SealedRegions | None = None,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.transfer = transfer
         self.limits = limits or TransferLimits()
+        #: the sealed regions the device opens planes in (their coverage is checked at register)
+        self.regions = regions
         self._planes: dict[int, tuple[list[torch.Tensor], ChunkFormat]] = {}
 
     def register(self, engine_id: int, handles: Sequence[dict[str, Any]]) -> int:
@@ -93,13 +100,20 @@ class KVTransfers:
             )
         device = self.transfer.device
         planes: list[torch.Tensor] = []
+        spans: dict[str, list[tuple[int, int]]] = {}  # sealed region -> the planes' byte spans
         try:
             for handle in handles:
-                tensor = device.open(handle)
+                tensor = device.open(handle, reg.instance)
+                planes.append(tensor)
                 if not tensor.is_contiguous():
                     raise InvalidInput("every KV plane must be contiguous")
-                planes.append(tensor.view(torch.uint8).view(tensor.shape[0], -1))
-        except HandleError as exc:
+                planes[-1] = tensor.view(torch.uint8).view(tensor.shape[0], -1)
+                if handle.get("kind") == "cpu-memfd":
+                    start = int(handle.get("offset", 0)) * tensor.element_size()
+                    spans.setdefault(str(handle["name"]), []).append((start, start + planes[-1].numel()))
+        except (HandleError, InvalidInput) as exc:
+            for tensor in planes:
+                device.close(tensor)
             raise InvalidInput(str(exc)) from None
         if len({p.shape[0] for p in planes}) != 1:
             raise InvalidInput(f"KV planes {[tuple(p.shape) for p in planes]} differ in number of blocks")
@@ -110,11 +124,22 @@ class KVTransfers:
             fmt.check(reg.chunk_bytes)
         except ValueError as exc:
             raise InvalidInput(f"KV planes do not add up to the registered layout: {exc}") from None
+        self._check_covered(reg.instance, spans)
         old, _ = self._planes.pop(engine_id, ([], fmt))
         for tensor in old:
             device.close(tensor)
         self._planes[engine_id] = (planes, fmt)
         return len(planes)
+
+    def _check_covered(self, instance: str, spans: dict[str, list[tuple[int, int]]]) -> None:
+        """InvalidInput unless the planes registered in each sealed region cover it."""
+        if self.regions is None:
+            return
+        try:
+            for name, used in spans.items():
+                self.regions.check_covered(instance, name, used)
+        except SealError as exc:
+            raise InvalidInput(str(exc)) from None
 
     def drop(self, engine_id: int) -> None:
         planes, _ = self._planes.pop(engine_id, ([], None))

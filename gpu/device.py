@@ -14,12 +14,12 @@ transfer engine (gpu/transfer.py) waits on it in an executor.
   opened by name.
 
 Tensor handles are plain dicts (from the data plane): {"kind": "cpu-memfd" | "cuda-ipc", "shape",
-"stride", "dtype", "offset" (elements), ...kind-specific fields}; "name" names a sealed region.
+"stride", "dtype", "offset" (elements), ...kind-specific fields}; "name" names a sealed region
+of the engine instance (`holder`) that opens it.
 """
 
 from __future__ import annotations
 
-import mmap
 import weakref
 from typing import Any, Protocol
 
@@ -44,7 +44,7 @@ class Stream(Protocol):
 class Device(Protocol):
     kind: str
 
-    def open(self, handle: dict[str, Any]) -> torch.Tensor: ...
+    def open(self, handle: dict[str, Any], holder: object) -> torch.Tensor: ...
 
     def close(self, tensor: torch.Tensor) -> None: ...
 
@@ -102,24 +102,25 @@ class CpuDevice:
 
     def __init__(self, regions: SealedRegions | None = None) -> None:
         self.regions = regions if regions is not None else SealedRegions()
-        self._maps: dict[int, mmap.mmap] = {}
 
-    def open(self, handle: dict[str, Any]) -> torch.Tensor:
+    def open(self, handle: dict[str, Any], holder: object) -> torch.Tensor:
+        """A view into the region `handle` names among those `holder` (the registering engine
+        instance) shared: never another instance's region of the same name."""
         kind = handle.get("kind")
         if kind == "cpu-shm":
             raise HandleError("named shared memory is not opened: share a sealed memfd over the lifeline")
         if kind != "cpu-memfd":
             raise HandleError(f"the CPU device opens cpu-memfd handles, not {kind!r}")
         try:
-            mm = self.regions.get(str(handle.get("name", "")))
+            mm = self.regions.get(holder, str(handle.get("name", "")))
         except SealError as exc:
             raise HandleError(str(exc)) from None
-        tensor = _view(torch.frombuffer(mm, dtype=torch.uint8), handle)
-        self._maps[id(tensor)] = mm
-        return tensor
+        # The tensor's storage holds a reference to the mapping: it is unmapped once the last
+        # view is gone and the region was dropped (nothing here keeps it longer).
+        return _view(torch.frombuffer(mm, dtype=torch.uint8), handle)
 
     def close(self, tensor: torch.Tensor) -> None:
-        self._maps.pop(id(tensor), None)  # the mapping goes when the last view is gone
+        return None
 
     def pin(self, host: torch.Tensor) -> None:
         return None
@@ -153,7 +154,7 @@ class CudaDevice:
         self._refs = RefCounter()
         weakref.finalize(self, self._refs.close)
 
-    def open(self, handle: dict[str, Any]) -> torch.Tensor:
+    def open(self, handle: dict[str, Any], holder: object) -> torch.Tensor:
         """Every field checked (gpu/cuda_ipc.py) before torch sees one; torch gets the sidecar's own
         ref counter; the opened storage is checked against the allocation the driver reports."""
         try:

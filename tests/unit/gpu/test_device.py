@@ -22,17 +22,20 @@ def shared() -> Iterator[SharedTensor]:
     t.close()
 
 
+HOLDER = "instance-a"
+
+
 def device_with(shared: SharedTensor) -> CpuDevice:
-    """A CPU device that received `shared` over a lifeline."""
+    """A CPU device that received `shared` over the lifeline of HOLDER's engine instance."""
     device = CpuDevice()
-    device.regions.add(object(), shared.name, os.dup(shared.fd), shared.nbytes)
+    device.regions.add(HOLDER, shared.name, os.dup(shared.fd), shared.nbytes)
     return device
 
 
 def test_cpu_device_opens_a_view_of_the_engines_shared_tensor(shared: SharedTensor) -> None:
     view = shared.tensor[2]
     handle = msgspec.structs.asdict(export_tensor(view, shared))
-    opened = device_with(shared).open(handle)
+    opened = device_with(shared).open(handle, HOLDER)
     assert torch.equal(opened, view)
     opened[0, 0] = 42  # the same memory, not a copy
     assert float(shared.tensor[2, 0, 0]) == 42
@@ -46,12 +49,18 @@ def test_cpu_device_opens_a_view_of_the_engines_shared_tensor(shared: SharedTens
 def test_bad_handles_are_refused(shared: SharedTensor, change: dict[str, object]) -> None:
     handle = msgspec.structs.asdict(export_tensor(shared.tensor[1], shared)) | change
     with pytest.raises(HandleError):
-        device_with(shared).open(handle)
+        device_with(shared).open(handle, HOLDER)
+
+
+def test_a_region_is_opened_for_the_instance_that_shared_it_only(shared: SharedTensor) -> None:
+    handle = msgspec.structs.asdict(export_tensor(shared.tensor[1], shared))
+    with pytest.raises(HandleError, match="no region named"):
+        device_with(shared).open(handle, "instance-b")
 
 
 def test_transfer_engine_copies_when_awaited_never_on_the_loop(shared: SharedTensor) -> None:
     device = device_with(shared)
-    src = device.open(msgspec.structs.asdict(export_tensor(shared.tensor[0], shared)))
+    src = device.open(msgspec.structs.asdict(export_tensor(shared.tensor[0], shared)), HOLDER)
     dst = torch.zeros_like(src)
     with ThreadPoolExecutor(1, thread_name_prefix="test-transfer") as pool:
         engine = TransferEngine(device, pool)

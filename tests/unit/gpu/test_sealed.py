@@ -3,6 +3,7 @@ opened by name; the arena is one too, so no client can truncate it."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,11 +14,11 @@ import torch
 
 from engine.l1.arena import SealedArena
 from gpu.device import CpuDevice, HandleError
-from gpu.sealed import SealedRegions, SealError, open_sealed
+from gpu.sealed import F_ADD_SEALS, REQUIRED_SEALS, RegionLimits, SealedRegions, SealError, open_sealed
 from kvdepot_connector.handles import SharedTensor, export_tensor
 from kvdepot_connector.shm import ArenaMapping
 
-HOLDER = object()
+HOLDER = "instance-a"
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_a_region_smaller_than_declared_is_refused(shared: SharedTensor) -> None
 def test_the_owner_cannot_shrink_a_sealed_region_and_reads_never_fault(shared: SharedTensor) -> None:
     device = CpuDevice(SealedRegions())
     device.regions.add(HOLDER, shared.name, shared_copy(shared), shared.nbytes)
-    view = device.open(msgspec.structs.asdict(export_tensor(shared.tensor, shared)))
+    view = device.open(msgspec.structs.asdict(export_tensor(shared.tensor, shared)), HOLDER)
     with pytest.raises(PermissionError):
         os.ftruncate(shared.fd, 0)  # the owner "tries to shrink"
     with pytest.raises(PermissionError):
@@ -79,9 +80,9 @@ def test_names_in_dev_shm_are_never_opened(tmp_path: Path) -> None:
     try:
         handle = {"kind": "cpu-shm", "name": name, "dtype": "uint8", "shape": [6000], "stride": [1]}
         with pytest.raises(HandleError, match="lifeline"):
-            CpuDevice().open(handle)
+            CpuDevice().open(handle, HOLDER)
         with pytest.raises(HandleError, match="no region"):
-            CpuDevice().open(handle | {"kind": "cpu-memfd"})
+            CpuDevice().open(handle | {"kind": "cpu-memfd"}, HOLDER)
     finally:
         path.unlink()
 
@@ -90,15 +91,73 @@ def test_a_region_name_is_never_replaced_and_goes_with_its_holder(shared: Shared
     regions = SealedRegions()
     regions.add(HOLDER, shared.name, shared_copy(shared), shared.nbytes)
     with pytest.raises(SealError, match="already"):
-        regions.add(object(), shared.name, shared_copy(shared), shared.nbytes)
+        regions.add(HOLDER, shared.name, shared_copy(shared), shared.nbytes)
     assert regions.drop(object()) == 0
     assert regions.drop(HOLDER) == 1
     with pytest.raises(SealError):
-        regions.get(shared.name)
+        regions.get(HOLDER, shared.name)
+    assert regions.mapped_bytes == 0
+
+
+def test_a_region_is_found_by_its_holder_and_name_only(shared: SharedTensor) -> None:
+    """On main a region was found by its name alone: any instance could name another's."""
+    regions = SealedRegions()
+    regions.add(HOLDER, shared.name, shared_copy(shared), shared.nbytes)
+    with pytest.raises(SealError, match="no region named"):
+        regions.get("another-instance", shared.name)
+    other = SharedTensor((4, 1024), torch.float16)
+    try:
+        regions.add("another-instance", shared.name, shared_copy(other), other.nbytes)  # its own
+        assert regions.get("another-instance", shared.name) is not regions.get(HOLDER, shared.name)
+    finally:
+        other.close()
+
+
+def test_bytes_are_bounded_per_region_per_holder_and_in_all(shared: SharedTensor) -> None:
+    size = shared.nbytes  # 8 KiB
+    regions = SealedRegions(RegionLimits(max_bytes=size, holder_bytes=2 * size, total_bytes=3 * size))
+    with pytest.raises(SealError, match="max_region_bytes="):
+        regions.add(HOLDER, "big", os.dup(shared.fd), size + 1)
+    regions.add(HOLDER, "a", shared_copy(shared), size)
+    regions.add(HOLDER, "b", shared_copy(shared), size)
+    with pytest.raises(SealError, match="max_region_bytes_per_instance"):
+        regions.add(HOLDER, "c", shared_copy(shared), size)
+    regions.add("other", "a", shared_copy(shared), size)
+    with pytest.raises(SealError, match="max_region_bytes_total"):
+        regions.add("third", "a", shared_copy(shared), size)
+    assert regions.mapped_bytes == 3 * size
+    regions.drop(HOLDER)
+    regions.add("third", "a", shared_copy(shared), size)  # room again once a holder went
+
+
+def test_only_the_declared_bytes_are_mapped() -> None:
+    """On main the whole memfd was mapped: a sparse one of 2^44 bytes cost 16 TiB of address space."""
+    fd = os.memfd_create("sparse", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 44)
+    fcntl.fcntl(fd, F_ADD_SEALS, REQUIRED_SEALS)
+    try:
+        mm = open_sealed(fd, 8192)
+        assert len(mm) == 8192
+        mm.close()
+    finally:
+        os.close(fd)
+
+
+def test_the_planes_must_cover_their_region(shared: SharedTensor) -> None:
+    regions = SealedRegions()
+    regions.add(HOLDER, "r", shared_copy(shared), shared.nbytes)
+    half = shared.nbytes // 2
+    regions.check_covered(HOLDER, "r", [(half, 2 * half), (0, half)])
+    with pytest.raises(SealError, match="what its planes need"):
+        regions.check_covered(HOLDER, "r", [(0, half)])
+    with pytest.raises(SealError, match="overlap"):
+        regions.check_covered(HOLDER, "r", [(0, half + 8), (half, 2 * half)])
+    with pytest.raises(SealError, match="no region"):
+        regions.check_covered("another-instance", "r", [(0, 2 * half)])
 
 
 def test_one_holder_cannot_fill_the_table(shared: SharedTensor) -> None:
-    regions = SealedRegions(max_regions=8, per_holder=2)
+    regions = SealedRegions(RegionLimits(max_regions=8, per_holder=2))
     for i in range(2):
         regions.add(HOLDER, f"r{i}", shared_copy(shared), shared.nbytes)
     with pytest.raises(SealError, match="at most 2"):
