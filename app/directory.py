@@ -7,7 +7,8 @@ names stay the sidecar's).
 
 `DirectoryService.build()` binds the HTTP port and derives the tenant key from
 `directory.deployment_keys` (ConfigError on bad settings); `run()` registers the static instances,
-starts their subscriptions, serves HTTP on the same loop, and on SIGTERM/SIGINT stops accepting,
+starts their subscriptions, serves HTTP on the same loop, sweeps the registered instances silent
+`forget_after` timeouts (every `instance_timeout_s`), and on SIGTERM/SIGINT stops accepting,
 cancels the subscriptions and returns 0.
 
 Primitives in call order: load_directory_settings(overrides, file) -> DirectoryService(settings)
@@ -37,7 +38,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from api.directory.app import DirectoryContext, create_directory_app
+from api.directory.app import DirectoryContext, create_directory_app, registration_secret
 from api.directory.ingest import Subscriptions
 from api.directory.metrics import DirectoryCollector
 from app import __version__
@@ -134,7 +135,7 @@ class DirectoryService:
         s = self.settings
         d = self.directory
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per inventory fetch
-        subs = Subscriptions(d, s.directory)
+        subs = Subscriptions(d, s.directory, registration_secret(s.http, s.directory))
         registry = CollectorRegistry()
         registry.register(DirectoryCollector(d))
         ctx = DirectoryContext(http=s.http, directory=d, subscriptions=subs, registry=registry)
@@ -151,6 +152,7 @@ class DirectoryService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         serving = loop.create_task(server.serve(sockets=[self.sock]), name="http")
+        sweeper = loop.create_task(_sweep(d, subs), name="sweeper")
         port = self.sock.getsockname()[1]
         log.info(
             "kvdepot_directory_started", version=__version__, http=f"http://{s.http.host}:{port}",
@@ -167,9 +169,19 @@ class DirectoryService:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             server.should_exit = True
+            sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(serving, 5)
             await subs.close()
             self.sock.close()
             log.info("kvdepot_directory_stopped")
         return 0
+
+
+async def _sweep(d: Directory, subs: Subscriptions) -> None:
+    """Forget the registered instances silent too long, every instance_timeout_s."""
+    while True:
+        await asyncio.sleep(d.registry.timeout_s)
+        for gone in d.registry.sweep(time.monotonic()):
+            subs.stop(gone)
+            log.info("directory_instance_forgotten", instance=gone, why="silent")

@@ -32,6 +32,8 @@ class DirectoryStats:
     resync_failures: int = 0
     bad_batches: int = 0
     registrations: int = 0
+    event_disconnects: int = 0
+    """KV-event connections lost (a sidecar gone, or a frame past max_event_bytes refused unread)"""
 
 
 class Directory:
@@ -39,8 +41,9 @@ class Directory:
         self.config = config
         self.index = ChunkIndex()
         self.registry = InstanceRegistry(
-            self.index, timeout_s=config.instance_timeout_s, max_instances=config.max_instances
-        )
+            self.index, timeout_s=config.instance_timeout_s, max_instances=config.max_instances,
+            max_chunks=config.max_chunks_per_instance, forget_after=config.forget_after,
+        )  # fmt: skip
         self.lora = LoraBook(per_name=config.max_lora_candidates)
         self.scorer = Scorer(self.registry, TenantNamer(deployment_key), self.lora, config, key_id)
         self.stats = DirectoryStats()

@@ -61,7 +61,8 @@ class ChunkIndex:
             masks[h] = m | flag
             self.counts[bit] += 1
 
-    def add_many(self, bit: int, hashes: Iterable[int]) -> None:
+    def add_many(self, bit: int, hashes: Iterable[int]) -> int:
+        """Answers how many were new to the holder."""
         flag = 1 << bit
         masks = self.masks
         get = masks.get
@@ -72,6 +73,7 @@ class ChunkIndex:
                 masks[h] = m | flag
                 added += 1
         self.counts[bit] += added
+        return added
 
     def remove(self, bit: int, h: int) -> None:
         flag = 1 << bit

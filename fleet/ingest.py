@@ -83,6 +83,7 @@ class ListingEnd(msgspec.Struct, tag_field="kind", tag="end", gc=False):
 
 
 InventoryLine = ListedChunk | ListingHeader | ListingEnd
+_UNSET = "\0unset"
 class BatchTokens(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[StoredTokens | Removed | Cleared]
@@ -170,7 +171,7 @@ class InventoryReader:
             self._take(page_decoder.decode(b"[" + b",".join(lines) + b"]"))
 
     def _take(self, lines: list[InventoryLine]) -> None:
-        medium = None
+        medium: str | None = _UNSET  # a first line without a medium is L1's too
         pending: list[int] = []
         for line in lines:
             if type(line) is ListedChunk:
@@ -200,6 +201,12 @@ class InventoryReader:
         inst = self.inst
         for medium, heads in self._pending.items():
             if heads:
+                room = self.registry.max_chunks - self.resync.listed  # the listing replaces all
+                if len(heads) > room:
+                    self.registry.capped += len(heads) - max(room, 0)
+                    del heads[max(room, 0) :]
+                    if not heads:
+                        continue
                 bit = inst.holders.get(medium)
                 if bit is None:
                     bit = self.registry.holder_bit(inst, medium)
@@ -262,6 +269,8 @@ def apply_batch(
     holders = inst.holders
     chunks = 0
     cleared = False
+    room: int | None = None
+    """Chunks the instance may still add (asked on its first store)."""
     learning: list[tuple[StoredTokens, int]] = []
     for ev in batch.events:
         kind = type(ev)
@@ -275,7 +284,12 @@ def apply_batch(
                 assert isinstance(ev, Stored)
                 step = chunk_step(inst, ev.block_size, len(hashes))
                 heads = hashes[::step]
-                index.add_many(bit, heads)
+                if room is None:
+                    room = registry.room(inst)
+                if len(heads) > room:  # past the instance's cap: dropped, counted
+                    registry.capped += len(heads) - max(room, 0)
+                    heads = heads[: max(room, 0)]
+                room -= index.add_many(bit, heads)
                 if ev.lora_name and medium == L1_MEDIUM:
                     lora.learn_raw(ev.lora_name, ev.extra_keys)
                 if matchers is not None and isinstance(ev, StoredTokens) and ev.token_ids and len(heads) == 1:
@@ -284,10 +298,12 @@ def apply_batch(
                 heads = hashes[:: chunk_step(inst, 0, len(hashes))]
                 for h in heads:
                     index.remove(bit, h)
+                room = None
             chunks += len(heads)
         else:
             index.clear(inst.mask())
             cleared = True
+            room = None
     if learning and matchers is not None:
         _learn(matchers, inst, learning)
     return chunks, cleared

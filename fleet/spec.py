@@ -6,7 +6,8 @@ KV-event PUB and replay endpoints, the key namespaces its engines registered (mo
 fingerprint, rank, group, block and chunk size), how tenants appear in its events (salt mode and
 the id of the deployment key that hashes them), which of its L2 tiers are shared (by a fingerprint
 of the tier's address, never its credentials), and its load. `DirectoryConfig` holds the
-directory's knobs (timeouts, tier weights, load weights, the static instances).
+directory's knobs (timeouts, tier weights, load weights, the static instances, the secret that
+derives each sidecar's credential, the bounds on what one registrant may make it hold).
 
 State: none; frozen pydantic models, safe from any thread.
 """
@@ -128,8 +129,26 @@ class DirectoryConfig(BaseModel):
     )
     static_instances: list[InstanceSpec] = Field(default_factory=list, max_length=4096)
     sidecar_token: SecretStr | None = Field(
-        None, description="the sidecars' admin token, for GET /inventory (their resync)"
-    )
+        None, description="the sidecars' admin token, for GET /inventory of the static instances only "
+        "(a registered one is sent its own credential)",
+    )  # fmt: skip
+    instance_secret: SecretStr | None = Field(
+        None, description="derives each sidecar's credential, HMAC-SHA256(secret, instance id) "
+        "(fleet/credentials.py); unset: http.admin_token derives them",
+    )  # fmt: skip
+    max_chunks_per_instance: int = Field(
+        1 << 20, ge=1, le=1 << 26, description="chunks indexed per instance, all its media together "
+        "(more are dropped, counted)",
+    )  # fmt: skip
+    max_event_bytes: int = Field(
+        16 << 20, ge=1 << 16, le=1 << 30,
+        description="largest KV-event or replay frame taken (ZMQ MAXMSGSIZE: a larger one drops the "
+        "connection unread)",
+    )  # fmt: skip
+    forget_after: float = Field(
+        4.0, ge=1, le=1000,
+        description="a registered instance silent this many times instance_timeout_s is forgotten",
+    )  # fmt: skip
     deployment_keys: list[SecretStr] = Field(
         default_factory=list, max_length=8,
         description="the sidecars' l2.auth_keys (the first hashes tenants, as theirs does); "

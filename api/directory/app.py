@@ -1,11 +1,18 @@
 """The directory's HTTP API (FastAPI, on the loop the subscriptions run on).
 
-  POST   /v1/instances          register or heartbeat (InstanceSpec; the admin token when set)
+  POST   /v1/instances          register or heartbeat (InstanceSpec; the instance's credential)
   DELETE /v1/instances/{id}     forget an instance and what it holds (admin token)
-  GET    /v1/instances          the instances: liveness, sync state, chunks per medium, load
+  GET    /v1/instances          the instances: liveness, sync state, chunks per medium, load (admin)
   POST   /v1/score              the instances that serve the longest prefix of a request, best first
   POST   /v1/match              where the request's content is held at other offsets (directory.match)
-  GET    /health, GET /metrics
+  GET    /health, GET /metrics (admin token)
+
+Registration: the bearer is the instance's own credential, HMAC(secret, the body's id)
+(fleet/credentials.py; the secret: `directory.instance_secret`, else `http.admin_token`), which
+may move the instance's endpoints; the admin token registers too (an operator) but moves no live
+or static instance's endpoints (409). With neither secret nor token registration is open, and no
+live instance's endpoints move. Registered instances silent `forget_after` timeouts are swept
+before each registration (and by the service's sweeper), so `max_instances` frees.
 
 A score request is decoded with msgspec (a 32k-token body parses in a fraction of pydantic's
 time); a malformed one is 400 with a stable code. Registration bodies are pydantic (InstanceSpec):
@@ -35,9 +42,10 @@ from api.http.guard import RequestGuard
 from app import __version__
 from app.errors import InvalidInput, NotFound, Overloaded, Unauthorized
 from app.settings import HttpSettings
+from fleet.credentials import credential_ok
 from fleet.directory import Directory
 from fleet.registry import Registered
-from fleet.spec import InstanceSpec
+from fleet.spec import DirectoryConfig, InstanceSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +83,31 @@ def _admin(ctx: Ctx, credentials: Annotated[HTTPAuthorizationCredentials | None,
 
 
 Admin = Annotated[None, Depends(_admin)]
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 router = APIRouter()
+
+
+def registration_secret(http: HttpSettings, config: DirectoryConfig) -> str | None:
+    """The secret deriving the sidecars' credentials (instance_secret, else the admin token)."""
+    secret = config.instance_secret or http.admin_token
+    return None if secret is None else secret.get_secret_value()
+
+
+def _registrant_owns(
+    ctx: DirectoryContext, spec: InstanceSpec, credentials: HTTPAuthorizationCredentials | None
+) -> bool:
+    """Whether the bearer is the instance's own credential; the admin token: False; else 401."""
+    secret = registration_secret(ctx.http, ctx.directory.config)
+    if secret is None:
+        return False  # open registration: nobody owns an id
+    given = None if credentials is None else credentials.credentials
+    if credential_ok(secret, spec.id, given):
+        return True
+    if ctx.http.admin_token is not None and token_ok(ctx.http, f"Bearer {given}" if given else None):
+        return False
+    raise Unauthorized(
+        "registration needs the instance's credential (Authorization: Bearer <HMAC-SHA256(secret, id)>)"
+    )
 
 
 @router.get("/health", summary="Plain OK while the process runs")
@@ -84,15 +116,18 @@ async def health() -> Response:
 
 
 @router.get("/metrics", summary="Prometheus metrics of the directory")
-async def metrics(ctx: Ctx) -> Response:
+async def metrics(ctx: Ctx, _admin: Admin) -> Response:
     return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/instances", summary="Register a sidecar, or heartbeat (the same body again)")
-async def register(spec: InstanceSpec, ctx: Ctx, _admin: Admin) -> dict[str, Any]:
+async def register(spec: InstanceSpec, ctx: Ctx, credentials: Bearer) -> dict[str, Any]:
+    own = _registrant_owns(ctx, spec, credentials)
     d = ctx.directory
     now = time.monotonic()
-    status = d.registry.register(spec, now)
+    for gone in d.registry.sweep(now):  # the silent ones' places are free again
+        ctx.subscriptions.stop(gone)
+    status = d.registry.register(spec, now, own=own)
     d.stats.registrations += 1
     inst = d.registry.get(spec.id)
     assert inst is not None
@@ -113,7 +148,7 @@ async def forget(instance_id: str, ctx: Ctx, _admin: Admin) -> Response:
 
 
 @router.get("/v1/instances", summary="Known instances: liveness, sync, chunks per medium, load")
-async def instances(ctx: Ctx) -> dict[str, Any]:
+async def instances(ctx: Ctx, _admin: Admin) -> dict[str, Any]:
     d = ctx.directory
     now = time.monotonic()
     out = []

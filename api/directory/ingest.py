@@ -1,8 +1,14 @@
 """Subscriptions: one task per known sidecar that keeps the directory's index equal to its holdings.
 
 A task subscribes to the sidecar's KV-event PUB socket (ZMQ SUB), then resyncs from its
-`GET /inventory` (the sidecar's admin token: `directory.sidecar_token`), then applies the live
-batches in sequence order, as the instance's StreamTracker (fleet/stream.py) says:
+`GET /inventory`, then applies the live batches in sequence order, as the instance's StreamTracker
+(fleet/stream.py) says. The inventory's bearer: the sidecars' admin token (`directory.sidecar_token`)
+for a static instance only (its URL is the configuration's); a registered instance is sent its own
+credential (fleet/credentials.py), which it presented to register: the URL a registrant names
+learns nothing it did not hold. Bounds on what a registrant sends: frames past
+`directory.max_event_bytes` drop the connection unread (ZMQ MAXMSGSIZE, on the SUB and the replay
+DEALER); a listing line past 1 MiB fails the resync (lines are split once, linearly); chunks past
+`max_chunks_per_instance` are dropped (fleet/ingest.py).
 
   - a gap in the sequence: the replay socket (DEALER, `("", start_seq)`) is asked for everything
     from the first missing batch; the replayed batches go through the tracker like live ones; a
@@ -25,8 +31,8 @@ restarts the task after a backoff (0.2 s doubling to 5 s), from a fresh subscrip
 State: per task its sockets and pending nudge; the manager's task set (kept, discarded on done).
 Event loop only.
 
-Primitives in call order: Subscriptions(directory, config) -> start(instance id) ... nudge(id) ...
-stop(id) -> close().
+Primitives in call order: Subscriptions(directory, config, instance_secret) -> start(instance id)
+... nudge(id) ... stop(id) -> close().
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from fleet.credentials import instance_credential
 from fleet.directory import Directory
 from fleet.ingest import Batch, BatchTokens, InventoryReader, apply_batch, batch_decoder, batch_tokens_decoder
 from fleet.registry import Instance
@@ -53,6 +60,8 @@ log = structlog.get_logger("kvdepot.directory")
 _END = -1
 _RCVHWM = 100_000
 _YIELD_EVERY = 512
+MAX_LINE_BYTES = 1 << 20
+"""Longest inventory line taken (a chunk line is a few hundred bytes)."""
 
 
 class ResyncFailed(Exception):
@@ -105,6 +114,7 @@ class Subscription:
         monitor: zmq.asyncio.Socket | None = None
         try:
             sub.setsockopt(zmq.RCVHWM, _RCVHWM)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.owner.config.max_event_bytes)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -122,6 +132,7 @@ class Subscription:
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event == zmq.EVENT_DISCONNECTED:
+                        self.directory.stats.event_disconnects += 1
                         lost = True  # the sidecar went (or the network): anything may be missed
                     elif event == zmq.EVENT_CONNECTED and lost:
                         lost = False
@@ -196,6 +207,7 @@ class Subscription:
         last: int | None = None
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.owner.config.max_event_bytes)
             dealer.connect(endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             timeout_ms = int(self.owner.config.replay_timeout_s * 1000)
@@ -247,29 +259,18 @@ class Subscription:
             self.nudged = None  # this one answers it
         d.count_resync(reason)
         headers = {}
-        token = self.owner.config.sidecar_token
+        token = self.owner.inventory_token(inst)
         if token is not None:
-            headers["Authorization"] = f"Bearer {token.get_secret_value()}"
+            headers["Authorization"] = f"Bearer {token}"
         started = time.monotonic()
         reader = InventoryReader(d.registry, inst)
-        lines = 0
         timeout = httpx.Timeout(self.owner.config.inventory_timeout_s, connect=5.0)
         async with self.owner.http.stream(
             "GET", inst.spec.url + "/inventory", headers=headers, timeout=timeout
         ) as resp:
             if resp.status_code != 200:
                 raise ResyncFailed(f"GET /inventory answered {resp.status_code}")
-            rest = b""
-            async for data in resp.aiter_bytes():
-                lines_ = (rest + data).split(b"\n")
-                rest = lines_.pop()
-                reader.feed_page([line for line in lines_ if line])
-                lines += len(lines_)
-                if lines >= _YIELD_EVERY:
-                    lines = 0
-                    await asyncio.sleep(0)
-            if rest.strip():
-                reader.feed(rest)
+            await _read_lines(resp, reader)
         done = reader.finish()
         if done is None:
             raise ResyncFailed("the inventory listing ended early")
@@ -282,15 +283,55 @@ class Subscription:
         )  # fmt: skip
 
 
+async def _read_lines(resp: httpx.Response, reader: InventoryReader) -> None:
+    """Feed a listing's NDJSON lines to the reader: each piece split once (the unfinished line
+    carried over), a line past MAX_LINE_BYTES a ResyncFailed."""
+    rest = bytearray()
+    lines = 0
+    async for data in resp.aiter_bytes():
+        parts = data.split(b"\n")
+        if len(parts) == 1:
+            rest += data
+        else:
+            rest += parts[0]
+            parts[0] = bytes(rest)
+            rest = bytearray(parts.pop())
+            if max(map(len, parts)) > MAX_LINE_BYTES:
+                raise ResyncFailed(f"an inventory line is longer than {MAX_LINE_BYTES} bytes")
+            reader.feed_page([line for line in parts if line])
+            lines += len(parts)
+        if len(rest) > MAX_LINE_BYTES:
+            raise ResyncFailed(f"an inventory line is longer than {MAX_LINE_BYTES} bytes")
+        if lines >= _YIELD_EVERY:
+            lines = 0
+            await asyncio.sleep(0)
+    if rest.strip():
+        reader.feed(bytes(rest))
+
+
 class Subscriptions:
-    def __init__(self, directory: Directory, config: DirectoryConfig) -> None:
+    def __init__(
+        self, directory: Directory, config: DirectoryConfig, instance_secret: str | None = None
+    ) -> None:
         self.directory = directory
         self.config = config
+        self.instance_secret = instance_secret
+        """Derives a registered instance's credential (None: registered instances are sent none)."""
         self.zctx = zmq.asyncio.Context()
         self.http = httpx.AsyncClient()
         self.subs: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         # the matcher needs the token ids of stores; without it msgspec skips them unbuilt
         self.decode = batch_tokens_decoder.decode if directory.matchers is not None else batch_decoder.decode
+
+    def inventory_token(self, inst: Instance) -> str | None:
+        """The bearer for the instance's GET /inventory: the sidecars' token only to a URL of the
+        configuration's; a registered instance's own credential otherwise."""
+        if inst.static:
+            token = self.config.sidecar_token
+            return None if token is None else token.get_secret_value()
+        if self.instance_secret is None:
+            return None
+        return instance_credential(self.instance_secret, inst.id)
 
     def start(self, instance_id: str) -> None:
         self.stop(instance_id)

@@ -3,7 +3,9 @@
 `kvdepot_directory_batches_total`, `kvdepot_directory_chunk_events_total` (chunk events applied),
 `kvdepot_directory_duplicates_total`, `kvdepot_directory_gaps_repaired_total{by}` (replay,
 inventory), `kvdepot_directory_resyncs_total{reason}`, `kvdepot_directory_bad_batches_total`,
-`kvdepot_directory_registrations_total`, `kvdepot_directory_score_requests_total`,
+`kvdepot_directory_registrations_total`, `kvdepot_directory_chunks_capped_total`,
+`kvdepot_directory_event_disconnects_total`, `kvdepot_directory_instances_forgotten_total`,
+`kvdepot_directory_score_requests_total`,
 `kvdepot_directory_match_requests_total`; with the matcher on, `kvdepot_directory_repeated_chunks_total`,
 `kvdepot_directory_match_collisions_total`, `kvdepot_directory_match_entries`."""
 
@@ -40,6 +42,12 @@ class DirectoryCollector(Collector):
             ("duplicates", "Batches skipped as already applied.", s.duplicates),
             ("bad_batches", "Messages that were not KV-event batches.", s.bad_batches),
             ("registrations", "Registrations and heartbeats received.", s.registrations),
+            ("chunks_capped", "Chunks announced past an instance's max_chunks_per_instance, dropped.",
+             d.registry.capped),
+            ("event_disconnects", "KV-event connections lost (a frame past max_event_bytes included).",
+             s.event_disconnects),
+            ("instances_forgotten", "Registered instances forgotten after forget_after timeouts.",
+             d.registry.forgotten),
             ("score_requests", "Score requests answered.", d.scorer.requests),
             ("match_requests", "Match requests answered.", d.scorer.match_requests),
         ):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,8 +20,10 @@ from tests.integration.l2_helpers import free_port
 
 
 class DirectoryProcess:
-    def __init__(self, config: Path, port: int | None = None) -> None:
+    def __init__(self, config: Path, port: int | None = None, token: str | None = None) -> None:
         self.port = port or free_port()
+        #: the admin token its listings need (the config's `http.admin_token` unless given)
+        self.token = token or tomllib.loads(config.read_text()).get("http", {}).get("admin_token")
         self.http = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "app.cli", "directory", "--config", str(config)]
         cmd += ["--http-port", str(self.port)]
@@ -64,15 +67,22 @@ class DirectoryProcess:
     def prefixes(self, token_ids: list[int], salt: str | None = None) -> dict[str, int]:
         return {i["id"]: i["prefix_tokens"] for i in self.score(token_ids, salt)["instances"]}
 
+    def get(self, path: str) -> bytes:
+        """A GET of the directory's, with its admin token when it has one."""
+        req = urllib.request.Request(self.http + path)
+        if self.token is not None:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            body: bytes = resp.read()
+            return body
+
     def instances(self) -> dict[str, dict[str, Any]]:
-        with urllib.request.urlopen(self.http + "/v1/instances", timeout=5) as resp:
-            return {i["id"]: i for i in json.loads(resp.read())["instances"]}
+        return {i["id"]: i for i in json.loads(self.get("/v1/instances"))["instances"]}
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(self.http + "/metrics", timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
+        for line in self.get("/metrics").decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
         return 0.0
 
 

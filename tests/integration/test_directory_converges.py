@@ -40,6 +40,7 @@ def sidecar_env(pub: int, replay: int, **extra: str) -> dict[str, str]:
         "KVDEPOT_L1__CHUNK_SIZE": "16", "KVDEPOT_L2__ADAPTERS": "[]", "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN,
         "KVDEPOT_EVENTS__LINGER_MS": "1", "KVDEPOT_L2__AUTH_KEYS": json.dumps([DEPLOYMENT]),
         "KVDEPOT_KV_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{pub}",
+        "KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP": "true",  # the directory connects over tcp
         "KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}",
     }  # fmt: skip
     out.update(extra)

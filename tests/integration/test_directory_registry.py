@@ -1,10 +1,11 @@
-"""Sidecars that register themselves (`fleet.directory_url`) with a real directory: the token is
-required, bad bodies are 4xx and leave the directory serving, a flood of registrations is 503;
-chunks one sidecar wrote to a shared Redis count for the other sidecar attached to it; a tenant's
-chunks never count for another tenant's score or match; a document is found at another offset
-(`/v1/match`) and its recomputation counted; a LoRA adapter is scored by name; a sidecar killed
-leaves the scores after `instance_timeout_s`; a directory that is down never affects the
-sidecar's data plane."""
+"""Sidecars that register themselves (`fleet.directory_url`) with a real directory, each with its own
+credential (the directory sends it back for their inventory: no sidecar holds the admin token); a
+credential or the admin token is required, bad bodies are 4xx and leave the directory serving, a
+flood of registrations is 503; chunks one sidecar wrote to a shared Redis count for the other
+sidecar attached to it; a tenant's chunks never count for another tenant's score or match; a
+document is found at another offset (`/v1/match`) and its recomputation counted; a LoRA adapter is
+scored by name; a sidecar killed leaves the scores after `instance_timeout_s`; a directory that is
+down never affects the sidecar's data plane."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.credentials import instance_credential
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.directory_helpers import DirectoryProcess, post
@@ -34,8 +36,12 @@ def member_env(name: str, directory: str, prefix_key: str) -> dict[str, str]:
         "KVDEPOT_L2__ADAPTERS": json.dumps([redis]), "KVDEPOT_EVENTS__LINGER_MS": "1",
         "KVDEPOT_L2__AUTH_KEYS": json.dumps([DEPLOYMENT]),
         "KVDEPOT_KV_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP": "true",  # the directory connects over tcp
         "KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
-        "KVDEPOT_FLEET__DIRECTORY_URL": directory, "KVDEPOT_FLEET__DIRECTORY_TOKEN": DIR_TOKEN,
+        "KVDEPOT_FLEET__DIRECTORY_URL": directory,
+        # its own credential, never the directory's admin token: it registers this id only, and the
+        # directory sends it back for GET /inventory
+        "KVDEPOT_FLEET__DIRECTORY_TOKEN": instance_credential(DIR_TOKEN, name),
         "KVDEPOT_FLEET__DIRECTORY_HEARTBEAT_S": "0.3", "KVDEPOT_FLEET__INSTANCE_ID": name,
     }  # fmt: skip
 
@@ -46,7 +52,7 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
     port = free_port()
     config = tmp_path / "directory.toml"
     config.write_text(
-        f'[http]\nadmin_token = "{DIR_TOKEN}"\n[directory]\nsidecar_token = "{TOKEN}"\n'
+        f'[http]\nadmin_token = "{DIR_TOKEN}"\n[directory]\n'
         f'deployment_keys = ["{DEPLOYMENT}"]\ninstance_timeout_s = 2.0\nmatch = true\n'
         "max_instances = 4\n"
     )
@@ -147,10 +153,7 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
 
 
 def metrics_text(d: DirectoryProcess) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(d.http + "/metrics", timeout=5) as resp:
-        return resp.read().decode()
+    return d.get("/metrics").decode()
 
 
 def declared_too_large(port: int, length: int) -> bytes:

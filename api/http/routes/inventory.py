@@ -1,19 +1,37 @@
 """`GET /inventory`: the complete holding per tier as NDJSON, in the KV events' block-hash terms
-(api/kvevents/inventory.py), streamed. Needs the admin token: it shows what every tenant holds."""
+(api/kvevents/inventory.py), streamed. Needs the admin token (it shows what every tenant holds), or
+the sidecar's own directory credential (`fleet.directory_token`): what the directory sends to a
+registered sidecar's resync, so the directory never needs, nor hands out, the sidecars' admin token."""
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from api.http.answers import errors
-from api.http.deps import Admin, Ctx
-from app.errors import NotFound
+from api.http.deps import Ctx, is_admin
+from app.errors import NotFound, Unauthorized
 
 router = APIRouter(tags=["kv events"])
+
+
+def _reader(ctx: Ctx, request: Request) -> None:
+    """The admin token, or this sidecar's directory credential (fleet.directory_token)."""
+    if is_admin(ctx, request):
+        return
+    own = ctx.settings.fleet.directory_token
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    given = given.strip() if scheme.lower() == "bearer" else ""
+    if own is not None and given and hmac.compare_digest(given.encode(), own.get_secret_value().encode()):
+        return
+    raise Unauthorized("a valid admin bearer token is required (Authorization: Bearer <token>)")
+
+
+Reader = Annotated[None, Depends(_reader)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +61,7 @@ class InventoryLine:
     },
     response_class=StreamingResponse,
 )
-async def inventory(ctx: Ctx, _admin: Admin) -> StreamingResponse:
+async def inventory(ctx: Ctx, _reader: Reader) -> StreamingResponse:
     if ctx.inventory is None:
         raise NotFound("KV events are off (kv_events.endpoint is unset): no inventory to resync from")
     return StreamingResponse(ctx.inventory.lines(), media_type="application/x-ndjson")
