@@ -8,6 +8,11 @@ fingerprint of its address: host, port, database and key prefix, never the passw
 queue depth (requests holding read locks) and KV-event incarnation and last sequence (so the
 directory notices a lost batch on a quiet stream).
 
+Its bearer is `fleet.directory_token`: this sidecar's own credential, HMAC-SHA256 of the
+directory's secret and its instance id (fleet/credentials.py), never the directory's admin token;
+it registers this id only, and the directory presents it back on this sidecar's `GET /inventory`
+(which accepts it beside the admin token), so the directory needs no sidecar's admin token.
+
 The data plane never waits on it: a directory that is down or slow costs a failed POST (timeout
 `fleet.directory_timeout_s`), retried with backoff (heartbeat, doubling to 30 s), logged once per
 outage; the task itself never ends on an error.

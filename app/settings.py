@@ -332,7 +332,10 @@ class FleetSettings(BaseModel):
         description="A fleet directory (`kvdepot directory`) to register with and heartbeat; needs "
         "kv_events.endpoint. Unset: no registration.",
     )  # fmt: skip
-    directory_token: SecretStr | None = Field(None, description="The directory's admin token.")
+    directory_token: SecretStr | None = Field(
+        None, description="This sidecar's directory credential: HMAC-SHA256(directory secret, instance "
+        "id) in hex. It registers this id only, and GET /inventory accepts it (the directory's resync).",
+    )  # fmt: skip
     directory_heartbeat_s: float = Field(2.0, ge=0.1, le=600, description="Registration heartbeat period.")
     directory_timeout_s: float = Field(2.0, gt=0, le=60, description="Deadline of one registration POST.")
     instance_id: str | None = Field(

@@ -19,6 +19,10 @@ Matchers in one call (fleet/match.py).
 `InventoryReader` reads one `GET /inventory` listing (NDJSON lines, a page decoded in one call)
 into a resync of the instance's holders.
 
+Bounds: an instance indexes at most `registry.max_chunks` chunks over all its media (live stores
+past what it holds, a listing past the cap: dropped, counted in `registry.capped`). What an
+instance announces lands in its own holders only: it cannot clear or replace another's.
+
 State: the LoraBook (adapter name -> recent extra keys, bounded). Event loop only.
 
 Primitives: batch_decoder.decode(payload) -> apply_batch(registry, inst, batch, lora, matchers);
