@@ -25,3 +25,10 @@ class PinSettings(BaseModel):
         "past it is refused (409), so pins never take a whole tier.",
     )  # fmt: skip
     sweep_s: float = Field(1.0, ge=0.01, le=60, description="How often expired pins are released.")
+    max_namespaces: int = Field(
+        16, ge=1, le=1024,
+        description="Namespaces of one model (layouts, kv ranks, groups) a pin accounts for and checks: "
+        "those of the engines registered now, the most recently used first, else those registered since "
+        "the start; so data-plane clients registering many namespaces neither inflate a pin's size nor "
+        "slow GET /pins.",
+    )  # fmt: skip

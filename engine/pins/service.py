@@ -8,10 +8,17 @@ refused, with the reason, when it cannot be honoured (Conflict, 409):
   - a tier is an adapter that cannot honour pins (Redis, slab: their own eviction), or detached;
   - no engine of the model registered since the start: the bytes of its chunks are unknown;
   - what the tenant's pins would hold in a tier (the union of their chunks, times the bytes one
-    chunk takes over every namespace of the model) passes its `pinned_bytes` quota or its quota
-    of that tier (pinned chunks count against it like any other);
+    chunk takes over the model's namespaces, `_namespaces`) passes its `pinned_bytes` quota or its
+    quota of that tier (pinned chunks count against it like any other);
   - what all pins would hold in a tier passes `max_share` of its capacity, or `max_pins` pins.
 Bad input (an unknown tier, no full chunk, too many chunks, a ttl out of bounds) is InvalidInput.
+
+A model's namespaces, as a pin counts and checks them (`_namespaces`): those of the engines
+registered now (distinct namespaces, not registrations; the most recently used first), else those
+registered since the start (the most recent first); at most `pins.max_namespaces`. Data-plane
+clients (no admin token) may register many namespaces of a model: they then inflate a pin's size
+at most `max_namespaces` times, and a listing costs O(pins x chunks x max_namespaces) whatever the
+number of registrations.
 
 State (event loop only): the table, the file `<data_dir>/pins.json` (None: memory only) and the
 executor that writes it, a writer lock (checks and file writes in order), the clocks. A change is
@@ -40,7 +47,7 @@ import structlog
 from app.errors import ConfigError, Conflict, InvalidInput
 from engine.answers import PinAnswer, PinList
 from engine.facade import CacheEngine
-from engine.keys import ObjectKey
+from engine.keys import KVLayout, Namespace, ObjectKey
 from engine.l2.tiers import honours_pins
 from engine.pins.config import PinSettings
 from engine.pins.table import Pin, PinTable
@@ -144,16 +151,20 @@ class PinService:
     async def pins(self, salt: str | None = None) -> PinList:
         self.expire()
         out = []
+        namespaces: dict[str, list[Namespace]] = {}  # per model, looked up once per listing
         for pin in self.table.pins(salt):
-            out.append(await self.answer(pin))
+            if pin.model not in namespaces:
+                namespaces[pin.model] = [ns for ns, _ in self._namespaces(pin.model)]
+            out.append(await self.answer(pin, namespaces[pin.model]))
             await asyncio.sleep(0)  # a long listing lets the data plane in between pins
         return PinList(pins=out)
 
-    async def answer(self, pin: Pin) -> PinAnswer:
+    async def answer(self, pin: Pin, namespaces: Sequence[Namespace] | None = None) -> PinAnswer:
         """The pin as the control plane shows it, with how many of its chunks each tier holds now
-        (over every namespace of the model seen since the start)."""
+        (over the model's namespaces, `_namespaces`, unless given)."""
         present: dict[str, int] = {}
-        namespaces = [ns for ns in self.engine.engines.namespaces_seen if ns.model == pin.model]
+        if namespaces is None:
+            namespaces = [ns for ns, _ in self._namespaces(pin.model)]
         keys = [ObjectKey(ns, pin.salt, h) for ns in namespaces for h in pin.hashes]
         for tier in pin.tiers:
             if tier == L1:
@@ -231,8 +242,24 @@ class PinService:
                 raise InvalidInput(f"token ids must be integers in 0..{TOKEN_MAX}")
         return self.engine.hasher.chunk_hashes(encode_tokens(tokens))
 
+    def _namespaces(self, model: str) -> list[tuple[Namespace, KVLayout]]:
+        """The namespaces of `model` a pin accounts for and checks, with their layouts: those of
+        the engines registered now (each namespace once, the most recently used first), else those
+        registered since the start (the most recent first); at most `pins.max_namespaces`."""
+        engines, limit = self.engine.engines, self.settings.max_namespaces
+        live: dict[Namespace, KVLayout] = {}
+        for reg in reversed(engines.all()):
+            if reg.namespace.model == model:
+                live.setdefault(reg.namespace, reg.layout)
+                if len(live) == limit:
+                    break
+        if live:
+            return list(live.items())
+        seen = [(ns, layout) for ns, layout in reversed(engines.namespaces_seen.items()) if ns.model == model]
+        return seen[:limit]
+
     def _chunk_bytes(self, model: str, tiers: tuple[str, ...]) -> dict[str, int]:
-        layouts = [layout for ns, layout in self.engine.engines.namespaces_seen.items() if ns.model == model]
+        layouts = [layout for _, layout in self._namespaces(model)]
         if not layouts:
             raise Conflict(
                 f"no engine of model {model[:64]!r} has registered with this sidecar since it started: the "

@@ -51,8 +51,9 @@ class Pin:
     deadline: float | None
     """On the table's clock (monotonic): the pin is released once it has passed."""
     chunk_bytes: dict[str, int]
-    """Per tier: bytes one chunk of the prefix takes there, over every namespace of the model known
-    when the pin was made (L1: aligned arena bytes; an adapter: payload bytes)."""
+    """Per tier: bytes one chunk of the prefix takes there, over the model's namespaces when the pin
+    was made, as PinService counts them (at most pins.max_namespaces; L1: aligned arena bytes; an
+    adapter: payload bytes)."""
 
     @property
     def chunks(self) -> int:

@@ -257,6 +257,24 @@ async def test_tier_quota_share_of_capacity_and_pin_count_are_conflicts() -> Non
         assert [p.ttl_s for p in (await pins.pins("c")).pins] == [9]
 
 
+async def test_a_pin_counts_the_models_live_namespaces_at_most_max_namespaces() -> None:
+    """On main a pin counted every namespace of the model registered since the start: 40 kv
+    ranks registered by anyone made every pin 41 times its size."""
+    with pinned_engine(pages=64, max_namespaces=8) as (eng, _, pins, _):
+        for rank in (1, 2, 3):  # the engine's other tensor-parallel ranks: really held
+            eng.register("m", small_layout(), kv_rank=rank)
+        assert (await pins.put("a", "m", seq(1, 1), None, [L1])).pinned_bytes == {L1: 4 * PAGE}
+        for rank in range(4, 44):
+            eng.register("m", small_layout(), kv_rank=rank, instance="flood")
+        answer = await pins.put("a", "m", seq(1, 1), None, [L1])
+        assert answer.pinned_bytes == {L1: 8 * PAGE}  # bounded by pins.max_namespaces
+        eng.engines.drop_instance("flood")
+        assert (await pins.put("a", "m", seq(1, 1), None, [L1])).pinned_bytes == {L1: 4 * PAGE}
+        assert (await pins.pins()).pins[0].present_chunks == {L1: 0}
+        eng.engines.drop_instance("")  # no engine of the model now: those seen since the start
+        assert (await pins.put("a", "m", seq(1, 1), None, [L1])).pinned_bytes == {L1: 8 * PAGE}
+
+
 async def test_bad_input_is_invalid_input_and_changes_nothing() -> None:
     with pinned_engine() as (_, _, pins, _):
         bad: list[tuple[str, str, list[int], object, list[str]]] = [
