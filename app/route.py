@@ -5,6 +5,10 @@ Sources, highest precedence first: flags (`--engine URL[=SIDECAR_ID]` repeated, 
 fleet/router_config.RouterSettings at its top level, engines as `[[engines]]` tables), then the
 defaults. Bad settings and a port in use raise ConfigError with one line naming the setting.
 
+Client connections are bounded (api/route/connections.py): headers within `header_timeout_s`,
+`max_connections` open at once, idle kept-alive ones closed after `idle_timeout_s`; bodies within
+`body_timeout_s` (the app's RequestGuard).
+
 State: none past start-up; the app owns its state. SIGTERM/SIGINT: stop accepting, finish the
 requests in flight (5 s at most), stop the background task, exit 0.
 
@@ -24,7 +28,8 @@ import structlog
 import uvicorn
 from pydantic import ValidationError
 
-from api.route.app import create_router_app
+from api.route.app import RouterState, create_router_app
+from api.route.connections import ConnectionLimits, GuardedH11Protocol
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.serving import QuietUvicorn, bind_listener
@@ -63,9 +68,16 @@ def load_router_settings(config_file: Path | None, overrides: dict[str, Any]) ->
 def run_router(settings: RouterSettings) -> int:
     configure_logging(LoggingSettings(level=settings.log_level))
     sock = bind_listener(settings.host, settings.port, keys="")
+    app = create_router_app(settings, Supervisor())
+    state: RouterState = app.state.router
+
+    def cut(kind: str) -> None:  # header_timeout, connection_limit
+        state.metrics.errors.labels(kind).inc()
+
+    limits = ConnectionLimits(settings.header_timeout_s, settings.max_connections, cut)
     config = uvicorn.Config(
-        create_router_app(settings, Supervisor()), log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=5,
+        app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+        http=GuardedH11Protocol.with_limits(limits), timeout_keep_alive=settings.idle_timeout_s,
     )  # fmt: skip
     server = QuietUvicorn(config)
     host, port = sock.getsockname()[:2]

@@ -111,6 +111,28 @@ class RouterSettings(BaseModel):
         description="Bearer token of the router's own calls to the engines (/tokenize, /v1/models, "
         "/health) when they run with vLLM's --api-key; requests relayed carry the client's own header.",
     )  # fmt: skip
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="A request's headers must all arrive within this long of the connection's opening "
+        "(or of the first byte of a kept-alive connection's next request); past it: 408, closed.",
+    )  # fmt: skip
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="A request's body must all arrive within this long of its headers; past it: 408, "
+        "the connection closed.",
+    )  # fmt: skip
+    idle_timeout_s: int = Field(
+        5, ge=1, le=3600, description="A kept-alive client connection idle this long is closed."
+    )
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Client connections open at once; past it a new one is answered 503 and closed.",
+    )  # fmt: skip
+    admin_token: SecretStr | None = Field(
+        None, min_length=1,
+        description="Bearer token `GET /status` needs (the engines' URLs and errors); unset: /status "
+        "answers loopback clients only.",
+    )  # fmt: skip
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @field_validator("directory_url")

@@ -3,13 +3,13 @@ request holds the token (for answers that show tenants only to the token's holde
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.http.context import ControlContext
+from api.http.guard import bearer_ok
 from app.errors import Unauthorized
 from app.settings import HttpSettings
 
@@ -27,12 +27,7 @@ _bearer = HTTPBearer(auto_error=False)
 def token_ok(http: HttpSettings, authorization: str | None) -> bool:
     """Whether an `Authorization` header value carries the admin token (always, when none is set)."""
     token = http.admin_token
-    if token is None:
-        return True
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer":
-        given = ""
-    return hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode())
+    return token is None or bearer_ok(authorization, token.get_secret_value())
 
 
 def is_admin(ctx: Ctx, request: Request) -> bool:

@@ -5,8 +5,12 @@ not an object), plan the scoring (fleet/tokenize.py), get the tokens (the reques
 /tokenize), ask the directory (fleet/router.py decides), relay (api/route/proxy.py).
 `GET /v1/models` (the first healthy engine's), `GET /health` (`OK` while an engine is healthy, 503
 when none is or when a background task died), `GET /status` (the engines as the router sees
-them), `GET /metrics`. Any other path is a 404, another method a 405, a body over
-`max_body_bytes` a 413 (api/http/guard.RequestGuard), all as `{"error": {"code", "message"}}`.
+them: `admin_token` needed, loopback clients only without one; URLs' credentials masked),
+`GET /metrics`. Any other path is a 404, another method a 405, a body over `max_body_bytes` a 413,
+a body not all in within `body_timeout_s` a 408 (api/http/guard.RequestGuard; both close the
+connection), all as `{"error": {"code", "message"}}`. Headers are relayed end to end only
+(proxy.end_to_end: no hop-by-hop header, none the sender named in `Connection`). The header
+deadline and the connection cap are the server's (api/route/connections.py, app/route.py).
 
 State: `RouterState` (settings, engines, the httpx client, metrics, the supervisor of its
 background task), built by create_router_app and opened/closed by the app's lifespan. Everything
@@ -35,10 +39,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from api.http.guard import RequestGuard
+from api.http.guard import RequestGuard, bearer_ok
 from api.route.metrics import RouterMetrics
-from api.route.proxy import HOP_BY_HOP, Proxy, error_response
+from api.route.proxy import Proxy, end_to_end, error_response
 from api.route.upstream import Upstream
+from app.redact import redact_url
+from app.settings import is_loopback
 from fleet.router import Decision, Engines, Score
 from fleet.router_config import RouterSettings
 from fleet.tokenize import CHAT, COMPLETIONS, Unscorable, plan_request
@@ -122,7 +128,7 @@ async def _completion(st: RouterState, request: Request, path: str, raw: bytes) 
         st.metrics.errors.labels("no_engine").inc()
         return error_response(503, "engines_unavailable", "no engine configured")
     _count(st, decision)
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers = end_to_end(request.headers.items())
     # relayed bytes as the engine sent them: only an encoding the client asked for
     headers.setdefault("accept-encoding", "identity")
     return await st.proxy.relay(path, raw, headers, decision, scores)
@@ -171,13 +177,26 @@ async def health(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
+    """The engines and the directory as the router sees them: for the holder of `admin_token`
+    (loopback clients only when none is set); every URL's credentials masked."""
     st = _state(request)
+    if not _may_see_status(st.settings, request):
+        return error_response(
+            401, "unauthorized", "GET /status needs the router's admin_token (Authorization: Bearer <token>)"
+        )
+    directory = st.settings.directory_url
+    engines = [e | {"url": redact_url(e["url"])} for e in st.engines.status()]
     return JSONResponse(
-        {
-            "directory_url": st.settings.directory_url,
-            "engines": st.engines.status(),
-        }
+        {"directory_url": None if directory is None else redact_url(directory), "engines": engines}
     )
+
+
+def _may_see_status(settings: RouterSettings, request: Request) -> bool:
+    token = settings.admin_token
+    if token is not None:
+        return bearer_ok(request.headers.get("authorization"), token.get_secret_value())
+    host = request.client.host if request.client is not None else ""
+    return is_loopback(host)
 
 
 async def metrics(request: Request) -> Response:
@@ -207,6 +226,9 @@ def create_router_app(settings: RouterSettings, tasks: BackgroundTasks) -> Starl
         Upstream(settings, client, engines, metrics_), Proxy(settings, client, engines, metrics_), tasks,
     )  # fmt: skip
 
+    def count(kind: str) -> None:  # the guard's and the connections' cuts
+        metrics_.errors.labels(kind).inc()
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         tasks.start("route-health-poll", state.upstream.run_health_poll(), drain=False)
@@ -216,6 +238,10 @@ def create_router_app(settings: RouterSettings, tasks: BackgroundTasks) -> Starl
             await tasks.stop(1.0)
             await client.aclose()
 
+    guard = Middleware(
+        RequestGuard, max_body_bytes=settings.max_body_bytes, token_ok=lambda _: True,
+        body_timeout_s=settings.body_timeout_s, count=count,
+    )  # fmt: skip
     app = Starlette(
         routes=[
             Route(COMPLETIONS, completion, methods=["POST"]),
@@ -225,9 +251,7 @@ def create_router_app(settings: RouterSettings, tasks: BackgroundTasks) -> Starl
             Route("/status", status, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
-        middleware=[
-            Middleware(RequestGuard, max_body_bytes=settings.max_body_bytes, token_ok=lambda _: True)
-        ],
+        middleware=[guard],
         exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,
     )

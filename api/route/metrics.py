@@ -40,7 +40,8 @@ class RouterMetrics:
             "Failures, by kind: engine_connect, engine_timeout, engine_status, engine_broken (before "
             "any byte was sent back: retried), midstream (after: the client's stream is cut), "
             "no_engine, too_large, bad_json, directory, tokenize, client_gone (the client left before "
-            "the answer started: the engine's request is dropped).",
+            "the answer started: the engine's request is dropped), header_timeout, body_timeout, "
+            "connection_limit (a client connection cut: too slow, or one too many).",
             ["kind"], registry=r,
         )  # fmt: skip
         self.retries = Counter(

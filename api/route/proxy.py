@@ -21,7 +21,7 @@ headers, first decision, scores) -> Response.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import anyio
 import httpx
@@ -34,14 +34,23 @@ from api.route.metrics import RouterMetrics
 from fleet.router import Decision, Engine, Engines, Score
 from fleet.router_config import RouterSettings
 
-__all__ = ["HOP_BY_HOP", "Proxy", "error_response"]
+__all__ = ["HOP_BY_HOP", "Proxy", "end_to_end", "error_response"]
 
 log = structlog.get_logger("kvdepot.route")
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "content-length", "date", "server",
+    "transfer-encoding", "upgrade", "proxy-connection", "host", "content-length", "date", "server",
 })  # fmt: skip
+
+
+def end_to_end(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The headers a proxy passes on: neither the hop-by-hop ones (HOP_BY_HOP: the connection's own,
+    and those the relay sets itself) nor any the sender named in its `Connection` header
+    (RFC 9110 §7.6.1: they were meant for this hop only)."""
+    items = [(k.lower(), v) for k, v in headers]
+    named = {t.strip().lower() for k, v in items if k == "connection" for t in v.split(",")}
+    return {k: v for k, v in items if k not in HOP_BY_HOP and k not in named}
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 
@@ -212,7 +221,7 @@ class Proxy:
 
 
 def _answer_headers(upstream: httpx.Headers, decision: Decision) -> dict[str, str]:
-    out = {k: v for k, v in upstream.items() if k.lower() not in HOP_BY_HOP}
+    out = end_to_end(upstream.items())
     out["x-kvdepot-engine"] = decision.engine.url
     out["x-kvdepot-route"] = decision.reason
     return out

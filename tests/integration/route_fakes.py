@@ -49,7 +49,7 @@ def fake_tokens(body: dict[str, Any]) -> list[int]:
 
 
 def engine_app(name: str, api_key: str | None = None) -> Starlette:
-    seen: dict[str, Any] = {"requests": 0, "tokenize": 0, "tokenize_bodies": [], "bodies": []}
+    seen: dict[str, Any] = {"requests": 0, "tokenize": 0, "tokenize_bodies": [], "bodies": [], "headers": []}
     gates: dict[str, asyncio.Event] = {}
     waiting: set[str] = set()
 
@@ -72,6 +72,7 @@ def engine_app(name: str, api_key: str | None = None) -> Starlette:
         body = await request.json()
         seen["requests"] += 1
         seen["bodies"].append({k: v for k, v in body.items() if k != "prompt"})
+        seen["headers"].append(dict(request.headers))
         fake = body.get("fake") or {}
         if fake.get("only", name) != name:
             fake = {}

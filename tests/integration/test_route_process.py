@@ -23,7 +23,10 @@ pytestmark = pytest.mark.slow
 
 
 class Fleet:
-    def __init__(self, tmp_path: Path, extra: str = "", engines: int = 2, api_key: str | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, extra: str = "", engines: int = 2, api_key: str | None = None,
+        directory_userinfo: str = "",
+    ) -> None:  # fmt: skip
         self.engines: list[Proc] = []
         self.directory: Proc | None = None
         self.router: Proc | None = None
@@ -32,13 +35,18 @@ class Fleet:
             self.directory = fake_directory()
             # deadlines far above what a loaded machine takes, yet short enough for the hang tests
             config = (
-                f'directory_url = "{self.directory.url}"\ndirectory_timeout_ms = 1000\nread_timeout_s = 2\n'
+                f'directory_url = "{self._with_userinfo(self.directory.url, directory_userinfo)}"\n'
+                'directory_timeout_ms = 1000\nread_timeout_s = 2\n'
                 f"{extra}\n"
             )
             self.router = router(tmp_path, config + engines_toml(*self.engines))
         except BaseException:
             self.stop()
             raise
+
+    @staticmethod
+    def _with_userinfo(url: str, userinfo: str) -> str:
+        return url.replace("://", f"://{userinfo}@", 1) if userinfo else url
 
     @property
     def url(self) -> str:
