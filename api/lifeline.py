@@ -2,7 +2,9 @@
 
 Each client process connects a plain unix stream socket to `<data_dir>/lifeline.sock` (mode
 0660, like the data-plane socket). The server reads the peer's credentials (SO_PEERCRED) and
-refuses any uid but its own (or root); the first frame must be a Hello whose token
+refuses any uid but its own (or root), and any connection past `max_connections_per_uid` of its
+uid (a lifeline holds a data-plane session: this caps the sessions of one uid, the only peer
+identity the sidecar learns: ZMQ ipc peers have none); the first frame must be a Hello whose token
 `authenticate(token)` knows (it returns the holder the token stands for, or None), else the
 connection is closed. Then the server sends the descriptors `offer(holder)` names (the arena's
 memfd), accepts the sealed regions a client shares (`on_fds`, which owns the descriptors from
@@ -51,6 +53,8 @@ from kvdepot_connector.lifeline import (
 
 log = structlog.get_logger("kvdepot.lifeline")
 
+#: a connection that has not said a good hello this long after it connected is closed
+HANDSHAKE_TIMEOUT_S = 5.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _INT = array.array("i").itemsize
 
@@ -58,11 +62,13 @@ _INT = array.array("i").itemsize
 @dataclass(frozen=True, slots=True)
 class LifelineLimits:
     max_connections: int = 1024
+    #: lifelines (so held data-plane sessions) of one peer uid at once
+    max_connections_per_uid: int = 512
     max_message_bytes: int = 64 * 1024
     max_fds_per_message: int = MAX_FDS_PER_MESSAGE
     max_fds_per_connection: int = 4096
     max_output_bytes: int = 1 << 20
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     #: bytes read from one lifeline per wake of the loop: a peer flooding frames (heartbeats)
     #: gets its turn like every other socket and cannot starve the loop
     max_read_per_wake: int = 16 * 1024
@@ -289,6 +295,7 @@ class LifelineServer:
         self.limits = limits
         self.lines: set[Lifeline] = set()
         self.refused = 0
+        self._per_uid: dict[int, int] = {}
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -338,18 +345,29 @@ class LifelineServer:
             pid, uid, gid = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
-            if uid not in (os.getuid(), 0) or len(self.lines) >= self.limits.max_connections:
+            mine = self._per_uid.get(uid, 0)
+            if (
+                uid not in (os.getuid(), 0)
+                or len(self.lines) >= self.limits.max_connections
+                or mine >= self.limits.max_connections_per_uid
+            ):
                 self.refused += 1
-                log.warning("lifeline_refused", pid=pid, uid=uid, connections=len(self.lines))
+                log.warning("lifeline_refused", pid=pid, uid=uid, connections=len(self.lines), of_uid=mine)
                 sock.close()
                 continue
             line = Lifeline(self, sock, pid, uid, gid)
             self.lines.add(line)
+            self._per_uid[uid] = mine + 1
             line._timer = self.loop.call_later(self.limits.handshake_timeout_s, line._handshake_expired)
             self.loop.add_reader(sock.fileno(), line._readable)
 
     def _closed(self, line: Lifeline, why: str) -> None:
         self.lines.discard(line)
+        left = self._per_uid.get(line.uid, 1) - 1
+        if left > 0:
+            self._per_uid[line.uid] = left
+        else:
+            self._per_uid.pop(line.uid, None)
         if line.holder is None:
             self.refused += 1
             log.info("lifeline_dropped", pid=line.pid, reason=why)

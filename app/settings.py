@@ -149,6 +149,11 @@ class DataPlaneSettings(BaseModel):
     max_registrations_per_instance: int = Field(
         64, ge=1, le=1 << 16, description="Engine registrations of one engine instance."
     )
+    allow_remote: bool = Field(
+        False,
+        description="Bind a tcp:// url on a host that is not loopback (0.0.0.0, an interface's address, "
+        "a host name): the data plane has no authentication of its own, only socket permissions.",
+    )
 
     @field_validator("url")
     @classmethod
@@ -156,6 +161,19 @@ class DataPlaneSettings(BaseModel):
         if url is not None and not url.startswith(("ipc://", "tcp://")):
             raise ValueError("must start with ipc:// or tcp://")
         return url
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> DataPlaneSettings:
+        if self.url is None or not self.url.startswith("tcp://") or self.allow_remote:
+            return self
+        host = self.url[len("tcp://") :].rpartition(":")[0].strip("[]")
+        if not is_loopback(host):
+            raise ValueError(
+                f"url {self.url} is not loopback: any host that reaches it may talk to the data plane, "
+                "which has no authentication of its own; bind tcp://127.0.0.1:<port> or ipc://, or set "
+                "data_plane.allow_remote=true"
+            )
+        return self
 
 
 class L1Settings(BaseModel):
@@ -193,9 +211,15 @@ class L1Settings(BaseModel):
     )  # fmt: skip
     quarantine_max_bytes: int | None = Field(
         None, ge=0, le=1 << 50,
-        description="Bytes of expired write reservations one engine instance may hold quarantined "
-        "(until the writer's lifeline closes) before its new reservations are refused as no_space; "
-        "null: 1/8 of L1.",
+        description="Bytes one engine instance may hold quarantined (expired write reservations, kept "
+        "until the writer's lifeline closes) plus in flight (its clients' write reservations not yet "
+        "committed: any may end up quarantined); a reservation past it is refused as no_space; "
+        "null: 1/2 of L1 (what one STORE may take, l1.max_request_share).",
+    )  # fmt: skip
+    quarantine_total_max_bytes: int | None = Field(
+        None, ge=0, le=1 << 50,
+        description="The same, summed over every engine instance: stalled writers never hold more "
+        "than this of L1 (the rest keeps serving hits); null: 3/4 of L1.",
     )  # fmt: skip
 
     @field_validator("low_watermark")
@@ -219,8 +243,8 @@ class L1Settings(BaseModel):
 
     @property
     def quarantine_cap(self) -> int:
-        """`quarantine_max_bytes`, or 1/8 of L1 when unset."""
-        return self.size_bytes // 8 if self.quarantine_max_bytes is None else self.quarantine_max_bytes
+        """`quarantine_max_bytes`, or 1/2 of L1 when unset."""
+        return self.size_bytes // 2 if self.quarantine_max_bytes is None else self.quarantine_max_bytes
 
 
 def _usable_key(key: SecretStr) -> SecretStr:

@@ -115,6 +115,7 @@ def build_cache(
         ExtentAllocator(capacity, l1.alignment), make_policy(l1.eviction), high_watermark=l1.high_watermark,
         low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
         quarantine_max_bytes=l1.quarantine_max_bytes, events=events,
+        quarantine_total_max_bytes=l1.quarantine_total_max_bytes,
     )  # fmt: skip
 
 

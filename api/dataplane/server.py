@@ -21,7 +21,11 @@ is refused with `not_owner` before its handler runs; reservations are checked by
 CLEAR of every tenant is refused here (`unauthorized`): it is an administrator's act.
 The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py): a session whose
 lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
-of an instance takes the instance's read locks and registrations (`engine.end_instance`).
+of an instance takes the instance's read locks and registrations (`engine.end_instance`). Until its
+lifeline is held (the process proved it is alive and mapped the arena from the descriptor the
+lifeline brought) a session may not register, reserve, commit or have the sidecar copy
+(`_NEEDS_LIFELINE`: `unauthorized`), and one not held within the lifeline handshake timeout
+expires (checked on every frame), its instance with it when it was the instance's last session.
 
 The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS) are answered by
 `copies` (api/dataplane/copies.py: the transfers given built, or made when first needed, so that a
@@ -49,6 +53,7 @@ from api.dataplane.transport import RouterTransport
 from api.dataplane.workers import WorkerWatch
 from api.http.audit import AuditLog, fingerprint
 from api.http.errors import http_status
+from api.lifeline import HANDSHAKE_TIMEOUT_S
 from api.metrics import DataPlaneMetrics
 from app import __version__
 from app.errors import (
@@ -72,6 +77,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvdepot.dataplane")
 
 _TAGS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in p.Request.__args__}
+#: what only a session held by its lifeline may ask: a connection that never opened one (so never
+#: mapped the arena) must not make unwritten memory look valid, nor register or have copies made
+_NEEDS_LIFELINE = (p.Register, p.Store, p.Commit, p.RegisterKVCache, p.LoadBlocks, p.SaveBlocks)
 _WIRE_STATUS = {s: p.SlotStatus(s.value) for s in SlotStatus}
 
 
@@ -89,12 +97,15 @@ class DataPlaneServer:
         max_sessions: int = 4096,
         session_idle_s: float = 600.0,
         lifeline_path: str = "",
+        handshake_s: float = HANDSHAKE_TIMEOUT_S,
         workers: WorkerRegistry | None = None,
         audit: AuditLog | None = None,
     ) -> None:
         """`workers`: the worker registry every HELLO registers into (its `heartbeat_s` is what
         the HELLO reply asks clients for); None: no registry, no heartbeats asked. `audit`: where
-        a CLEAR (a tenant's purge) is recorded, as the control plane's mutations are."""
+        a CLEAR (a tenant's purge) is recorded, as the control plane's mutations are.
+        `handshake_s`: a session not held by its lifeline this long after its HELLO expires (none
+        do without a `lifeline_path`)."""
         self.engine = engine
         self.audit = audit
         #: START/END around every operation and ERROR for every error reply go to the engine's bus
@@ -104,7 +115,10 @@ class DataPlaneServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_token_bytes = max_tokens * 4
         self.metrics = metrics
-        self.sessions = SessionTable(max_sessions=max_sessions, idle_s=session_idle_s)
+        self.sessions = SessionTable(
+            max_sessions=max_sessions, idle_s=session_idle_s,
+            handshake_s=handshake_s if lifeline_path else 0.0,  # without lifelines none is ever held
+        )  # fmt: skip
         # A session that is gone takes its reservations with it; an instance, its locks and engines.
         self.sessions.on_session_closed.append(lambda s: engine.end_holder(s.id))
         self.sessions.on_instance_gone.append(engine.end_instance)
@@ -183,7 +197,14 @@ class DataPlaneServer:
             with structlog.contextvars.bound_contextvars(op=op, rid=rid):
                 if isinstance(msg, p.Hello):
                     return p.encode(self._hello(msg, peer))
-                session = self.sessions.get(peer, time.monotonic())
+                now = time.monotonic()
+                self.sessions.expire(now)
+                session = self.sessions.get(peer, now)
+                if not session.held and isinstance(msg, _NEEDS_LIFELINE):
+                    raise Unauthorized(
+                        f"{op} needs this connection's lifeline: connect it with the token of the HELLO "
+                        "reply first (the connector does, right after HELLO)"
+                    )
                 engine_id = getattr(msg, "engine_id", None)
                 if engine_id is not None:
                     self.engine.owned(engine_id, session.instance)

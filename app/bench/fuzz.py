@@ -37,6 +37,7 @@ import zmq
 
 from app.bench.fuzz_frames import FrameMaker, Region
 from kvdepot_connector import protocol as p
+from kvdepot_connector.lifeline import LifelineClient
 
 #: a socket whose replies stop for this many pings' hang time is a stalled socket
 STALL_FACTOR = 5
@@ -158,6 +159,8 @@ class Fuzzer:
         self.oversize = 0
         self.lost = 0
         self.stalled_sockets = 0
+        #: the lifeline of the first socket's session: held, its frames reach every handler
+        self._lifeline: LifelineClient | None = None
 
     def _dealer(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
@@ -173,6 +176,8 @@ class Fuzzer:
         reply = p.reply_decoder.decode(sock.recv())
         if not isinstance(reply, p.HelloReply):
             raise RuntimeError(f"HELLO answered with {reply}")
+        if reply.lifeline_path:  # as a real client does: a session not held may not register or store
+            self._lifeline = LifelineClient(reply.lifeline_path, reply.lifeline_token, timeout=timeout_s)
         return reply
 
     def run(self, maker: FrameMaker, frames: int, rate: float) -> float:
@@ -241,6 +246,8 @@ class Fuzzer:
                 self._poller.register(self._socks[i], zmq.POLLIN)
 
     def close(self) -> None:
+        if self._lifeline is not None:
+            self._lifeline.close()
         for sock in [*self._socks, self._oversize]:
             sock.close(linger=0)
         self._ctx.term()

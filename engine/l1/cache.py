@@ -40,9 +40,12 @@ not freed: its writer may be stalled, not dead, and would go on copying into wha
 became. Its key is free at once (a new reservation of it gets other memory) and COMMIT of it is
 refused (lease expired); the memory is freed when the holder is known gone (`release_holder`,
 when its lifeline closes). Quarantined bytes are counted per instance and in total
-(engine/l1/quarantine.py); an instance holding `quarantine_max_bytes` or more is refused new
-reservations (no_space, counted), others are not. The sidecar's own reservations (prefetch, its
-own copies) are aborted at expiry as ever.
+(engine/l1/quarantine.py); a client reservation that would take its instance's quarantined and
+in-flight bytes past `quarantine_max_bytes`, or everyone's past `quarantine_total_max_bytes`, is
+refused (no_space, counted): a store never reserves more than its instance may still quarantine,
+and stalled writers never hold more than the total. The sidecar's own reservations (prefetch, its
+own copies) are not counted, refused only while their instance holds `quarantine_max_bytes`
+quarantined, and aborted at expiry as ever.
 
 Events: a committed object that leaves is published as REMOVED (tier L1) on the bus given at
 construction: "evicted" (room, quotas), "deleted" (delete, last reader or pin of a doomed or
@@ -111,6 +114,7 @@ class L1Cache:
         ledger: TenantLedger | None = None,
         shedder: Shedder | None = None,
         quarantine_max_bytes: int | None = None,
+        quarantine_total_max_bytes: int | None = None,
         events: EventBus | None = None,
     ) -> None:
         self.allocator = allocator
@@ -132,8 +136,10 @@ class L1Cache:
             low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._evicted,
             let_go=self._let_go,
         )  # fmt: skip
+        capacity = allocator.capacity
         self.quarantine = Quarantine(
-            allocator.capacity // 8 if quarantine_max_bytes is None else quarantine_max_bytes
+            capacity // 2 if quarantine_max_bytes is None else quarantine_max_bytes,
+            capacity * 3 // 4 if quarantine_total_max_bytes is None else quarantine_total_max_bytes,
         )
 
     # --- queries -------------------------------------------------------------------------------
@@ -204,7 +210,7 @@ class L1Cache:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
         charge = self.allocator.aligned(size)
-        if owner and self.quarantine.full(owner):
+        if self.quarantine.refuses(owner, charge if holder else 0):
             self.counters.quarantine_refused += 1
             return Refusal.NO_SPACE  # its stalled writers hold too much memory we cannot reuse
         ledger = self.ledger
@@ -231,6 +237,8 @@ class L1Cache:
         self._reservations[oid] = obj
         self._by_oid[oid] = obj
         ledger.charge(salt, L1, charge)
+        if holder:
+            self.quarantine.reserved(owner, charge)  # a client writes it: it may end up quarantined
         self.counters.reserved += 1
         return obj
 
@@ -243,6 +251,8 @@ class L1Cache:
         obj = self._reservations.pop(oid, None)
         if obj is None:
             raise LeaseExpired(f"reservation {oid} is unknown or its lease expired")
+        if obj.holder:
+            self.quarantine.settled(obj.owner, self.allocator.aligned(obj.size))
         obj.apply(Event.COMMIT)
         obj.last_access = now
         kept = self._room.kept
@@ -257,7 +267,8 @@ class L1Cache:
         return obj
 
     def abort(self, obj: L1Object) -> None:
-        self._reservations.pop(obj.oid, None)
+        if self._reservations.pop(obj.oid, None) is not None and obj.holder:
+            self.quarantine.settled(obj.owner, self.allocator.aligned(obj.size))
         obj.apply(Event.ABORT)
         self.counters.aborted += 1
         self._release(obj)

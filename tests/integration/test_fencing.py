@@ -47,8 +47,13 @@ def writer(url: str, chunks: int, seed: int) -> tuple[subprocess.Popen[str], lis
     return proc, [int(w) for w in words[1:]]
 
 
+#: the whole of L1 may be quarantined or in flight: a stalled writer of half of it beside a store of
+#: the other half (the default total, 3/4 of L1, would refuse a quarter of that store)
+WHOLE_L1_AT_RISK = {"KVDEPOT_L1__QUARANTINE_TOTAL_MAX_BYTES": str(1 << 40)}
+
+
 def test_a_stalled_writers_late_bytes_land_only_in_quarantine(sidecar_factory: StartSidecar) -> None:
-    sc = sidecar_factory(env=FENCE_ENV, l1_size_gb=1 / 1024)  # 16 chunks
+    sc = sidecar_factory(env=FENCE_ENV | WHOLE_L1_AT_RISK, l1_size_gb=1 / 1024)  # 16 chunks
     stalled, offsets = writer(sc.url, 8, 5)
     assert len(offsets) == 8 and stalled.stdin is not None and stalled.stdout is not None
     os.kill(stalled.pid, signal.SIGSTOP)  # a GC pause, an overloaded worker: alive, not writing
@@ -101,19 +106,20 @@ def test_an_instance_over_its_quarantine_cap_is_refused_and_another_is_not(
 ) -> None:
     env = FENCE_ENV | {"KVDEPOT_L1__QUARANTINE_MAX_BYTES": str(2 * CHUNK_BYTES)}
     sc = sidecar_factory(env=env, l1_size_gb=2 / 1024)  # 32 chunks
-    stalled_client = client(sc.url)  # one instance; its stalled store leaves 4 chunks quarantined
+    stalled_client = client(sc.url)  # one instance; its stalled store leaves 2 chunks quarantined
     other = client(sc.url)  # another instance
     try:
+        # It asks for 4; it may reserve only what it may still quarantine: 2 (the other 2 are refused).
         reply = stalled_client.reserve(request_tokens(1, 4), request_id="stalled")
-        assert sum(s.status is SlotStatus.RESERVED for s in reply.slots) == 4
-        wait_for(lambda: sc.get_json("/status")["l1"]["quarantined_objects"] == 4)
+        assert [s.status for s in reply.slots] == [SlotStatus.RESERVED] * 2 + [SlotStatus.NO_SPACE] * 2
+        wait_for(lambda: sc.get_json("/status")["l1"]["quarantined_objects"] == 2)
         toks = request_tokens(2, 2)
         refused = stalled_client.store(toks, [chunk_data(2, i) for i in range(2)], request_id="again")
         assert (refused.stored, refused.no_space) == (0, 2)
         assert other.store(toks, [chunk_data(2, i) for i in range(2)], request_id="w").stored == 2
         l1 = sc.get_json("/status")["l1"]
-        assert l1["counters"]["quarantine_refused"] == 1 and l1["quarantine_max_bytes"] == 2 * CHUNK_BYTES
-        assert "kvdepot_l1_quarantine_refusals_total 1.0" in metrics(sc)
+        assert l1["counters"]["quarantine_refused"] == 2 and l1["quarantine_max_bytes"] == 2 * CHUNK_BYTES
+        assert "kvdepot_l1_quarantine_refusals_total 2.0" in metrics(sc)
         stalled_client.close()  # its lifeline closes: the quarantine goes
         wait_for(lambda: sc.get_json("/status")["l1"]["quarantined_objects"] == 0)
         assert sc.get_json("/status")["l1"]["allocator_ok"]

@@ -15,6 +15,7 @@ import zmq
 from kvdepot_connector import protocol as p
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.errors import SidecarError
+from kvdepot_connector.lifeline import LifelineClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.waiting import wait_for
@@ -231,7 +232,10 @@ def test_registrations_are_bounded_per_instance(sidecar_factory: StartSidecar) -
     sock.connect(sc.url)
     try:
         sock.send(p.encode(p.Hello(id=0, version=p.PROTOCOL_VERSION, instance="ab" * 16)))
-        assert sock.poll(10_000) and isinstance(p.reply_decoder.decode(sock.recv()), p.HelloReply)
+        assert sock.poll(10_000)
+        said = p.reply_decoder.decode(sock.recv())
+        assert isinstance(said, p.HelloReply)
+        line = LifelineClient(said.lifeline_path, said.lifeline_token)  # REGISTER needs it held
         codes = []
         for i in range(200):
             sock.send(p.encode(p.Register(id=i + 1, model=f"model-{i}", layout=LAYOUT)))
@@ -242,6 +246,7 @@ def test_registrations_are_bounded_per_instance(sidecar_factory: StartSidecar) -
             codes == ["ok"] * 64 + [p.ErrorCode.OVERLOADED] * 136
         )  # data_plane.max_registrations_per_instance
         assert len(sc.get_json("/status")["l1"]["engines"]) == 64
+        line.close()
     finally:
         sock.close()
         ctx.term()

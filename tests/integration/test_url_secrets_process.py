@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import StartSidecar
-from tests.integration.l2_helpers import free_port
 from tests.integration.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -31,7 +30,7 @@ def test_no_credential_in_a_url_is_shown_by_status_or_logged(
         "KVDEPOT_FLEET__ENGINE_URL": f"http://{eng_user}@127.0.0.1:9/?Token={eng_key}",
         "KVDEPOT_FLEET__DIRECTORY_URL": f"http://fleet:{dir_pass}@127.0.0.1:1",
         "KVDEPOT_FLEET__DIRECTORY_HEARTBEAT_S": "0.2",
-        "KVDEPOT_KV_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "KVDEPOT_KV_EVENTS__ENDPOINT": f"ipc://{tmp_path / 'events.sock'}",
         "KVDEPOT_L2__ADAPTERS": json.dumps([
             {"type": "redis", "name": "r", "url": f"redis://kv:{redis_pass}@127.0.0.1:1/0"}
         ]),

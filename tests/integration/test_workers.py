@@ -34,8 +34,10 @@ ENV = {
     "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",
     "KVDEPOT_L1__HIGH_WATERMARK": "1.0",
     "KVDEPOT_L1__LOW_WATERMARK": "1.0",
-    # a stalled worker's 4 quarantined chunks do not bar its instance from new reservations
-    "KVDEPOT_L1__QUARANTINE_MAX_BYTES": str(8 * 64 * 1024),
+    # a stalled worker's 4 quarantined chunks do not bar its instance from new reservations, nor
+    # anyone from storing the whole of L1 (quarantined and in flight: no cap but L1 itself here)
+    "KVDEPOT_L1__QUARANTINE_MAX_BYTES": str(1 << 40),
+    "KVDEPOT_L1__QUARANTINE_TOTAL_MAX_BYTES": str(1 << 40),
     "KVDEPOT_FLEET__HEARTBEAT_S": "0.2",
     "KVDEPOT_FLEET__WORKER_TIMEOUT_S": "1.0",
 }

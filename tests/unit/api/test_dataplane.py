@@ -32,7 +32,9 @@ INSTANCE = "a1" * 16
 @pytest.fixture
 def server() -> Iterator[DataPlaneServer]:
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
-        server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096)
+        server = DataPlaneServer(
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, lifeline_path="unused"
+        )
         hello(server)
         yield server
 
@@ -42,8 +44,11 @@ def call(server: DataPlaneServer, msg: msgspec.Struct, peer: bytes = b"") -> p.R
 
 
 def hello(server: DataPlaneServer, peer: bytes = b"", instance: str = INSTANCE) -> p.HelloReply:
+    """HELLO on connection `peer`, and its lifeline held (as the lifeline server does when the
+    client connects it with the reply's token)."""
     reply = call(server, p.Hello(id=1, version=p.PROTOCOL_VERSION, instance=instance), peer)
     assert isinstance(reply, p.HelloReply), reply
+    assert server.sessions.hold(reply.lifeline_token) is not None
     return reply
 
 
@@ -207,7 +212,7 @@ async def test_a_lookup_waiting_for_l2_is_timed_to_its_reply() -> None:
     async with l2_engine(64 * 4096, slow, build_mock, chunk_size=CHUNK) as (eng, _):
         registry = CollectorRegistry()
         server = DataPlaneServer(
-            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, lifeline_path="unused",
             metrics=DataPlaneMetrics(registry),
         )  # fmt: skip
         eid = register(server)
@@ -251,7 +256,7 @@ async def test_an_awaited_handler_runs_in_its_log_context_and_is_timed_whole() -
         registry = CollectorRegistry()
         transfers = SlowTransfers(0.05)
         server = DataPlaneServer(
-            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, lifeline_path="unused",
             metrics=DataPlaneMetrics(registry), transfers=transfers,  # type: ignore[arg-type]
         )  # fmt: skip
         load = p.LoadBlocks(
@@ -319,7 +324,8 @@ async def test_a_ping_arriving_as_a_deferred_reply_is_sent_is_answered(tmp_path:
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
         transfers = GatedTransfers(ping_arrives)
         server = DataPlaneServer(
-            eng, url=url, max_frame_bytes=1 << 20, max_tokens=4096, transfers=transfers,  # type: ignore[arg-type]
+            eng, url=url, max_frame_bytes=1 << 20, max_tokens=4096, lifeline_path="unused",
+            transfers=transfers,  # type: ignore[arg-type]
         )  # fmt: skip
         server.bind()
         serving = asyncio.get_running_loop().create_task(server.serve())
@@ -328,7 +334,8 @@ async def test_a_ping_arriving_as_a_deferred_reply_is_sent_is_answered(tmp_path:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(url)
                 ask(sock, p.Hello(id=1, version=p.PROTOCOL_VERSION, instance=INSTANCE))
-                assert isinstance(await answer(sock), p.HelloReply)
+                said = await answer(sock)
+                assert isinstance(said, p.HelloReply) and server.sessions.hold(said.lifeline_token)
             ask(a, p.Register(id=2, model="m", layout=LAYOUT))
             reg = await answer(a)
             assert isinstance(reg, p.RegisterReply)
@@ -355,7 +362,8 @@ def test_a_clear_is_audited_with_the_tenants_bytes_and_a_refused_one_with_its_co
     audit = AuditLog()
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
         server = DataPlaneServer(
-            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, audit=audit
+            eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, lifeline_path="unused",
+            audit=audit,
         )
         eid = register(server)
         toks = tokens(2 * CHUNK)

@@ -68,6 +68,7 @@ async def test_concurrent_registrations_make_the_copies_once() -> None:
     maker = Maker()
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
         server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+                                 lifeline_path="unused",
                                  make_transfers=maker)  # fmt: skip
         a, b = register(server, b"a"), register(server, b"b", instance="b2" * 16)
         first, second = kv_register(server, a, b"a"), kv_register(server, b, b"b")
@@ -89,6 +90,7 @@ async def test_block_copies_before_any_registration_are_not_found_and_make_nothi
     maker = Maker()
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
         server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+                                 lifeline_path="unused",
                                  make_transfers=maker)  # fmt: skip
         eid = register(server)
         load = p.LoadBlocks(id=7, engine_id=eid, request_id="r", first_chunk=0, num_chunks=1, block_ids=[0])
@@ -103,6 +105,7 @@ async def test_a_failed_making_is_answered_retryable_and_the_next_registration_t
     maker.gate.set()
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
         server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+                                 lifeline_path="unused",
                                  make_transfers=maker)  # fmt: skip
         eid = register(server)
         failed = await answer(kv_register(server, eid, b""))
@@ -118,6 +121,7 @@ async def test_prepared_copies_are_made_before_the_registration_comes() -> None:
     maker = Maker()
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):
         server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096,
+                                 lifeline_path="unused",
                                  make_transfers=maker)  # fmt: skip
         eid = register(server)
         server.prepare_transfers()

@@ -231,6 +231,21 @@ def test_connections_past_the_limit_are_refused(tmp_path: Path) -> None:
     run(body, tmp_path, max_connections=2)
 
 
+def test_lifelines_of_one_uid_are_capped(tmp_path: Path) -> None:
+    async def body(server: LifelineServer, rec: Recorder) -> None:
+        clients = [await asyncio.to_thread(LifelineClient, server.path, TOKEN) for _ in range(2)]
+        with pytest.raises(LifelineError):  # this process's uid holds its 2 already
+            await asyncio.to_thread(LifelineClient, server.path, TOKEN)
+        assert server.refused == 1 and len(server.lines) == 2
+        clients.pop().close()
+        await asyncio.wait_for(rec.closed_event.wait(), 10)
+        clients.append(await asyncio.to_thread(LifelineClient, server.path, TOKEN))  # its place is free
+        for c in clients:
+            c.close()
+
+    run(body, tmp_path, max_connections_per_uid=2)
+
+
 def test_a_refused_share_closes_its_descriptors_and_keeps_the_lifeline(tmp_path: Path) -> None:
     async def body(server: LifelineServer, rec: Recorder) -> None:
         client = await asyncio.to_thread(LifelineClient, server.path, TOKEN)

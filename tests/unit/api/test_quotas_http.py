@@ -345,7 +345,8 @@ async def test_a_quota_refusal_is_answered_quota_on_the_data_plane(serve: ServeS
 
         layout = p.Layout(dtype="float16", num_layers=2, num_kv_heads=1, head_dim=32, block_size=CHUNK,
                           kind="test", chunk_size=CHUNK)  # fmt: skip
-        assert isinstance(call(p.Hello(id=0, version=p.PROTOCOL_VERSION)), p.HelloReply)
+        said = call(p.Hello(id=0, version=p.PROTOCOL_VERSION))
+        assert isinstance(said, p.HelloReply) and server.sessions.hold(said.lifeline_token)  # its lifeline
         reg = call(p.Register(id=1, model="m", layout=layout))
         assert isinstance(reg, p.RegisterReply)
         toks = tokens(2 * CHUNK)

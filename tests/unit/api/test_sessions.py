@@ -52,3 +52,26 @@ def test_an_instance_ends_with_its_last_session_and_a_new_hello_keeps_it() -> No
     assert gone == ["cd" * 8] and len(t) == 0
     t.end(again)  # once
     assert closed == [a.id, b.id, again.id] and gone == ["cd" * 8]
+
+
+def test_a_session_not_held_within_the_handshake_timeout_expires_with_its_instance() -> None:
+    t = SessionTable(max_sessions=2, idle_s=600.0, handshake_s=5.0)
+    gone: list[str] = []
+    t.on_instance_gone.append(gone.append)
+    held = t.hello(b"a", "ab" * 8, 0.0)
+    t.hold(held.token)
+    flood = [t.hello(b"b", "cd" * 8, 1.0)]
+    with pytest.raises(Overloaded):
+        t.hello(b"c", "ef" * 8, 5.9)  # full; the unheld one is not due yet (nor idle for idle_s)
+    assert t.expire(5.9) == 0
+    flood.append(t.hello(b"c", "ef" * 8, 6.0))  # due now: it goes, and makes room
+    assert flood[0].closed and gone == ["cd" * 8] and t.expired == 1
+    t.expire(1000.0)
+    assert flood[1].closed and not held.closed and gone == ["cd" * 8, "ef" * 8]
+    assert len(t) == 1 and t.hold(flood[1].token) is None  # its token admits no lifeline any more
+
+
+def test_no_session_expires_in_a_table_without_lifelines() -> None:
+    t = SessionTable(max_sessions=2, idle_s=600.0)
+    s = t.hello(b"a", "", 0.0)
+    assert t.expire(1e9) == 0 and not s.closed

@@ -178,6 +178,16 @@ def test_good_data_plane_urls_are_accepted() -> None:
     assert load_settings({"data_plane.url": "ipc:///tmp/x.sock"}).data_plane_url == "ipc:///tmp/x.sock"
 
 
+@pytest.mark.parametrize(
+    "url", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "tcp://engine:5555"]
+)
+def test_a_data_plane_beyond_loopback_needs_allow_remote(url: str) -> None:
+    message = config_error({"data_plane.url": url})
+    assert url in message and "data_plane.allow_remote" in message
+    assert load_settings({"data_plane.url": url, "data_plane.allow_remote": True}).data_plane_url == url
+    assert load_settings({"data_plane.url": "tcp://[::1]:5555"}).data_plane_url == "tcp://[::1]:5555"
+
+
 def test_low_watermark_above_high_watermark(tmp_path: Path) -> None:
     config = write_toml(tmp_path, "[l1]\nlow_watermark = 0.9\nhigh_watermark = 0.5\n")
     message = config_error(config_file=config)

@@ -296,14 +296,17 @@ def test_every_data_plane_operation_is_a_start_end_pair_with_its_request_id(
     small: tuple[CacheEngine, Recorder],
 ) -> None:
     eng, rec = small
-    server = DataPlaneServer(eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096)
+    server = DataPlaneServer(
+        eng, url="ipc:///unused", max_frame_bytes=1 << 20, max_tokens=4096, lifeline_path="unused"
+    )
 
     def call(msg: p.Request) -> p.Reply:
         reply = server.handle(p.encode(msg), b"peer")
         assert isinstance(reply, bytes)
         return p.reply_decoder.decode(reply)
 
-    call(p.Hello(id=1, version=p.PROTOCOL_VERSION, instance="a1" * 16))
+    said = call(p.Hello(id=1, version=p.PROTOCOL_VERSION, instance="a1" * 16))
+    assert isinstance(said, p.HelloReply) and server.sessions.hold(said.lifeline_token)  # its lifeline
     layout = p.Layout(
         dtype="float16", num_layers=2, num_kv_heads=1, head_dim=32, block_size=16, kind="test",
         chunk_size=CHUNK,

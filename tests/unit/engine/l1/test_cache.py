@@ -168,8 +168,13 @@ def test_a_reservation_busy_for_io_is_not_reaped_until_the_io_ends() -> None:
     assert o.state is ObjectState.DELETED
 
 
-def fenced_cache(capacity_pages: int, cap_pages: int) -> L1Cache:
-    settings = l1_settings().model_copy(update={"quarantine_max_bytes": cap_pages * PAGE})
+def fenced_cache(capacity_pages: int, cap_pages: int, total_pages: int | None = None) -> L1Cache:
+    """A cache whose instances may each hold `cap_pages` quarantined or in flight, and all of them
+    `total_pages` (default: the whole cache)."""
+    total = (capacity_pages if total_pages is None else total_pages) * PAGE
+    settings = l1_settings().model_copy(
+        update={"quarantine_max_bytes": cap_pages * PAGE, "quarantine_total_max_bytes": total}
+    )
     return build_cache(settings, capacity_pages * PAGE)
 
 
@@ -259,3 +264,39 @@ def test_find_chain_sees_exactly_what_find_sees_through_every_lifecycle_move() -
         cache.commit(o.oid, clock())
     assert chain() == []
     assert cache.find_chain(ns, "", [key(1).chunk_hash, key(2).chunk_hash], clock()) == [again, c]
+
+
+def test_a_store_never_reserves_more_than_its_instance_may_still_quarantine() -> None:
+    cache = fenced_cache(8, cap_pages=2)
+    first = [cache.try_reserve(key(i), PAGE, 0.0, owner="a", holder=1) for i in range(3)]
+    assert isinstance(first[0], L1Object) and isinstance(first[1], L1Object)
+    assert first[2] is Refusal.NO_SPACE  # two in flight: both may yet be quarantined
+    assert cache.quarantine.exposure("a") == 2 * PAGE and cache.counters.quarantine_refused == 1
+    cache.commit(first[0].oid, 0.0)  # committed: no longer at risk
+    assert isinstance(cache.try_reserve(key(5), PAGE, 0.0, owner="a", holder=1), L1Object)
+    assert isinstance(cache.try_reserve(key(6), PAGE, 0.0, owner="a"), L1Object)  # the sidecar's: not counted
+    aborted = cache.try_reserve(key(7), PAGE, 0.0, owner="b", holder=2)
+    assert isinstance(aborted, L1Object)
+    cache.abort(aborted)
+    assert cache.quarantine.exposure("b") == 0
+    cache.reap(100.0)  # every writer stalls
+    assert cache.quarantine.of("a") == 2 * PAGE and cache.quarantine.in_flight == 0
+
+
+def test_stalled_writers_of_many_instances_quarantine_at_most_the_total() -> None:
+    cache = fenced_cache(16, cap_pages=4, total_pages=6)
+    ours = reserve(cache, key(1000), PAGE, 0.0)  # another tenant's chunk, committed
+    assert ours is not None
+    cache.commit(ours.oid, 0.0)
+    got = {}
+    for n, instance in enumerate("abc"):
+        slots = [cache.try_reserve(key(100 * n + i), PAGE, 0.0, owner=instance, holder=n + 1)
+                 for i in range(8)]  # fmt: skip
+        got[instance] = sum(isinstance(o, L1Object) for o in slots)
+    assert got == {"a": 4, "b": 2, "c": 0}  # per instance, then in all
+    cache.reap(100.0)  # all of them stalled
+    assert (cache.quarantine.bytes, cache.quarantine.in_flight) == (6 * PAGE, 0)
+    assert cache.peek(key(1000)) is ours and ours.state is ObjectState.READY  # never pushed out
+    cache.release_holder(1)  # a's writer is gone: its share is free for others again
+    assert isinstance(cache.try_reserve(key(999), PAGE, 100.0, owner="c", holder=3), L1Object)
+    cache.allocator.check()
