@@ -68,6 +68,10 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
     try:
         wait_for(lambda: set(d.instances()) == {"a", "b"}, 20, "both registered")
         wait_for(lambda: all(i["synced"] for i in d.instances().values()), 20, "both synced")
+        # a sidecar's inventory opens to its own credential (what the directory sent), not b's
+        own, other = instance_credential(DIR_TOKEN, "a"), instance_credential(DIR_TOKEN, "b")
+        for token, expected in ((own, 200), (other, 401), (TOKEN, 200), (None, 401)):
+            assert inventory_status(a.http, token) == expected, token
         # a wrote the chunks to L1 and to the shared Redis; b, attached to the same Redis, serves
         # them from there
         wait_for(lambda: d.prefixes(victim, "victim") == {"a": 64, "b": 64}, 20, "the shared tier")
@@ -150,6 +154,22 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
         assert 'kvdepot_directory_instances{state="stale"} 1.0' in metrics_text(d)
     finally:
         d.stop()
+
+
+def inventory_status(sidecar: str, token: str | None) -> int:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(sidecar + "/inventory")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return int(exc.code)
 
 
 def metrics_text(d: DirectoryProcess) -> str:
