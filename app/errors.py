@@ -83,6 +83,11 @@ class AuthenticationError(IntegrityError, code="authentication"):
     """A stored blob was not signed with a key of this deployment; it is never used."""
 
 
+class UnknownKey(AuthenticationError, code="auth_unknown_key"):
+    """A stored blob names a signing key this sidecar does not hold (another key list, a rotation
+    half done): a miss, never removed from a shared tier."""
+
+
 class TransferError(KVDepotError, code="transfer", retryable=True):
     """A copy between device memory and L1 failed."""
 

@@ -13,7 +13,10 @@ Primitives in call order:
   load(keys)               OK with the blob bytes, MISS, ERROR. Integrity is the caller's check
                            (codec.decode_into); on a failed check the caller counts it in
                            `stats.integrity_failures` (and `stats.auth_failures` when the MAC
-                           check failed) and deletes the key (it is a miss)
+                           check failed, `stats.auth_unknown_key` too when the blob names a key
+                           id the caller does not hold) and it is a miss. The caller deletes it
+                           only from an adapter that is not `shared` (storage/common.py), and
+                           never one of an unknown key
   load_into(keys, outs)    the zero-copy load: each out is the writable region (exactly the chunk's
                            original payload size) the blob decodes into. A raw blob whose payload is
                            exactly len(out) (blob_header.fits_in_place) is read with its payload straight
@@ -26,7 +29,8 @@ Primitives in call order:
                            Bounded: no blob of a key is longer than blob_header.header_size(key) + len(out)
                            (storage/codec.py), so nothing past that is ever read: a longer value is
                            refused unread (`LoadResult.too_long` from the subclass), counted in
-                           `stats.integrity_failures`, deleted, and answered MISS
+                           `stats.integrity_failures`, deleted (not from a `shared` adapter),
+                           and answered MISS
   delete(keys)             OK = removed, MISS = was not there, ERROR
   usage() / health()       cheap snapshots for /status and metrics
   set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)
@@ -163,6 +167,7 @@ class AdapterStats:
     errors: int = 0
     integrity_failures: int = 0
     auth_failures: int = 0
+    auth_unknown_key: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
 

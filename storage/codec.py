@@ -41,8 +41,10 @@ blob_header.fits_in_place says it may):
                                                 the checks of decode_into, over a header and a payload
                                                 that already lies in out
 
-Every check failure raises app.errors.IntegrityError (AuthenticationError when the MAC is absent,
-of an unknown key or wrong); such a blob must be treated as a miss.
+Every check failure raises app.errors.IntegrityError (AuthenticationError when the MAC is absent
+or wrong; its subclass UnknownKey when the blob names a key id not among `keys`); such a blob must
+be treated as a miss. An UnknownKey blob is another key list's (a fleet-mate mid-rotation): it is
+never removed; other failures only from a tier private to this sidecar.
 
 Bounded size: an encoding is kept only when it does not make the payload longer, so no blob of a
 key is longer than blob_header.header_size(key) + its original length: readers never need to read more.
@@ -57,7 +59,7 @@ import blake3
 import lz4.block
 import xxhash
 
-from app.errors import AuthenticationError, IntegrityError
+from app.errors import AuthenticationError, IntegrityError, UnknownKey
 from kvdepot_connector.layout import dtype_size
 from storage.auth import BlobKeys
 from storage.blob_header import (
@@ -221,7 +223,7 @@ def _check_payload(header: BlobHeader, head: memoryview, body: memoryview, keys:
         raise AuthenticationError("blob is not signed")
     mac_key = keys.mac_key(header.key_id)
     if mac_key is None:
-        raise AuthenticationError(f"blob signed by an unknown key (id {header.key_id.hex()})")
+        raise UnknownKey(f"blob signed by a key this sidecar does not hold (id {header.key_id.hex()})")
     mac = _mac(mac_key, mac_fields(head), key_field(head, header.header_len), body)
     if not hmac.compare_digest(mac, header.mac):
         raise AuthenticationError("blob MAC mismatch")

@@ -17,7 +17,7 @@ Primitives in call order:
                                 ERROR results if anything escapes: callers never see an exception.
                                 load_into is timed and counted as "load" (payload bytes included);
                                 its `too_long` answers (values it refused unread) are counted as
-                                integrity failures, deleted and answered MISS
+                                integrity failures, deleted (unless `shared`) and answered MISS
   usage() / health()            snapshots: bytes and objects in `_held`, the capacity; health
   set_capacity(bytes)           runtime resize: the capacity, then `_capacity_changed`
   bind_accounting(salt_of, hook) / unbind_accounting()
@@ -88,6 +88,9 @@ class AdapterCore(ABC, Generic[V]):
     #: whether eviction here skips the keys pins hold (`bind_pins`); an adapter that cannot (its
     #: backend evicts by its own policy) leaves it False and pins on it are refused
     honours_pins: ClassVar[bool] = False
+    #: whether other sidecars use the same blobs (Redis): nothing that fails a check here is
+    #: deleted by this sidecar (it may be a fleet-mate's, signed with a key list of its own)
+    shared: ClassVar[bool] = False
 
     def __init__(self, name: str, capacity_bytes: int = 0) -> None:
         self._name = name
@@ -280,7 +283,7 @@ class AdapterCore(ABC, Generic[V]):
 
     async def _load_bounded(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
         """`_load_into`, then values longer than any blob for their out (refused unread) counted
-        as integrity failures, deleted (best effort) and answered MISS."""
+        as integrity failures, deleted (best effort; never from a shared tier) and answered MISS."""
         results = await self._load_into(keys, outs)
         oversized = [i for i, result in enumerate(results) if result.oversized]
         if not oversized:
@@ -288,6 +291,8 @@ class AdapterCore(ABC, Generic[V]):
         self._stats.integrity_failures += len(oversized)
         log.warning("l2_oversized_value", adapter=self._name, keys=[keys[i] for i in oversized[:8]],
                     error=results[oversized[0]].message)  # fmt: skip
+        if self.shared:
+            return [LoadResult(Status.MISS) if r.oversized else r for r in results]
         try:
             await self._delete([keys[i] for i in oversized])
         except BackendError as exc:

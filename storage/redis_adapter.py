@@ -18,8 +18,8 @@ turns only its slots' keys into ERROR (misses) within timeout_s; the other nodes
 
 Bounded reads: load_into never receives more than header + len(out) + 1 bytes of a value (a
 GETRANGE of that many on redis-py, storage/redis_read.py on the lane), so a huge value planted
-under a chunk key costs no memory: it is refused unread (too_long), counted, deleted. `load`
-(whole blobs of any length, for tools and tests) is a plain GET.
+under a chunk key costs no memory: it is refused unread (too_long), counted, a miss (never deleted:
+the tier is shared, storage/common.py). `load` (whole blobs of any length, for tools) is a GET.
 
 Which path: a stored blob of `bulk_min_kib` or more, and a load_into whose blob would be that big,
 take the lane; everything else is one redis-py pipeline per batch (transaction=False). Both run
@@ -100,6 +100,7 @@ def _unlink(pipe: Pipeline, _: int, key: bytes) -> object:
 
 class RedisAdapter(AdapterCore[None]):
     kind = "redis"
+    shared = True
 
     def __init__(
         self,

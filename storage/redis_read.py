@@ -5,7 +5,7 @@ to the lane's whole_get_max, GETRANGE pieces in a sliding window past it. A valu
 header + len(out) whose header says raw (blob_header.fits_in_place) has its payload received into out ->
 placed(header); any shorter value is received whole into fresh memory -> hit(blob); an absent key
 -> MISS. No blob for `out` is longer than header + len(out) (storage/codec.py), so a longer value
-is never read: too_long (the adapter counts and deletes it). At most header + len(out) + 1 bytes
+is never read: too_long (the adapter counts it: a miss). At most header + len(out) + 1 bytes
 of a value ever cross the socket (GETRANGE bounds what the server sends), whatever is stored.
 
 State: none; the connection is the caller's, used by one executor thread at a time.

@@ -21,14 +21,17 @@ At the deadline whatever has not been attached is a miss: the request's hit is t
 so far. A chunk that arrives for a request that moved on is kept as an ordinary L1 object
 (`cache.make_ordinary`). A reservation is busy for I/O (`cache.busy_for_io`: never reaped) while
 threads read or copy into it, and is aborted only after they have finished, so its memory is
-never reused while a thread still writes it. A blob that fails its check is counted and deleted from its tier.
+never reused while a thread still writes it. A blob that fails its check is a miss, counted; it is
+deleted from its tier only when the tier is this sidecar's own (disk, slab, mock: `tiers.is_shared`
+False) and the blob did not name a key id this sidecar does not hold (`UnknownKey`: a fleet-mate's
+blob under another key list, counted as `auth_unknown_key` and logged once per key id and tier).
 
 Events: START/END "l2.prefetch" (request_id) around the whole prefetch (tier "", END detail =
 chunks handed to the request) and around each adapter's part of it (tier = the adapter: from asking
 it which chunks it holds to its last load, END detail = chunks loaded from it),
 START/END "l2.load" (tier = the adapter) around each load, STORED (tier L1, op "l2.load",
 reason = the tier it came from) when a loaded chunk is committed, REMOVED "corrupt" for a blob that
-failed its check, ERROR "l2.load" for a load that failed.
+failed its check and is deleted, ERROR "l2.load" for a load that failed.
 """
 
 from __future__ import annotations
@@ -43,13 +46,14 @@ from typing import Any
 
 import structlog
 
-from app.errors import AuthenticationError, IntegrityError, LeaseExpired
+from app.errors import AuthenticationError, IntegrityError, LeaseExpired, UnknownKey
 from engine.events import L1_TIER, EventBus, Kind
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
 from engine.l1.lifecycle import L1Object, ObjectState
-from engine.l2.tiers import L2Tiers, Tier
+from engine.l2.prefetch_spans import PrefetchSpans as _Spans
+from engine.l2.tiers import L2Tiers, Tier, is_shared
 from engine.results import Registration
 from engine.tenants.quota import L1
 from storage import codec
@@ -72,6 +76,7 @@ class PrefetchCounters:
     load_errors: int = 0
     integrity_failures: int = 0
     auth_failures: int = 0
+    auth_unknown_key: int = 0
     no_space: int = 0
     quota_refused: int = 0
 
@@ -103,59 +108,6 @@ def _reserved(obj: L1Object) -> bool:
     return obj.state is ObjectState.WRITE_RESERVED
 
 
-class _Spans:
-    """The START/END "l2.prefetch" pairs of one prefetch: the whole of it (tier "", END detail =
-    chunks handed to the request) and each adapter asked (from its locate to its last load, END
-    detail = chunks loaded from it). Nothing when the bus is disabled."""
-
-    __slots__ = ("_events", "_open", "_request_id", "_settled")
-
-    def __init__(self, events: EventBus, request_id: str) -> None:
-        self._events = events
-        self._request_id = request_id
-        #: tier ("" = the whole) -> [span, loads running, chunks loaded]
-        self._open: dict[str, list[int]] = {}
-        self._settled = False
-
-    def begin(self, tier: str) -> None:
-        events = self._events
-        if events.enabled and tier not in self._open:
-            self._open[tier] = [events.start("l2.prefetch", self._request_id, tier=tier), 0, 0]
-
-    def loading(self, tier: str) -> None:
-        entry = self._open.get(tier)
-        if entry is not None:
-            entry[1] += 1
-
-    def located(self) -> None:
-        """Loads are under way: an adapter with none to do is done."""
-        self._settled = True
-        for tier, entry in list(self._open.items()):
-            if tier and entry[1] == 0:
-                self._end(tier, "ok")
-
-    def loaded(self, tier: str, ok: bool) -> None:
-        entry = self._open.get(tier)
-        if entry is None:
-            return
-        entry[1] -= 1
-        entry[2] += ok
-        if entry[1] == 0 and self._settled:
-            self._end(tier, "ok")
-
-    def close(self, outcome: str, attached: int) -> None:
-        """The prefetch is over: what is still open ends with `outcome`, the whole last."""
-        for tier in [t for t in self._open if t]:
-            self._end(tier, outcome)
-        whole = self._open.pop("", None)
-        if whole is not None:
-            self._events.end(whole[0], "l2.prefetch", self._request_id, reason=outcome, detail=attached)
-
-    def _end(self, tier: str, outcome: str) -> None:
-        span, _, loaded = self._open.pop(tier)
-        self._events.end(span, "l2.prefetch", self._request_id, tier=tier, reason=outcome, detail=loaded)
-
-
 class PrefetchController:
     def __init__(
         self,
@@ -183,6 +135,7 @@ class PrefetchController:
         self._keys = keys if keys is not None else BlobKeys([secrets.token_bytes(32)])
         self._running: set[asyncio.Task[Any]] = set()
         self._loading: dict[ObjectKey, asyncio.Future[L1Object | None]] = {}
+        self._unknown_logged: set[tuple[str, str]] = set()  # (tier, key id) said once
 
     def start(
         self, reg: Registration, keys: list[ObjectKey], attach: Attach, request_id: str = ""
@@ -386,17 +339,31 @@ class PrefetchController:
                         fut.exception()  # retrieved: nobody waits for the outcome any more
                     raise
                 except IntegrityError as exc:
-                    stats = slot.tier.adapter.stats
-                    self.counters.integrity_failures += 1
-                    stats.integrity_failures += 1
-                    if isinstance(exc, AuthenticationError):
-                        self.counters.auth_failures += 1
-                        stats.auth_failures += 1
-                    log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
-                    self.events.emit(Kind.REMOVED, tier=slot.tier.name, key=slot.key, reason="corrupt")
-                    self._spawn_delete(slot.tier, slot.name)
+                    self._failed_check(slot, exc)
                     return False
                 return True
+
+    def _failed_check(self, slot: _Slot, exc: IntegrityError) -> None:
+        """A miss, counted. Deleted only from a tier of this sidecar's own, and never a blob of a
+        key id this sidecar does not hold (another key list may verify it)."""
+        stats = slot.tier.adapter.stats
+        self.counters.integrity_failures += 1
+        stats.integrity_failures += 1
+        if isinstance(exc, AuthenticationError):
+            self.counters.auth_failures += 1
+            stats.auth_failures += 1
+        if isinstance(exc, UnknownKey):
+            self.counters.auth_unknown_key += 1
+            stats.auth_unknown_key += 1
+            said = (slot.tier.name, str(exc))
+            if said not in self._unknown_logged and len(self._unknown_logged) < 1024:
+                self._unknown_logged.add(said)
+                log.warning("l2_auth_unknown_key", adapter=slot.tier.name, error=str(exc))
+            return
+        log.warning("l2_integrity_failure", adapter=slot.tier.name, key=slot.name, error=str(exc))
+        if not is_shared(slot.tier.adapter):
+            self.events.emit(Kind.REMOVED, tier=slot.tier.name, key=slot.key, reason="corrupt")
+            self._spawn_delete(slot.tier, slot.name)
 
     def _spawn_delete(self, tier: Tier, name: str) -> None:
         async def delete() -> None:

@@ -224,6 +224,12 @@ def honours_pins(adapter: L2Adapter) -> bool:
     return isinstance(adapter, AdapterCore) and adapter.honours_pins
 
 
+def is_shared(adapter: L2Adapter) -> bool:
+    """Whether other sidecars use `adapter`'s blobs (Redis; an adapter of an unknown kind counts as
+    shared): a blob failing its check there is a miss, never deleted (storage/common.py)."""
+    return not isinstance(adapter, AdapterCore) or adapter.shared
+
+
 def _removed(events: EventBus, tier: str, key: str, reason: str) -> None:
     """REMOVED from `tier` of the chunk an adapter names `key` (its serialized ObjectKey)."""
     try:

@@ -1,5 +1,6 @@
 """A huge value planted under a chunk key costs the Redis adapter no memory: load_into never
-receives more than header + chunk + 1 bytes of it, refuses it, counts it and deletes it. Checked on
+receives more than header + chunk + 1 bytes of it, refuses it and counts it (a miss; the tier is
+shared, so it is left where it is). Checked on
 each read path: redis-py (small chunks), the lane's single GETRANGE, the lane's window of pieces."""
 
 from __future__ import annotations
@@ -46,4 +47,4 @@ async def test_a_huge_value_under_a_chunk_key_is_refused_without_reading_it(
     assert peak < 2 * MiB, f"{path}: {peak / MiB:.1f} MiB allocated to refuse a {PLANTED // MiB} MiB value"
     assert result.status is Status.MISS
     assert adapter.stats.integrity_failures == 1
-    assert await raw_redis.exists(adapter.redis_key("chunk")) == 0  # deleted
+    assert await raw_redis.exists(adapter.redis_key("chunk")) == 1  # a shared tier: never deleted

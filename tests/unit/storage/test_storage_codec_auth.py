@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from app.errors import AuthenticationError, ConfigError, IntegrityError
+from app.errors import AuthenticationError, ConfigError, IntegrityError, UnknownKey
 from storage import blob_header, codec
 from storage.auth import BlobKeys, load_or_create_key, parse_secret
 from storage.codec import CodecOptions
@@ -59,8 +59,10 @@ def test_an_unsigned_blob_is_refused_by_a_check_with_keys() -> None:
 
 def test_a_blob_signed_with_another_key_is_refused() -> None:
     blob = codec.encode(KEY, FP, PAYLOAD, CodecOptions(), THEIRS)
-    with pytest.raises(AuthenticationError, match="unknown key"):
+    with pytest.raises(UnknownKey, match="does not hold"):  # an AuthenticationError
         decoded(blob.to_bytes(), OURS)
+    with pytest.raises(UnknownKey):
+        in_place(blob, OURS)
 
 
 def test_a_signed_header_over_other_bytes_with_a_fixed_up_checksum_is_refused() -> None:
