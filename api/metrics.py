@@ -109,6 +109,7 @@ ADAPTER_COUNTERS: tuple[Row, ...] = tuple(
         ("load_bytes", "Bytes loaded."), ("misses", "Loads that found nothing."),
         ("errors", "Operations that failed."), ("integrity_failures", "Blobs that failed their check."),
         ("auth_failures", "Blobs refused for a missing or wrong MAC (also integrity failures)."),
+        ("auth_unknown_key", "Blobs signed by a key id this sidecar does not hold: misses, never deleted."),
         ("evictions", "Blobs evicted (for capacity or a tenant's quota)."),
         ("no_space", "Stores refused for lack of room."),
     )
@@ -128,6 +129,11 @@ STORE_COUNTERS: tuple[Row, ...] = (
         "l2_store_skipped_quota",
         "Chunks not written behind: their tenant may store nothing in L2.",
         "skipped_quota",
+    ),
+    (
+        "l2_store_skipped_purge",
+        "Chunks not written behind: their tenant was being purged.",
+        "skipped_purge",
     ),
     (
         "l2_store_quota_refused",

@@ -9,17 +9,21 @@ Each blob deleted announces REMOVED (tier = the adapter): through the adapter's 
 the blobs it held ("deleted"), "purged" for the others. `clear(tiers)` does the same for every chunk
 of the tiers named (`l1`: CacheEngine.clear(), CLEARED for L1; an adapter: all its blobs, then
 CLEARED for it). A job is idempotent: run again it scans again and deletes what is left. The jobs
-not finished are kept in `<data_dir>/purges.json` (written atomically when one starts and when one
-ends): after a restart `resume` starts them again, so a purge interrupted by a restart finishes by
-itself. Chunks written while a job runs (a write-behind in flight) may outlive it.
+not finished are kept in `<data_dir>/purges.json` (written atomically, fsync, when one starts, and
+when one ends before it shows "done"): `purge` and `clear` return (the 202) only once the file
+lists the job, and after a restart `resume` starts them again, so a purge answered is never lost.
+While a purge runs, the tenant's write-behind is held off (StoreController.hold: its queued chunks
+dropped, new ones refused); the adapters are swept once its batches in flight have landed, and L1
+once more at the end, so the tenant's chunks that this sidecar stored or loaded meanwhile are gone
+too. (Another sidecar writing the tenant to a shared Redis meanwhile is not held off.)
 
 State (event loop only): the jobs by id (the last MAX_JOBS), the tasks running (kept in a set,
 cancelled at close), the latest job per target, the targets not finished (what the file holds). A
 job's task never raises: a failure ends it "failed" with the message.
 
 Primitives in call order: load(path) (start-up), PurgeJobs(engine, tiers, events, path=, executor=),
-resume(loaded), purge(salt) / clear(tiers) (the running job for the same target is returned instead
-of a second one), job(id) / latest(target), close().
+resume(loaded), await purge(salt) / await clear(tiers) (the running job for the same target is
+returned instead of a second one, once it is in the file), job(id) / latest(target), close().
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import Any, Literal
 
 import structlog
 
-from app.errors import InvalidInput, NotFound
+from app.errors import BackendError, InvalidInput, NotFound
 from engine.events import EventBus, Kind
 from engine.facade import CacheEngine
 from engine.keys import ObjectKey
+from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers, Tier
 from engine.tenants.quota import L1, check_salt
 from engine.tenants.registry import write_atomically
@@ -98,23 +103,40 @@ class PurgeJobs:
         self._jobs: OrderedDict[str, PurgeJob] = OrderedDict()
         self._latest: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: job id -> done once the job file lists it (until then purge/clear do not answer)
+        self._saved: dict[str, asyncio.Future[None]] = {}
         self._ids = itertools.count(1)
 
     # --- starting and reading ------------------------------------------------------------------
 
-    def purge(self, salt: str) -> PurgeJob:
+    async def purge(self, salt: str) -> PurgeJob:
+        """The tenant's purge, once it is in the job file (BackendError when it cannot be written:
+        nothing started)."""
+        return await self._durable(self._purge(salt))
+
+    async def clear(self, tiers: list[str] | None) -> PurgeJob:
+        """`tiers`: `l1` and adapter names (None: L1 only). InvalidInput for an unknown name. Once
+        it is in the job file, as for purge."""
+        return await self._durable(self._clear(tiers))
+
+    def _purge(self, salt: str) -> PurgeJob:
         check_salt(salt)
         tiers = [L1, *(t.name for t in self._adapters())]
         return self._start("purge", salt, tiers)
 
-    def clear(self, tiers: list[str] | None) -> PurgeJob:
-        """`tiers`: `l1` and adapter names (None: L1 only). InvalidInput for an unknown name."""
+    def _clear(self, tiers: list[str] | None) -> PurgeJob:
         names = [L1] if not tiers else list(dict.fromkeys(tiers))
         known = {L1, *(t.name for t in self._adapters())}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise InvalidInput(f"unknown tier(s) {', '.join(unknown)}; tiers are {', '.join(sorted(known))}")
         return self._start("clear", None, names)
+
+    async def _durable(self, job: PurgeJob) -> PurgeJob:
+        saved = self._saved.get(job.id)
+        if saved is not None:
+            await asyncio.shield(saved)
+        return job
 
     def job(self, job_id: str) -> PurgeJob:
         found = self._jobs.get(job_id)
@@ -151,12 +173,12 @@ class PurgeJobs:
         for entry in pending:
             try:
                 if entry.get("kind") == "purge" and isinstance(entry.get("salt"), str):
-                    jobs.append(self.purge(entry["salt"]))
+                    jobs.append(self._purge(entry["salt"]))
                 elif entry.get("kind") == "clear" and isinstance(entry.get("tiers"), list):
                     known = {L1, *(t.name for t in self._adapters())}
                     tiers = [t for t in entry["tiers"] if t in known]
                     if tiers:
-                        jobs.append(self.clear(tiers))
+                        jobs.append(self._clear(tiers))
             except InvalidInput as exc:
                 log.warning("purge_not_resumed", error=str(exc))
         for job in jobs:
@@ -192,26 +214,35 @@ class PurgeJobs:
             del self._jobs[old_id]
         entry: dict[str, Any] = {"kind": kind, "salt": salt} if salt is not None else {"kind": kind}
         self._pending[target] = entry | {"tiers": tiers}
-        task = asyncio.get_running_loop().create_task(self._run(job, salt, target), name=job.id)
+        saved = self._saved[job.id] = asyncio.get_running_loop().create_future()
+        saved.add_done_callback(_retrieved)
+        task = asyncio.get_running_loop().create_task(self._run(job, salt, target, saved), name=job.id)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
 
-    async def _run(self, job: PurgeJob, salt: str | None, target: str) -> None:
+    async def _run(self, job: PurgeJob, salt: str | None, target: str, saved: asyncio.Future[None]) -> None:
         try:
-            await self._save()
-            if L1 in job.tiers:
-                job.l1_chunks = self.engine.clear(salt)
-            for tier in self._adapters():
-                if tier.name in job.tiers:
-                    progress = job.progress.setdefault(tier.name, TierProgress())
-                    await self._tier(tier, salt, progress)
-                    if salt is None:
-                        self.events.emit(Kind.CLEARED, tier=tier.name, op="clear", detail=progress.removed)
-            job.state = "done"
+            try:
+                await self._save(strict=True)
+            except OSError as exc:
+                if self._latest.get(target) == job.id:
+                    self._pending.pop(target, None)
+                saved.set_exception(BackendError(f"purge: the job file cannot be written: {exc}"))
+                raise
+            saved.set_result(None)
+            store = None if self.engine.l2 is None or salt is None else self.engine.l2.store
+            if store is not None and salt is not None:
+                store.hold(salt)
+            try:
+                await self._sweep(job, salt, store)
+            finally:
+                if store is not None and salt is not None:
+                    store.unhold(salt)
             if self._latest.get(target) == job.id:
                 self._pending.pop(target, None)
-            await self._save()
+            await self._save()  # then done: a restart in between runs it again (idempotent)
+            job.state = "done"
         except asyncio.CancelledError:
             job.state, job.error = "failed", "cancelled (the sidecar stopped); ask again to finish"
             raise
@@ -219,12 +250,32 @@ class PurgeJobs:
             log.warning("purge_failed", job=job.id, error=f"{type(exc).__name__}: {exc}")
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
         finally:
+            self._saved.pop(job.id, None)
+            if not saved.done():
+                saved.cancel()
             job.finished_at = time.time()
             log.info("purge_ended", job=job.id, state=job.state, l1_chunks=job.l1_chunks,
                      removed={n: p.removed for n, p in job.progress.items()})  # fmt: skip
 
-    async def _save(self) -> None:
-        """The jobs not finished, to `path` (a restart resumes them); a failed write is logged."""
+    async def _sweep(self, job: PurgeJob, salt: str | None, store: StoreController | None) -> None:
+        """L1, then (a purge) once the tenant's write-behind in flight has landed, each adapter,
+        then L1 again (what lookups loaded or clients stored meanwhile)."""
+        if L1 in job.tiers:
+            job.l1_chunks = self.engine.clear(salt)
+        if store is not None and salt is not None:
+            await store.settled(salt)
+        for tier in self._adapters():
+            if tier.name in job.tiers:
+                progress = job.progress.setdefault(tier.name, TierProgress())
+                await self._tier(tier, salt, progress)
+                if salt is None:
+                    self.events.emit(Kind.CLEARED, tier=tier.name, op="clear", detail=progress.removed)
+        if L1 in job.tiers and salt is not None:
+            job.l1_chunks += self.engine.clear(salt)
+
+    async def _save(self, *, strict: bool = False) -> None:
+        """The jobs not finished, to `path` (a restart resumes them). A failed write raises OSError
+        when `strict`, else it is logged."""
         if self.path is None:
             return
         data = json.dumps({"version": 1, "pending": list(self._pending.values())}).encode()
@@ -233,6 +284,8 @@ class PurgeJobs:
             await loop.run_in_executor(self._executor, write_atomically, self.path, data)
         except OSError as exc:
             log.warning("purge_file_not_written", path=str(self.path), error=str(exc))
+            if strict:
+                raise
 
     async def _tier(self, tier: Tier, salt: str | None, progress: TierProgress) -> None:
         adapter = tier.adapter
@@ -265,6 +318,11 @@ class PurgeJobs:
         for start in range(0, len(keys), BATCH):
             yield keys[start : start + BATCH]
             await asyncio.sleep(0)
+
+
+def _retrieved(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a resumed job's failure is the job's state; nobody awaits it
 
 
 def _belongs(key: str, salt: str | None) -> bool:

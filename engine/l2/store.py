@@ -17,6 +17,10 @@ Primitives in call order:
                            chooses at that moment (each blob within its tenant's quota there),
                            unpin each chunk saying whether it reached L2 (if not, a later commit
                            or hit may queue it again)
+  hold(salt) / settled(salt) / unhold(salt)
+                           a purge (engine/purge.py): the tenant's chunks are refused and dropped
+                           from the queue (engine/l2/store_holds.py), its batches in flight waited
+                           for, then written behind again
 
 Events: START/END "l2.store" (tier = the adapter, request_id = the request whose COMMIT queued the
 chunks, END's detail = its chunks written) around each batch written to a tier, one pair per request
@@ -60,6 +64,8 @@ from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
+from engine.l2.store_fleet import commit_fleet, reserve_batch
+from engine.l2.store_holds import TenantHolds
 from engine.l2.store_queue import Pending, StoreQueue
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
@@ -101,6 +107,7 @@ class StoreController:
         #: key -> (requests that saw it, the last one): the bounded record of the seen_twice policy
         self._seen: OrderedDict[ObjectKey, tuple[int, tuple[int, str] | None]] = OrderedDict()
         self._writing: dict[tuple[str, str], int] = {}  # (salt, tier) -> bytes being written
+        self.holds = TenantHolds()
 
     @property
     def depth(self) -> int:
@@ -150,6 +157,9 @@ class StoreController:
             if not obj.in_l2 and self.policy == "seen_twice" and self.tiers.active():
                 self.counters.not_admitted += 1
             return False
+        if self.holds.held(obj.key.salt):
+            self.counters.skipped_purge += 1
+            return False
         if self._refused_everywhere(obj.key.salt):
             return False
         # Queued once (in_l2 from now); a drop or a failed write unpins it as not copied, so a
@@ -166,14 +176,42 @@ class StoreController:
         queue = self.queue
         while True:
             await queue.wait_work()
-            batch = queue.take(BATCH)
+            batch = self._unheld(queue.take(BATCH))
+            salts = [item.obj.key.salt for item in batch]
+            self.holds.writing(salts)
             written = [False] * len(batch)
             try:
-                written = await self._write(batch)
+                written = await self._write(batch) if batch else written
             finally:
                 for item, copied in zip(batch, written, strict=True):
                     self.cache.unpin(item.obj, copied=copied)
+                self.holds.written(salts)
                 queue.done()
+
+    # --- purges: a tenant's write-behind held off ----------------------------------------------
+
+    def hold(self, salt: str) -> None:
+        """Write nothing more of `salt` until `unhold`: its queued chunks are dropped, new ones
+        refused (`skipped_purge`); `await settled(salt)` then waits for its batches in flight."""
+        self.holds.hold(salt)
+        self._unheld(self.queue.remove_salt(salt))
+
+    def unhold(self, salt: str) -> None:
+        self.holds.unhold(salt)
+
+    async def settled(self, salt: str) -> None:
+        await self.holds.settled(salt)
+
+    def _unheld(self, items: list[Pending]) -> list[Pending]:
+        """`items` less the chunks of held tenants, which are unpinned (not copied) and counted."""
+        keep = []
+        for item in items:
+            if self.holds.held(item.obj.key.salt):
+                self.cache.unpin(item.obj, copied=False)
+                self.counters.skipped_purge += 1
+            else:
+                keep.append(item)
+        return keep
 
     def _targets(self) -> list[Tier]:
         active = self.tiers.active()
@@ -195,24 +233,6 @@ class StoreController:
             ledger.note_refusal(salt, tier.name)
         self.counters.skipped_quota += 1
         return True
-
-    async def _reserve_batch(
-        self, tier: Tier, blobs: list[codec.EncodedBlob], salts: list[str]
-    ) -> list[Reservation | None]:
-        """Fleet scope: every blob's first reservation, in one pipeline per node (in order, so the
-        first chunks of a chain win); None for each blob otherwise, or where the ledger failed."""
-        fleet = getattr(tier.adapter, "fleet", None)
-        if not isinstance(fleet, FleetLedger):
-            return [None] * len(blobs)
-        ledger = self.tiers.ledger
-        items = [
-            (salt, blob.key, blob.nbytes, None if ledger is None else ledger.limit(salt, tier.name))
-            for salt, blob in zip(salts, blobs, strict=True)
-        ]
-        try:
-            return await fleet.reserve_many(items)
-        except BackendError:
-            return [None] * len(blobs)  # each is tried alone, and fails alone
 
     async def _admit(
         self, tier: Tier, salt: str, size: int, key: str, first: Reservation | None = None
@@ -275,25 +295,6 @@ class StoreController:
         self.counters.quota_refused += 1
         return False
 
-    @staticmethod
-    async def _commit_fleet(
-        tier: Tier, keys: list[str], salts: list[str], admitted: list[int], results: list[OpResult]
-    ) -> None:
-        """Fleet scope: the reservations of the blobs written are no longer in flight (a failed
-        write's stays pending: eviction and reconcile leave it alone for fleet_grace_s)."""
-        fleet = getattr(tier.adapter, "fleet", None)
-        if not isinstance(fleet, FleetLedger):
-            return
-        by_salt: dict[str, list[str]] = {}
-        for key, i, result in zip(keys, admitted, results, strict=True):
-            if result.ok:
-                by_salt.setdefault(salts[i], []).append(key)
-        for salt, written in by_salt.items():
-            try:
-                await fleet.commit(salt, written)
-            except BackendError as exc:
-                log.warning("l2_fleet_commit_failed", adapter=tier.name, error=str(exc))
-
     def _written(self, tier: Tier, salt: str, size: int) -> None:
         slot = (salt, tier.name)
         left = self._writing[slot] - size
@@ -342,7 +343,7 @@ class StoreController:
         admitted: list[int] = []
         with tier.use():
             try:
-                firsts = await self._reserve_batch(tier, blobs, salts)
+                firsts = await reserve_batch(tier, self.tiers.ledger, blobs, salts)
                 for i, blob in enumerate(blobs):
                     try:
                         if await self._admit(tier, salts[i], blob.nbytes, blob.key, firsts[i]):
@@ -373,7 +374,7 @@ class StoreController:
                             stored = sum(r.ok for i, r in pairs if requests[i] == rid)
                         events.end(span, "l2.store", rid, tier=tier.name, reason=reason, detail=stored)
                 tier.adapter.latency.observe("store_batch", time.perf_counter() - start)
-                await self._commit_fleet(tier, [blobs[i].key for i in admitted], salts, admitted, results)
+                await commit_fleet(tier, [blobs[i].key for i in admitted], salts, admitted, results)
                 return admitted, results
             finally:
                 for i in admitted:

@@ -10,6 +10,7 @@ Primitives in call order:
   push(item)                  -> the oldest items dropped because the queue was full (counted)
   wait_work() / take(n)       a worker waits for work, then takes a batch (it is busy until done)
   done()                      the batch was written (or not)
+  remove_salt(salt)           a purge: the tenant's queued chunks taken out (to unpin)
   shed(nbytes, salt, unpin)   Shedder: let go of the oldest queued chunks (not those being
                               written), of one tenant when given, until `nbytes` were unpinned
   idle() / wait_idle(timeout) nothing queued or being written
@@ -43,6 +44,8 @@ class StoreCounters:
     """Queued blobs not written to a tier for the tenant's quota there (one per blob and tier)."""
     quota_evicted_bytes: int = 0
     """Bytes of a tenant's own blobs evicted to make room within its quota."""
+    skipped_purge: int = 0
+    """Chunks not written behind (refused, or dropped from the queue): their tenant was being purged."""
 
 
 @dataclass(slots=True)
@@ -91,6 +94,15 @@ class StoreQueue:
         self._busy -= 1
         if self.idle():
             self._idle.set()
+
+    def remove_salt(self, salt: str) -> list[Pending]:
+        """Take every queued chunk of `salt` out of the queue (a purge): the caller unpins them."""
+        gone = [item for item in self._items if item.obj.key.salt == salt]
+        if gone:
+            self._items = deque(item for item in self._items if item.obj.key.salt != salt)
+            if self.idle():
+                self._idle.set()
+        return gone
 
     def shed(self, nbytes: int, salt: str | None, unpin: Callable[[L1Object], bool]) -> int:
         """Shedder (engine/l1/room.py): drop the oldest queued writes, of `salt`'s chunks only

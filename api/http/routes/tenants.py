@@ -1,6 +1,7 @@
 """A tenant's cache: purge it from every tier; and the clear of whole tiers. Admin token required.
 
-`DELETE /tenants/{cache_salt}/cache` starts a purge job (engine/purge.py) and answers 202 with it;
+`DELETE /tenants/{cache_salt}/cache` starts a purge job (engine/purge.py) and answers 202 with it
+once the job is on disk (502 `backend` when its file cannot be written);
 `GET /tenants/{cache_salt}/cache/purge` reads its progress. `PUT|GET|DELETE
 /tenants/{cache_salt}/label`: the tenant's display name (engine/tenants/labels.py).
 `POST /cache/clear?tiers=l1,disk` clears tiers (L1 only by default) the same way; `GET /cache/clear`
@@ -46,10 +47,10 @@ def _jobs(ctx: Ctx) -> PurgeJobs:
     status_code=202,
     response_model=PurgeJob,
     summary="Purge a tenant's chunks from L1 and every L2 adapter (a job; progress below)",
-    responses=errors(401, 404, 422),
+    responses=errors(401, 404, 422, 502),
 )
 async def purge_tenant(ctx: Ctx, _: Admin, cache_salt: Salt) -> PurgeJob:
-    return _jobs(ctx).purge(salt_of(cache_salt))
+    return await _jobs(ctx).purge(salt_of(cache_salt))
 
 
 @router.get(
@@ -67,14 +68,14 @@ async def purge_status(ctx: Ctx, _: Admin, cache_salt: Salt) -> PurgeJob:
     status_code=202,
     response_model=PurgeJob,
     summary="Clear every chunk of the tiers named (`l1` and adapter names; default L1), as a job",
-    responses=errors(401, 404, 422),
+    responses=errors(401, 404, 422, 502),
 )
 async def clear_cache(
     ctx: Ctx, _: Admin,
     tiers: Annotated[str | None, Query(max_length=4096, description="Comma-separated tier names.")] = None,
 ) -> PurgeJob:  # fmt: skip
     names = None if tiers is None else [t.strip() for t in tiers.split(",") if t.strip()]
-    return _jobs(ctx).clear(names)
+    return await _jobs(ctx).clear(names)
 
 
 @router.get(

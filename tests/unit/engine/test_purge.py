@@ -1,17 +1,20 @@
 """PurgeJobs with the engine as app/main wires it (L1, write-behind to two in-memory adapters, the
 event bus): a purge removes one tenant's chunks from L1 and every adapter and nothing of another's,
 announcing REMOVED per chunk and tier; a clear empties the tiers named (CLEARED each); the job list
-survives in its file until a job ends; bad tier names are refused."""
+survives in its file until a job ends (it is there before purge returns, and gone before the job
+shows done); a purge whose file cannot be written is refused; bad tier names are refused."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
-from app.errors import InvalidInput, NotFound
+from app.errors import BackendError, InvalidInput, NotFound
 from app.settings import AdapterConfig, MockAdapterConfig
 from engine.events import L1_TIER, Event, EventBus, Kind
 from engine.facade import CacheEngine
@@ -24,6 +27,7 @@ from tests.factories import l2_engine, small_layout, tokens
 pytestmark = pytest.mark.anyio
 
 CHUNK = 16
+T = TypeVar("T")
 TWO = [MockAdapterConfig(name="m1"), MockAdapterConfig(name="m2")]
 
 
@@ -75,8 +79,8 @@ async def test_purge_removes_one_tenant_everywhere_and_clear_empties_tiers(tmp_p
             jobs = PurgeJobs(eng, eng.l2.tiers, bus, path=tmp_path / PURGE_FILE, executor=pool)
             with pytest.raises(NotFound):
                 jobs.latest("p")
-            job = jobs.purge("p")
-            assert jobs.purge("p") is job  # the running one
+            job, again = await asyncio.gather(jobs.purge("p"), jobs.purge("p"))
+            assert again is job  # the running one
             await done(jobs, job)
             assert job.state == "done" and job.l1_chunks == 6
             assert {n: p.removed for n, p in job.progress.items()} == {"m1": 6, "m2": 6}
@@ -88,9 +92,9 @@ async def test_purge_removes_one_tenant_everywhere_and_clear_empties_tiers(tmp_p
             assert (tmp_path / PURGE_FILE).read_text() == '{"version": 1, "pending": []}'
 
             with pytest.raises(InvalidInput, match="nosuch"):
-                jobs.clear(["l1", "nosuch"])
+                await jobs.clear(["l1", "nosuch"])
             seen.clear()
-            job = await done(jobs, jobs.clear(["l1", "m2"]))
+            job = await done(jobs, await jobs.clear(["l1", "m2"]))
             assert job.l1_chunks == 6 and job.progress["m2"].removed == 6
             assert [salts(a) for a in adapters] == [{"q": 6}, {}]
             bus.flush()
@@ -106,3 +110,50 @@ def test_load_reads_the_pending_jobs_and_ignores_a_bad_file(tmp_path: Path) -> N
     assert PurgeJobs.load(path) == [{"kind": "purge", "salt": "p", "tiers": ["l1"]}]
     path.write_text("not json")
     assert PurgeJobs.load(path) == []
+
+
+class Inline(Executor):
+    """Runs each job at once on the caller's thread, noting first what `note()` says."""
+
+    def __init__(self, note: Callable[[], str]) -> None:
+        self.note = note
+        self.notes: list[str] = []
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        self.notes.append(self.note())
+        fut: Future[T] = Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+async def test_a_purge_is_in_the_file_when_it_returns_and_out_of_it_before_it_shows_done(
+    tmp_path: Path,
+) -> None:
+    async with l2_engine(64 * 4096, TWO, build) as (eng, _):
+        assert eng.l2 is not None
+        eid = eng.register("m", small_layout()).engine_id
+        store(eng, eid, "p", 0, 2)
+        assert await eng.l2.store.wait_idle(10)
+        path = tmp_path / PURGE_FILE
+        holder: list[PurgeJobs] = []
+        pool = Inline(lambda: holder[0].latest("p").state)
+        jobs = PurgeJobs(eng, eng.l2.tiers, eng.cache.events, path=path, executor=pool)
+        holder.append(jobs)
+        job = await jobs.purge("p")
+        assert [p["salt"] for p in PurgeJobs.load(path)] == ["p"]
+        await done(jobs, job)
+        assert job.state == "done" and PurgeJobs.load(path) == []
+        assert pool.notes == ["running", "running"], "the job showed done before its file said so"
+        await jobs.close()
+
+
+async def test_a_purge_whose_file_cannot_be_written_is_refused(tmp_path: Path) -> None:
+    async with l2_engine(64 * 4096, TWO, build) as (eng, _):
+        assert eng.l2 is not None
+        with ThreadPoolExecutor(1) as pool:
+            path = tmp_path / "no-such-dir" / PURGE_FILE
+            jobs = PurgeJobs(eng, eng.l2.tiers, eng.cache.events, path=path, executor=pool)
+            with pytest.raises(BackendError, match="job file"):
+                await jobs.purge("p")
+            assert jobs.latest("p").state == "failed"
+            await jobs.close()
