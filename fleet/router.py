@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import ProtocolError
+from app.redact import redact_text, redact_url
 from fleet.router_config import EngineEntry
 
 __all__ = ["Decision", "Engine", "Engines", "Score", "parse_scores"]
@@ -91,6 +92,11 @@ class Engine:
     unhealthy_until: float = 0.0
     last_error: str | None = None
     last_used: int = 0
+    shown: str = ""
+    """The URL as metrics, headers, logs and /status show it: credentials masked (app/redact.py)."""
+
+    def __post_init__(self) -> None:
+        self.shown = redact_url(self.url)
 
     def healthy(self, now: float) -> bool:
         return now >= self.unhealthy_until
@@ -196,12 +202,12 @@ class Engines:
         now = self.clock()
         return [
             {
-                "url": e.url,
+                "url": e.shown,
                 "sidecar_id": e.sidecar_id,
                 "in_flight": e.in_flight,
                 "served": e.served,
                 "healthy": e.healthy(now),
-                "last_error": e.last_error,
+                "last_error": None if e.last_error is None else redact_text(e.last_error),
             }
             for e in self.all
         ]

@@ -153,7 +153,7 @@ async def _scores(st: RouterState, path: str, body: dict[str, object]) -> tuple[
 
 def _count(st: RouterState, decision: Decision) -> None:
     if decision.routed:
-        st.metrics.routed.labels(decision.engine.url).inc()
+        st.metrics.routed.labels(decision.engine.shown).inc()
     else:
         st.metrics.fallback.labels(decision.reason).inc()
 
@@ -185,10 +185,8 @@ async def status(request: Request) -> Response:
             401, "unauthorized", "GET /status needs the router's admin_token (Authorization: Bearer <token>)"
         )
     directory = st.settings.directory_url
-    engines = [e | {"url": redact_url(e["url"])} for e in st.engines.status()]
-    return JSONResponse(
-        {"directory_url": None if directory is None else redact_url(directory), "engines": engines}
-    )
+    shown = None if directory is None else redact_url(directory)
+    return JSONResponse({"directory_url": shown, "engines": st.engines.status()})
 
 
 def _may_see_status(settings: RouterSettings, request: Request) -> bool:
@@ -216,7 +214,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_router_app(settings: RouterSettings, tasks: BackgroundTasks) -> Starlette:
     """The router's app; its client and health poll live as long as the app's lifespan."""
     engines = Engines(settings.engines, settings.unhealthy_s, settings.max_imbalance)
-    metrics_ = RouterMetrics([e.url for e in settings.engines])
+    metrics_ = RouterMetrics([redact_url(e.url) for e in settings.engines])
     # One pool for every engine; no overall timeout here: each call sets its own.
     client = httpx.AsyncClient(
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64), trust_env=False

@@ -92,15 +92,15 @@ class Proxy:
             tried.append(engine)
             if len(tried) > 1:
                 self.metrics.retries.inc()
-                log.info("route_retry", engine=engine.url, after=last)
+                log.info("route_retry", engine=engine.shown, after=last)
             try:
                 final = len(tried) > self.settings.retries
                 return await self._send(path, body, headers, decision, final=final)
             except _Failed as exc:
                 self.metrics.errors.labels(exc.kind).inc()
                 self.engines.mark_failed(engine, str(exc))
-                last = f"{engine.url}: {exc}"
-                log.warning("engine_failed", engine=engine.url, kind=exc.kind, error=str(exc)[:300])
+                last = f"{engine.shown}: {exc}"
+                log.warning("engine_failed", engine=engine.shown, kind=exc.kind, error=str(exc)[:300])
             decision = self.engines.choose(scores, "retry", exclude=tried)
         self.metrics.errors.labels("no_engine").inc()
         return error_response(503, "engines_unavailable", f"no engine answered; last failure: {last}"[:1000])
@@ -115,7 +115,7 @@ class Proxy:
             "POST", engine.url + path, content=body, headers=dict(headers), timeout=timeout
         )
         self.engines.acquire(engine)
-        gauge = self.metrics.in_flight.labels(engine.url)
+        gauge = self.metrics.in_flight.labels(engine.shown)
         gauge.inc()
         released = False
 
@@ -144,7 +144,7 @@ class Proxy:
             chunks = resp.aiter_raw()
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
                 first = await self._first_chunk(chunks)
-                self.metrics.upstream_first_byte.labels(engine.url).observe(time.perf_counter() - start)
+                self.metrics.upstream_first_byte.labels(engine.shown).observe(time.perf_counter() - start)
                 status = resp.status_code
                 upstream = resp
                 streaming = True
@@ -160,7 +160,7 @@ class Proxy:
                     background=BackgroundTask(close),
                 )  # fmt: skip
             data = await self._whole(chunks)
-            self.metrics.upstream_first_byte.labels(engine.url).observe(time.perf_counter() - start)
+            self.metrics.upstream_first_byte.labels(engine.shown).observe(time.perf_counter() - start)
             return Response(data, status_code=resp.status_code, headers=out_headers)
         finally:
             if resp is not None:  # not handed to a stream: an error, or a plain answer read whole
@@ -212,7 +212,7 @@ class Proxy:
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
                 self.metrics.errors.labels("midstream").inc()
                 self.engines.mark_failed(engine, f"mid-stream: {kind}")
-                log.warning("engine_failed_midstream", engine=engine.url, error=kind)
+                log.warning("engine_failed_midstream", engine=engine.shown, error=kind)
                 message = f"the engine failed mid-stream ({kind})"
                 event = {"error": {"code": "engine_failed", "message": message}}
                 yield b"\n\ndata: " + orjson.dumps(event) + b"\n\n"
@@ -222,6 +222,6 @@ class Proxy:
 
 def _answer_headers(upstream: httpx.Headers, decision: Decision) -> dict[str, str]:
     out = end_to_end(upstream.items())
-    out["x-kvdepot-engine"] = decision.engine.url
+    out["x-kvdepot-engine"] = decision.engine.shown
     out["x-kvdepot-route"] = decision.reason
     return out

@@ -110,7 +110,7 @@ class Upstream:
             if isinstance(exc, (httpx.ConnectError, httpx.TimeoutException, TimeoutError)):
                 # an engine's frontend answers /tokenize at once even while it computes: it is down
                 self.engines.mark_failed(engine, f"tokenize: {_describe(exc)}")
-            log.warning("tokenize_failed", engine=engine.url, error=_describe(exc))
+            log.warning("tokenize_failed", engine=engine.shown, error=_describe(exc))
             return "tokenize_failed"
         finally:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - start)
