@@ -18,7 +18,8 @@ and served with `loop.add_reader` / `add_writer` (no threads). Every connection 
 connections, frame size, descriptors per frame and per connection, output buffer, and a
 handshake timeout (a peer that says nothing is closed).
 
-Primitives in call order: `start()`, `Lifeline.send(names, fds)`, `close()`.
+Primitives in call order: `start()`, `Lifeline.send(names, fds)`, `Lifeline.grant(items)` (Grant
+frames: arena segments the peer may now write), `close()`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import structlog
 from kvdepot_connector.lifeline import (
     HEADER,
     MAX_FDS_PER_MESSAGE,
+    Grant,
     Heartbeat,
     Hello,
     Message,
@@ -114,6 +116,14 @@ class Lifeline:
         self._out.append((data, [os.dup(fd) for fd in fds]))
         self._out_bytes += len(data)
         self._flush()
+
+    def grant(self, items: Sequence[tuple[str, int]]) -> None:
+        """Hand the peer (name, descriptor) pairs in Grant frames (at most MAX_FDS_PER_MESSAGE
+        each): the segments of the arena its engine instance may now write (app/wiring.py)."""
+        items = list(items)
+        for at in range(0, len(items), MAX_FDS_PER_MESSAGE):
+            part = items[at : at + MAX_FDS_PER_MESSAGE]
+            self.send(Grant(names=[n for n, _ in part]), [fd for _, fd in part])
 
     def refuse(self, reason: str) -> None:
         self.send(Refused(reason=reason[:1024]))

@@ -53,6 +53,7 @@ from engine.admin import Administration
 from engine.events import EventBus, Subscriber
 from engine.facade import CacheEngine
 from engine.l1.arena import SealedArena, instance_id
+from engine.l1.domains import WriteDomains
 from engine.l2.parts import L2Parts
 from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
@@ -171,13 +172,20 @@ class Service:
             labels=LabelRegistry.load(s.data_dir / LABEL_FILE),
         )  # fmt: skip
         # A sealed memfd: nothing in /dev/shm to clean after a crash; clients get its descriptor.
+        # Write domains: segments of one writer each (engine/l1/domains.py).
         self.arena = SealedArena.create_sealed(
-            s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate
-        )
+            s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate,
+            segment_bytes=min(s.l1.segment_mb << 20, s.l1.size_bytes // 16),
+        )  # fmt: skip
+        domains = WriteDomains(
+            self.arena.size, self.arena.segment_bytes, zero=self.arena.zero, reserve=int(bool(s.l2.adapters))
+        )  # engines leave the sidecar a segment for its L2 loads
         store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
         # One bus for every component: the cache carries it to the engine and the L2 parts.
         events = self.events = build_events(s.events)
-        cache = build_cache(s.l1, self.arena.size, ledger, shedder=store_queue, events=events)
+        cache = build_cache(
+            s.l1, self.arena.size, ledger, shedder=store_queue, events=events, domains=domains
+        )
         # Checksums over whole chunks and copies of loaded blobs into the arena run here.
         self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
         data_dir = s.data_dir
@@ -240,9 +248,8 @@ class Service:
         )
         arena = self.arena
         self.lifeline = build_lifeline(
-            s.data_dir, regions, self.dataplane.sessions, offer=lambda: [("arena", arena.fd)],
-            on_shared=self.dataplane.prepare_transfers,  # the engine's copies by the sidecar come next
-            workers=self.dataplane.workers,
+            s.data_dir, regions, self.dataplane.sessions, on_shared=self.dataplane.prepare_transfers,
+            workers=self.dataplane.workers, arena=arena, domains=domains,  # segments, not one memfd
         )  # fmt: skip
         self.dataplane.bind()
         self.http_socket = bind_listener(s.http.host, s.http.port)

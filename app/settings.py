@@ -221,6 +221,12 @@ class L1Settings(BaseModel):
         description="The same, summed over every engine instance: stalled writers never hold more "
         "than this of L1 (the rest keeps serving hits); null: 3/4 of L1.",
     )  # fmt: skip
+    segment_mb: int = Field(
+        64, ge=1, le=1 << 20,
+        description="Write-domain segment size in MiB: each segment is one sealed memfd, written by "
+        "one engine instance (or the sidecar) only and mapped read-only by the others; at most "
+        "1/16 of the arena (and at least 1/64), and at least one chunk.",
+    )  # fmt: skip
 
     @field_validator("low_watermark")
     @classmethod

@@ -30,8 +30,9 @@ from engine.admin import Administration
 from engine.events import EventBus, Subscriber
 from engine.facade import CacheEngine
 from engine.l1.allocator import ExtentAllocator
-from engine.l1.arena import SharedArena
+from engine.l1.arena import SealedArena, SharedArena
 from engine.l1.cache import L1Cache
+from engine.l1.domains import WriteDomains
 from engine.l1.eviction import make_policy
 from engine.l1.room import Shedder
 from engine.l2.layouts import codec_options
@@ -52,6 +53,7 @@ def build_lifeline(
     data_dir: Path, regions: SealedRegions, sessions: SessionTable,
     offer: Callable[[], Sequence[tuple[str, int]]] | None = None,
     on_shared: Callable[[], None] | None = None, *, workers: WorkerWatch | None = None,
+    arena: SealedArena | None = None, domains: WriteDomains | None = None,
 ) -> LifelineServer:  # fmt: skip
     """The lifeline server at `<data_dir>/lifeline.sock`. A client process connects it with the
     token its data-plane session's HELLO reply handed out (random, used once), and the lifeline
@@ -59,7 +61,10 @@ def build_lifeline(
     the descriptors `offer()` names (the arena's memfd); sealed regions a client shares land in
     `regions` under its engine instance, and go when the instance's last session ends; then
     `on_shared()` runs (the sidecar is about to be asked to copy into them). `workers` learns
-    each lifeline's pid and heartbeats."""
+    each lifeline's pid and heartbeats. With `arena` and `domains` (write domains), the offer is
+    every segment read-only ("arena:<i>"), and each lifeline of an engine instance is granted
+    ("write:<i>", read-write) the segments its instance writes: those it has at hello, and each new
+    one at once (before the STORE reply naming it)."""
 
     def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
         assert isinstance(line.holder, Session)
@@ -80,17 +85,41 @@ def build_lifeline(
     def on_hello(line: Lifeline) -> None:
         if workers is not None and isinstance(line.holder, Session):
             workers.held(line.holder, line.pid)
+        if domains is not None and arena is not None and isinstance(line.holder, Session):
+            domains.note_process(line.holder.instance, line.pid)
+            _grant(line, arena, domains.writable(line.holder.instance))
 
     def on_heartbeat(line: Lifeline) -> None:
         if workers is not None and isinstance(line.holder, Session):
             workers.beat(line.holder)
 
     sessions.on_instance_gone.append(regions.drop)
-    return LifelineServer(
+    offered: Callable[[object], Sequence[tuple[str, int]]] | None = None
+    if domains is not None and arena is not None:
+        segments = [(f"arena:{i}", arena.readonly_fd(i)) for i in range(arena.segments)]
+        offered = lambda _holder: segments  # noqa: E731
+        sessions.on_instance_gone.append(domains.gone)
+    elif offer is not None:
+        offered = lambda _holder: offer()  # noqa: E731
+    server = LifelineServer(
         data_dir / "lifeline.sock", authenticate=sessions.hold, on_fds=on_fds, on_closed=on_closed,
-        offer=None if offer is None else (lambda _holder: offer()), on_hello=on_hello,
-        on_heartbeat=on_heartbeat,
+        offer=offered, on_hello=on_hello, on_heartbeat=on_heartbeat,
     )  # fmt: skip
+    if domains is not None and arena is not None:
+
+        def on_grant(instance: str, index: int) -> None:
+            for line in list(server.lines):
+                if isinstance(line.holder, Session) and line.holder.instance == instance:
+                    _grant(line, arena, [index])
+
+        domains.on_grant = on_grant
+    return server
+
+
+def _grant(line: Lifeline, arena: SealedArena, segments: Sequence[int]) -> None:
+    """Hand `line` the read-write descriptors of `segments`."""
+    if segments:
+        line.grant([(f"write:{i}", arena.segment_fd(i)) for i in segments])
 
 
 def build_events(events: EventSettings) -> EventBus:
@@ -106,15 +135,16 @@ def subscribe_events(bus: EventBus, subscribers: Sequence[Subscriber]) -> None:
 
 def build_cache(
     l1: L1Settings, capacity: int, ledger: TenantLedger | None = None, shedder: Shedder | None = None,
-    events: EventBus | None = None,
+    events: EventBus | None = None, *, domains: WriteDomains | None = None,
 ) -> L1Cache:  # fmt: skip
     """An L1 cache over `capacity` bytes of arena, evicting by `l1.eviction`, reporting into
     `ledger` (a fresh one if None), letting go of chunks queued for write-behind through `shedder`
-    when it has no other room, publishing on `events` (None: a disabled bus)."""
+    when it has no other room, publishing on `events` (None: a disabled bus), placing each writer's
+    objects in its write domain's segments (`domains`; None: the arena is one segment)."""
     return L1Cache(
         ExtentAllocator(capacity, l1.alignment), make_policy(l1.eviction), high_watermark=l1.high_watermark,
         low_watermark=l1.low_watermark, write_lease_s=l1.write_lease_s, ledger=ledger, shedder=shedder,
-        quarantine_max_bytes=l1.quarantine_max_bytes, events=events,
+        quarantine_max_bytes=l1.quarantine_max_bytes, events=events, domains=domains,
         quarantine_total_max_bytes=l1.quarantine_total_max_bytes,
     )  # fmt: skip
 

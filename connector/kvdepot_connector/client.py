@@ -108,6 +108,17 @@ class KVDepotClient(ClientBase):
                 reply = self._raw_call(s.message(call))
             return call.read(reply)
 
+    def join_instance(self, instance: str) -> None:
+        """Act for engine instance `instance` from the next call on (a vLLM worker joining its
+        scheduler's nonce, which reaches it in the step metadata): the connection says HELLO again
+        with it, connects a new lifeline and registers; the arena stays mapped. What this client
+        held under its former instance goes with that instance (share regions after joining)."""
+        with self._lock:
+            if instance == self.instance:
+                return
+            self.instance = self._session.instance = instance
+            self._session.engine_id = 0  # the next call that needs the engine id says HELLO first
+
     def close(self) -> None:
         with self._lock:
             self._drop_socket()
@@ -221,8 +232,9 @@ class KVDepotClient(ClientBase):
         )
 
     def slot_view(self, slot: p.Slot) -> torch.Tensor:
-        """The arena view (uint8) of a reserved slot, for callers that fill it themselves."""
-        return self._session.region(slot.offset, slot.size)
+        """The arena view (uint8) of a reserved slot, for callers that fill it themselves (its
+        segment is mapped writable first: the grant the sidecar sent is read)."""
+        return self._session.writable_region(slot.offset, slot.size)
 
     def reserve(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", first_chunk: int = 0,

@@ -16,8 +16,12 @@ Wire format: each frame is a 4-byte big-endian body length, then a msgpack body 
 names (`Welcome.names`, `Share.names`), and no other frame carries any.
 
   client -> Hello(token)                 server checks SO_PEERCRED and the token
-  server -> Welcome(names) + fds         descriptors the sidecar offers (e.g. "arena")
+  server -> Welcome(names) + fds         descriptors the sidecar offers: "arena" (one read-write
+                                         memfd) or "arena:<i>" (segment i, read-only)
             or Refused(reason), then closes
+  server -> Grant(names) + fds           at any time after Welcome: "write:<i>", segment i
+                                         read-write (its engine instance now writes there);
+                                         sent before any STORE reply naming an offset in it
   client -> Share(names, sizes) + fds    sealed regions of the engine's memory
   server -> Shared(names) | Refused(reason)
   client -> Heartbeat(seq)               every `heartbeat_s` the HELLO reply named, from the
@@ -32,6 +36,7 @@ from __future__ import annotations
 import array
 import contextlib
 import os
+import select
 import socket
 import struct
 import threading
@@ -69,11 +74,15 @@ class Refused(msgspec.Struct, tag="refused", tag_field="op", forbid_unknown_fiel
     reason: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
+class Grant(msgspec.Struct, tag="grant", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    names: Names
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="op", forbid_unknown_fields=True, frozen=True):
     seq: Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)] = 0
 
 
-Message = Hello | Welcome | Share | Shared | Refused | Heartbeat
+Message = Hello | Welcome | Share | Shared | Refused | Heartbeat | Grant
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -95,7 +104,7 @@ def decode_body(body: bytes) -> Message:
 
 def fd_count(message: Message) -> int:
     """How many descriptors a frame carrying `message` must carry."""
-    if isinstance(message, Welcome | Share):
+    if isinstance(message, Welcome | Share | Grant):
         return len(message.names)
     return 0
 
@@ -128,6 +137,8 @@ class LifelineClient:
         self._fds: list[int] = []
         self._send_lock = threading.Lock()
         self.received: dict[str, int] = {}
+        #: descriptors of Grant frames not yet taken (name -> fd; the taker closes them)
+        self.granted: dict[str, int] = {}
         try:
             self._sock.connect(str(path))
             send_frame(self._sock, Hello(token=token))
@@ -151,12 +162,54 @@ class LifelineClient:
         try:
             with self._send_lock:
                 send_frame(self._sock, message, [r[1] for r in regions])
-            reply, fds = self._read()
+            reply, fds = self._reply()
         except OSError as exc:
             raise LifelineError(f"lifeline broke: {exc}") from None
         _close_all(fds)
         if not isinstance(reply, Shared):
             raise LifelineError(f"share refused: {_reason(reply)}")
+
+    def poll(self) -> None:
+        """Take the frames already waiting (grants), without blocking."""
+        while self._take_one(block=False):
+            pass
+
+    def wait_granted(self, name: str) -> int | None:
+        """The descriptor of grant `name`, reading frames (up to the socket timeout each) until it
+        came; None if the sidecar sent something else first (no such grant is coming)."""
+        try:
+            while name not in self.granted:
+                if not self._take_one(block=True):
+                    return None
+        except (OSError, TimeoutError) as exc:
+            raise LifelineError(f"lifeline broke: {exc}") from None
+        return self.granted.pop(name)
+
+    def _take_one(self, *, block: bool) -> bool:
+        """Read one frame and keep what a Grant brings; False for any other frame (dropped) or
+        when nothing complete is waiting and `block` is False."""
+        if not block and not self._complete() and not select.select([self._sock], [], [], 0)[0]:
+            return False
+        message, fds = self._read()
+        if isinstance(message, Grant):
+            self.granted.update(zip(message.names, fds, strict=True))
+            return True
+        _close_all(fds)
+        return False
+
+    def _complete(self) -> bool:
+        if len(self._buf) < HEADER.size:
+            return False
+        n: int = HEADER.unpack_from(self._buf)[0]
+        return len(self._buf) >= HEADER.size + n
+
+    def _reply(self) -> tuple[Message, list[int]]:
+        """The next frame that is not a Grant (grants read meanwhile are kept)."""
+        while True:
+            message, fds = self._read()
+            if not isinstance(message, Grant):
+                return message, fds
+            self.granted.update(zip(message.names, fds, strict=True))
 
     def heartbeat(self, seq: int) -> None:
         """Send one heartbeat (any thread); OSError when the lifeline broke."""
@@ -172,7 +225,9 @@ class LifelineClient:
 
     def close(self) -> None:
         _close_all(self.received.values())
+        _close_all(self.granted.values())
         self.received = {}
+        self.granted = {}
         _close_all(self._fds)
         self._fds = []
         self._sock.close()

@@ -11,13 +11,16 @@ its event loop (asyncio).
 
 The lifeline (kvdepot_connector.lifeline): right after each HELLO the client connects it with the
 token the reply handed out, and keeps it open for the life of the client (a new HELLO connects a
-new one, then closes the old). The arena's sealed memfd comes over it and is mapped from the
-descriptor (kvdepot_connector.shm), never by name. It is how the sidecar knows the client is
-alive: when it closes (the process died, or `close()`), the sidecar drops the session's
-reservations and, with the last session of the engine instance, the instance's read locks and
-registrations. When the HELLO reply asks for heartbeats (`heartbeat_s`), a thread of the session's
-own (`lifeline.Heartbeats`) sends them over the lifeline, so a stalled process is told from a busy
-one; the session's `role` and `rank` (HELLO) name it in the sidecar's worker registry.
+new one, then closes the old). The arena's sealed memfds come over it and are mapped from the
+descriptors (kvdepot_connector.shm), never by name: every segment read-only, and read-write only
+the segments the sidecar grants this engine instance (write domains). Before copying into a slot
+in a segment not yet granted, the client reads the grant the sidecar sent before its STORE reply.
+It is how the sidecar knows the client is alive: when it closes (the process died, or `close()`),
+the sidecar drops the session's reservations and, with the last session of the engine instance,
+the instance's read locks and registrations. When the HELLO reply asks for heartbeats
+(`heartbeat_s`), a thread of the session's own (`lifeline.Heartbeats`) sends them over the
+lifeline, so a stalled process is told from a busy one; the session's `role` and `rank` (HELLO)
+name it in the sidecar's worker registry.
 
 Primitives:
   Session.handshake()                   the handshake's calls (hello, which connects the
@@ -173,23 +176,65 @@ class Session:
         self._map_arena(reply)
 
     def _map_arena(self, reply: p.HelloReply) -> None:
-        """Map the arena from the descriptor the lifeline brought (never by name), unless the
-        same arena is mapped already; the descriptor itself is closed either way."""
-        fd = self.lifeline.received.pop("arena", None) if self.lifeline is not None else None
+        """Map the arena from the descriptors the lifeline brought (never by name), unless the
+        same arena is mapped already; the descriptors themselves are closed either way."""
+        received = self.lifeline.received if self.lifeline is not None else {}
+        fd = received.pop("arena", None)
+        segments = sorted((int(k.split(":")[1]), v) for k, v in received.items() if k.startswith("arena:"))
+        for k, _ in segments:
+            received.pop(f"arena:{k}")
+        fds = [v for _, v in segments]
         try:
             if self.arena is not None and (self.arena.name, self.arena.size) == (
                 reply.arena_name, reply.arena_size
             ):
                 return
             self.close_arena()
-            if self.map_arena and fd is not None:
-                try:
+            if not self.map_arena:
+                return
+            try:
+                if fds and [k for k, _ in segments] == list(range(len(fds))):
+                    self.arena = ArenaMapping.from_segments(fds, reply.arena_size)
+                elif fd is not None:
                     self.arena = ArenaMapping.from_fd(fd, reply.arena_size)
-                except (OSError, ValueError) as exc:
-                    raise SidecarUnavailable(f"cannot map the arena: {exc}") from None
+            except (OSError, ValueError) as exc:
+                raise SidecarUnavailable(f"cannot map the arena: {exc}") from None
         finally:
-            if fd is not None:
+            for f in fds if fd is None else [*fds, fd]:
+                os.close(f)
+        self._take_grants()
+
+    def _take_grants(self, wait_for: int | None = None) -> None:
+        """Map the segments granted so far read-write (frames already waiting are read; with
+        `wait_for`, frames are read until that segment's grant came)."""
+        line, arena = self.lifeline, self.arena
+        if line is None or arena is None or not arena.segment:
+            return
+        try:
+            line.poll()
+            if wait_for is not None and f"write:{wait_for}" not in line.granted:
+                fd = line.wait_granted(f"write:{wait_for}")
+                if fd is not None:
+                    line.granted[f"write:{wait_for}"] = fd
+        except LifelineError as exc:
+            raise SidecarUnavailable(f"lifeline: {exc}") from None
+        for name in [n for n in line.granted if n.startswith("write:")]:
+            fd = line.granted.pop(name)
+            try:
+                arena.grant(int(name.split(":")[1]), fd)
+            except (OSError, ValueError) as exc:
+                raise SidecarUnavailable(f"cannot map a granted segment: {exc}") from None
+            finally:
                 os.close(fd)
+
+    def _writable(self, offset: int, size: int) -> ArenaMapping:
+        """The arena, once this process may write `[offset, offset+size)` (the grant read)."""
+        arena = self._mapped()
+        if not arena.writable(offset, size):
+            self._take_grants(arena.segment_of(offset))
+            if not arena.writable(offset, size):
+                raise SidecarError("refused", f"no write grant for the extent at {offset}", False)
+        return arena
 
     def _connect_lifeline(self, reply: p.HelloReply) -> None:
         """Connect this session's lifeline (the new one first, then the old one goes: the
@@ -229,6 +274,10 @@ class Session:
             raise SidecarUnavailable("the arena is not mapped")
         return self.arena.region(offset, size)
 
+    def writable_region(self, offset: int, size: int) -> torch.Tensor:
+        """`region`, once this process may write it (write domains: the grant read)."""
+        return self._writable(offset, size).region(offset, size)
+
     def _mapped(self) -> ArenaMapping:
         if self.arena is None:
             raise SidecarUnavailable("the arena is not mapped")
@@ -245,10 +294,11 @@ class Session:
             size = _nbytes(src)
             if size != slot.size:
                 raise ValueError(f"chunk {slot.chunk} has {size} bytes, the slot {slot.size}")
+            arena = self._writable(slot.offset, slot.size)
             if src.device.type == "cpu":
-                self._mapped().write(slot.offset, src.data_ptr(), size)
+                arena.write(slot.offset, src.data_ptr(), size)
             else:
-                self.region(slot.offset, slot.size).copy_(_as_u8(src))
+                arena.region(slot.offset, slot.size).copy_(_as_u8(src))
             oids.append(slot.oid)
         return oids
 

@@ -1,10 +1,17 @@
 """Client-side mapping of the sidecar's shared-memory L1 arena.
 
-The sidecar creates the region and owns its lifetime; a client only maps it, read-write, with
-MAP_POPULATE so the first copies do not pay a page fault per 4 KiB. `ArenaMapping.from_fd(fd,
-size)` maps the arena's sealed memfd, received over the lifeline: its size is sealed, so no client
-can truncate it (and SIGBUS the sidecar or another client), and nothing is opened by name.
-A client's mapping stays valid until the client unmaps it, even after the sidecar exits.
+The sidecar creates the arena and owns its lifetime; a client only maps it, with MAP_POPULATE so
+the first copies do not pay a page fault per 4 KiB, from sealed memfds received over the lifeline:
+their size is sealed, so no client can truncate them (and SIGBUS the sidecar or another client),
+and nothing is opened by name. A client's mapping stays valid until the client unmaps it, even
+after the sidecar exits.
+
+Write domains: the arena comes as segments (`ArenaMapping.from_segments(fds, size)`: one
+read-only descriptor per segment, in order). The client reserves the whole arena's address range
+once and maps each segment there read-only, so offsets, `region` and the tensor span the arena as
+before; `grant(index, fd)` maps a segment its engine instance may write read-write over its
+read-only mapping. `write` (and `writable`) refuse an extent outside the granted segments, before
+any byte moves. `ArenaMapping.from_fd(fd, size)`: a sidecar whose arena is one memfd, read-write.
 
 Copies between the caller's CPU memory and the arena (`write`, `read`) are one bounds-checked
 `memmove` each, on the calling thread and without the GIL: no torch kernel, whose thread pool
@@ -25,26 +32,90 @@ F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 SIZE_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+MAP_FIXED = 0x10
+
+
+def _map_fixed(addr: int, size: int, fd: int, *, writable: bool) -> None:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    flags = mmap.MAP_SHARED | MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+    if _libc.mmap(addr, size, prot, flags, fd, 0) != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _check_sealed(fd: int) -> int:
+    if fcntl.fcntl(fd, F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+        raise ValueError("an arena descriptor is not sealed against resizing")
+    return os.fstat(fd).st_size
+
+
 class ArenaMapping:
-    def __init__(self, mm: mmap.mmap, name: str, size: int) -> None:
+    def __init__(self, mm: mmap.mmap, name: str, size: int, segment: int = 0) -> None:
         self._mm = mm
         self.name = name
         self.size = size
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        #: bytes per segment (0: one read-write mapping of the whole arena)
+        self.segment = segment
+        self._writable: set[int] = set()
+
+    @classmethod
+    def from_segments(cls, fds: list[int], size: int) -> ArenaMapping:
+        """Map the arena's segments read-only, each at its offset (the caller keeps and closes the
+        descriptors); refused unless each is sealed and they cover `size` bytes."""
+        if not fds:
+            raise ValueError("no arena segments")
+        sizes = [_check_sealed(fd) for fd in fds]
+        segment = sizes[0]
+        if any(n != segment for n in sizes[:-1]) or sizes[-1] > segment or sum(sizes) < size:
+            raise ValueError(f"segments of {sizes} bytes do not make an arena of {size}")
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        mm = mmap.mmap(-1, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            for i, fd in enumerate(fds):
+                _map_fixed(base + i * segment, min(segment, size - i * segment), fd, writable=False)
+        except BaseException:
+            mm.close()
+            raise
+        return cls(mm, _name(fds[0]), size, segment)
+
+    def grant(self, index: int, fd: int) -> None:
+        """Map segment `index` read-write from `fd` (the caller closes it) over its read-only view."""
+        seg = self.segment
+        if not seg or not 0 <= index * seg < self.size:
+            raise ValueError(f"no segment {index} in this arena")
+        if _check_sealed(fd) < min(seg, self.size - index * seg):
+            raise ValueError(f"segment {index} is shorter than the arena says")
+        _map_fixed(self.tensor.data_ptr() + index * seg, min(seg, self.size - index * seg), fd, writable=True)
+        self._writable.add(index)
+
+    def writable(self, offset: int, size: int) -> bool:
+        """Whether this process may write `[offset, offset+size)` (segments granted to it)."""
+        seg = self.segment
+        if not seg:
+            return True
+        last = (offset + max(size, 1) - 1) // seg
+        return all(i in self._writable for i in range(offset // seg, last + 1))
+
+    def segment_of(self, offset: int) -> int:
+        return offset // self.segment if self.segment else 0
 
     @classmethod
     def from_fd(cls, fd: int, size: int) -> ArenaMapping:
         """Map the arena's memfd (the caller keeps and closes `fd`); refused unless its size is
         sealed and at least `size`."""
-        if fcntl.fcntl(fd, F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
-            raise ValueError("the arena descriptor is not sealed against resizing")
-        actual = os.fstat(fd).st_size
+        actual = _check_sealed(fd)
         if actual < size:
             raise ValueError(f"arena is {actual} bytes, expected {size}")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        name = os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")
-        return cls(mm, name, size)
+        return cls(mm, _name(fd), size)
 
     def region(self, offset: int, size: int) -> torch.Tensor:
         self._check(offset, size)
@@ -52,8 +123,10 @@ class ArenaMapping:
 
     def write(self, offset: int, src: int, size: int) -> None:
         """Copy `size` bytes from address `src` (memory the caller owns and keeps alive) into
-        the arena at `offset`."""
+        the arena at `offset`; PermissionError outside the segments this process may write."""
         self._check(offset, size)
+        if not self.writable(offset, size):
+            raise PermissionError(f"extent {offset}+{size} is in a segment this process may not write")
         if size:
             ctypes.memmove(self.tensor.data_ptr() + offset, src, size)
 
@@ -71,3 +144,7 @@ class ArenaMapping:
         del self.tensor
         with contextlib.suppress(BufferError):
             self._mm.close()
+
+
+def _name(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")

@@ -4,7 +4,8 @@ State: the free extents of `[0, capacity)`, kept coalesced (no two free extents 
 allocated extents. Offsets and sizes are multiples of `alignment`. Only the event loop touches it.
 
 Primitives: `allocate(size) -> offset | None` (first fit, lowest address first; None when no free
-extent is large enough), `free(offset)`, `check()` (raises if any invariant is broken), usage figures.
+extent is large enough), `allocate_in(size, lo, hi)` (the same within `[lo, hi)`: one write domain's
+segment, engine/l1/domains.py), `free(offset)`, `check()` (raises if any invariant is broken), usage figures.
 
 Free extents: a sorted list of start offsets (bisect) plus start->size and end->start maps, so
 freeing coalesces with both neighbours in O(log n) lookups. Allocation walks the sorted starts; with
@@ -83,6 +84,40 @@ class ExtentAllocator:
             self._used += need
             return start
         return None
+
+    def allocate_in(self, size: int, lo: int, hi: int) -> int | None:
+        """First fit of `size` bytes lying wholly within `[lo, hi)` (aligned bounds); None if none."""
+        need = self.aligned(size)
+        starts, sizes = self._starts, self._free_size
+        idx = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while idx < len(starts):
+            start = starts[idx]
+            if start >= hi:
+                return None
+            end = start + sizes[start]
+            pos = max(start, lo)
+            if min(end, hi) - pos >= need:
+                self._carve(idx, start, end, pos, need)
+                return pos
+            idx += 1
+        return None
+
+    def _carve(self, idx: int, start: int, end: int, pos: int, need: int) -> None:
+        """Allocate `[pos, pos+need)` out of the free extent `[start, end)` (the `idx`-th)."""
+        del self._free_size[start]
+        del self._free_end[end]
+        del self._starts[idx]
+        if pos > start:
+            self._add_free(start, pos)
+        if pos + need < end:
+            self._add_free(pos + need, end)
+        self._allocated[pos] = need
+        self._used += need
+
+    def _add_free(self, start: int, end: int) -> None:
+        bisect.insort(self._starts, start)
+        self._free_size[start] = end - start
+        self._free_end[end] = start
 
     def free(self, offset: int) -> None:
         size = self._allocated.pop(offset, None)

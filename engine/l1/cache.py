@@ -52,6 +52,11 @@ construction: "evicted" (room, quotas), "deleted" (delete, last reader or pin of
 temporary object), or the reason `delete`/`clear` are given; a reservation that never became
 visible announces nothing.
 
+Write domains (engine/l1/domains.py; `domains` given at construction, for an arena of segments):
+a client's reservation (`holder` set) is placed in its engine instance's segments, the sidecar's
+own in the sidecar's; `domains.freed` hears of every extent freed. Without domains the arena is one
+space, as before.
+
 Room is made on reserve by the `RoomMaker` (engine/l1/room.py), which shares the allocator,
 policy, ledger and counters: first within the tenant's L1 quota (its own ready objects in policy order, then
 its chunks queued for write-behind; else QUOTA), then within the arena's watermarks (ready objects
@@ -69,6 +74,7 @@ from app.errors import LeaseExpired, NotFound
 from engine.events import L1_TIER, EventBus, Kind
 from engine.keys import Namespace, ObjectKey
 from engine.l1.allocator import ExtentAllocator
+from engine.l1.domains import SIDECAR, WriteDomains
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
 from engine.l1.oids import OidSource
@@ -116,8 +122,11 @@ class L1Cache:
         quarantine_max_bytes: int | None = None,
         quarantine_total_max_bytes: int | None = None,
         events: EventBus | None = None,
+        domains: WriteDomains | None = None,
     ) -> None:
         self.allocator = allocator
+        #: who may write which segment (None: the arena is one segment anyone writes)
+        self.domains = domains
         #: REMOVED (tier L1) is published here when a committed object leaves (events disabled: none)
         self.events = events if events is not None else EventBus(enabled=False)
         self.policy = policy
@@ -134,7 +143,7 @@ class L1Cache:
         self._room = RoomMaker(
             allocator, policy, self.ledger, self.counters, high=int(allocator.capacity * high_watermark),
             low=int(allocator.capacity * low_watermark), shedder=shedder, release=self._evicted,
-            let_go=self._let_go,
+            let_go=self._let_go, domains=domains,
         )  # fmt: skip
         capacity = allocator.capacity
         self.quarantine = Quarantine(
@@ -219,7 +228,7 @@ class L1Cache:
             self.counters.quota_refused += 1
             ledger.note_refusal(salt, L1)
             return Refusal.QUOTA
-        offset = self._room.allocate(size)
+        offset = self._room.allocate(size, owner if holder else SIDECAR)
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE
@@ -374,7 +383,7 @@ class L1Cache:
             obj.apply(Event.FREE)
             self.counters.quarantine_freed += 1
             self._by_oid.pop(obj.oid, None)
-            self.allocator.free(obj.offset)
+            self._free(obj.offset)
         return len(mine)
 
     def fence_holder(self, holder: int) -> int:
@@ -436,5 +445,11 @@ class L1Cache:
         self._forget(obj)
         self._by_oid.pop(obj.oid, None)
         self.policy.on_remove(obj)
-        self.allocator.free(obj.offset)
+        self._free(obj.offset)
         self.ledger.credit(obj.key.salt, L1, self.allocator.aligned(obj.size))
+
+    def _free(self, offset: int) -> None:
+        domains = self.domains
+        if domains is not None:
+            domains.freed(offset, self.allocator.size_of(offset))
+        self.allocator.free(offset)

@@ -10,7 +10,7 @@ locks.
 
 Primitives in call order (L1Cache.try_reserve calls the first two, in this order):
   fit(salt, limit, charge)  -> True when `charge` more bytes fit the tenant's L1 limit
-  allocate(size)            -> an arena offset, or None (no space)
+  allocate(size[, domain])  -> an arena offset, or None (no space)
   evict(need[, salt])       ready objects in policy order, until `need` bytes were freed
   fit_quota(salt)           the tenant's ready objects in policy order, down to its L1 limit
 
@@ -28,6 +28,11 @@ Room is made on reserve, in two steps:
    queued chunks of any tenant (their L2 write is dropped, counted). If that is not enough
    (everything held, or fragmentation), NO_SPACE.
 
+Write domains (engine/l1/domains.py, when the arena has segments): an object is placed only in a
+segment of the domain that writes it (its own first, then one it may claim), and only objects whose
+eviction may make room that domain can use are victims (in its own segments, the sidecar's for an
+engine, a gone instance's); the watermark step evicts among those too.
+
 Prefix pins (engine/pins/): `kept` (set through L1Cache.bind_pins) says which keys a tenant's
 prefix pin holds in L1; such objects are never chosen as victims, by any policy, in either step
 (a tenant's pinned chunks count against its quota all the same). Kept objects a scan passes over
@@ -43,6 +48,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.keys import ObjectKey
 from engine.l1.allocator import ExtentAllocator
+from engine.l1.domains import SIDECAR, WriteDomains
 from engine.l1.eviction import EvictionPolicy
 from engine.l1.lifecycle import Event, L1Object
 from engine.tenants.ledger import TenantLedger
@@ -75,8 +81,10 @@ class RoomMaker:
         shedder: Shedder | None,
         release: Callable[[L1Object], None],
         let_go: Callable[[L1Object], bool],
+        domains: WriteDomains | None = None,
     ) -> None:
         self.allocator = allocator
+        self.domains = domains
         self.policy = policy
         self.ledger = ledger
         self.counters = counters
@@ -107,25 +115,52 @@ class RoomMaker:
         self._evict(victims)
         return True
 
-    def allocate(self, size: int) -> int | None:
+    def allocate(self, size: int, domain: str = SIDECAR) -> int | None:
+        """An offset for `size` bytes written by `domain` (see the module docstring), or None."""
         alloc = self.allocator
         need = alloc.aligned(size)
+        helps = None if self.domains is None else self.domains.helps(domain)
         if alloc.used + need > self.high:
-            self.evict(alloc.used + need - self.low)
-        offset = alloc.allocate(size)
+            self.evict(alloc.used + need - self.low, helps=helps)
+        offset = self._place(size, domain)
         while offset is None:
             # Fragmented or above the low watermark already: free more, one object's worth at a time.
             # When everything left is pinned, chunks pinned only by queued write-behind are let go
             # (their L2 write is dropped and counted) rather than refusing the engine.
-            if self.evict(need) == 0 and (self._shed(need, None) == 0 or self.evict(need) == 0):
+            if self.evict(need, helps=helps) == 0 and (
+                self._shed(need, None) == 0 or self.evict(need, helps=helps) == 0
+            ):
                 return None
-            offset = alloc.allocate(size)
+            offset = self._place(size, domain)
         return offset
 
-    def evict(self, need: int, salt: str | None = None) -> int:
-        """Evict ready objects (of `salt` only, when given) in policy order until `need` arena bytes
-        were freed, or none is left. Returns the bytes freed."""
-        victims, freed = self._victims(need, salt)
+    def _place(self, size: int, domain: str) -> int | None:
+        """Allocate in `domain`'s segments, else in one it may claim (which it then owns)."""
+        domains = self.domains
+        if domains is None:
+            return self.allocator.allocate(size)
+        alloc = self.allocator
+        need = alloc.aligned(size)
+        for claim in (False, True):
+            for i in domains.claimable(domain) if claim else domains.mine(domain):
+                lo, hi = domains.bounds(i)
+                if hi - lo - domains.used[i] < need:
+                    continue
+                offset = alloc.allocate_in(size, lo, hi)
+                if offset is not None:
+                    if claim:
+                        domains.claim(domain, i)
+                    domains.allocated(offset, need)
+                    return offset
+        return None
+
+    def evict(
+        self, need: int, salt: str | None = None, helps: Callable[[L1Object], bool] | None = None
+    ) -> int:
+        """Evict ready objects (of `salt` only, when given; only those `helps` accepts, when
+        given) in policy order until `need` arena bytes were freed, or none is left. Returns the
+        bytes freed."""
+        victims, freed = self._victims(need, salt, helps)
         self._evict(victims)
         return freed
 
@@ -148,7 +183,9 @@ class RoomMaker:
     def _shed(self, nbytes: int, salt: str | None) -> int:
         return 0 if self._shedder is None else self._shedder.shed(nbytes, salt, self._let_go)
 
-    def _victims(self, need: int, salt: str | None) -> tuple[list[L1Object], int]:
+    def _victims(
+        self, need: int, salt: str | None, helps: Callable[[L1Object], bool] | None = None
+    ) -> tuple[list[L1Object], int]:
         """Ready objects in policy order whose arena bytes add up to `need` (fewer if there are
         not enough), and their bytes. Chosen first, evicted after: the policy is not changed
         while it is being iterated."""
@@ -161,6 +198,8 @@ class RoomMaker:
             if freed >= need:
                 break
             if obj.evictable:
+                if helps is not None and not helps(obj):
+                    continue
                 if kept is not None and kept(obj.key):
                     passed.append(obj)
                     continue

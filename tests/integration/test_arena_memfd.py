@@ -38,15 +38,19 @@ def test_a_client_cannot_truncate_the_arena_and_the_sidecar_lives(sidecar_factor
     assert reply.lifeline_path and len(reply.lifeline_token) == 32
     assert not (Path("/dev/shm") / reply.arena_name).exists()  # nothing to open by name
     line = LifelineClient(reply.lifeline_path, reply.lifeline_token)
-    fd = line.take("arena")
+    # The arena's segments (write domains), each read-only and sealed.
+    fds = [line.take(f"arena:{i}") for i in range(len(line.received))]
     try:
-        assert os.fstat(fd).st_size == reply.arena_size
-        for size in (0, reply.arena_size // 2, reply.arena_size * 2):
-            with pytest.raises(PermissionError):
-                os.ftruncate(fd, size)  # sealed: F_SEAL_SHRINK | F_SEAL_GROW
-        assert os.fstat(fd).st_size == reply.arena_size
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        assert len(fds) > 1 and sum(sizes) == reply.arena_size
+        for fd, seg in zip(fds, sizes, strict=True):
+            for size in (0, seg // 2, seg * 2):
+                with pytest.raises((PermissionError, OSError)):
+                    os.ftruncate(fd, size)  # read-only, and sealed: F_SEAL_SHRINK | F_SEAL_GROW
+            assert os.fstat(fd).st_size == seg
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         line.close()
     c = client(sc.url)  # the sidecar and its other clients go on
     try:

@@ -68,6 +68,7 @@ LONG_LEASES = CHUNK_ENV | {
     "KVDEPOT_L1__WRITE_LEASE_S": "600",  # far beyond the test: no lease frees anything here
     "KVDEPOT_L1__READ_LEASE_S": "600",
     "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",
+    "KVDEPOT_L2__ADAPTERS": "[]",  # no L2: every segment of the arena may go to engines' write domains
 }
 
 

@@ -27,6 +27,7 @@ FENCE_ENV = {
     "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",
     "KVDEPOT_L1__HIGH_WATERMARK": "1.0",
     "KVDEPOT_L1__LOW_WATERMARK": "1.0",
+    "KVDEPOT_L2__ADAPTERS": "[]",  # no L2: every segment of the arena may go to engines' write domains
 }
 
 

@@ -1,4 +1,4 @@
-"""One soak client process: a writer or a reader, through the blocking client library.
+"""One soak client process: a writer, a reader or a hostile engine, through the blocking client library.
 
     python -m tests.soak.client ROLE URL STATS_FILE SEED UNTIL
 
@@ -8,6 +8,12 @@ device copy would: a writer stopped meanwhile goes on writing when it is continu
 extent that may no longer be its own), then commit, or now and then abort. Readers look a document
 up, take arena views of the locked chunks, copy them (many passes too), release, and verify every
 byte of a release that said `valid=True`: a byte that differs is a wrong byte reported valid.
+A hostile engine (an instance of its own) commits reservations it never wrote (under a tenant of
+its own: what an engine writes for its own requests is its business) and tries to overwrite the
+chunks readers look up, through its mapping: a write through /proc/self/mem at the locked view
+(refused: the mapping is read-only and shared) and now and then a plain store from a forked child
+(which a write domain kills with SIGSEGV). Counted: `overwrites_tried`, `overwrites_refused`,
+`overwrites_done`, `commits_unwritten`.
 
 State: the counters, written to STATS_FILE (atomically) every STATS_EVERY_S and at once when a
 wrong byte is seen, so a SIGKILL loses counts of a moment but never a wrong byte. Runs until the
@@ -16,6 +22,7 @@ wall-clock time UNTIL.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -75,6 +82,10 @@ class Stats:
     wrong_chunks: int = 0
     wrong_examples: list[dict[str, object]] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    commits_unwritten: int = 0
+    overwrites_tried: int = 0
+    overwrites_refused: int = 0
+    overwrites_done: int = 0
 
 
 class SoakClient:
@@ -97,7 +108,7 @@ class SoakClient:
         os.replace(tmp, self.stats_file)
 
     def run(self, until: float) -> None:
-        step = self.write if self.role == "writer" else self.read
+        step = {"writer": self.write, "reader": self.read, "hostile": self.attack}[self.role]
         while time.time() < until:
             self._n += 1
             salt = f"tenant-{self.rng.randrange(TENANTS)}"
@@ -160,6 +171,54 @@ class SoakClient:
                         {"salt": salt, "doc": doc, "chunk": chunk, "wrong": wrong}
                     )
                 self.save(force=True)
+
+
+    def attack(self, salt: str, doc: int, rid: str) -> None:
+        """Commit unwritten memory under a tenant of its own, then try to overwrite `salt`'s chunks."""
+        tokens = doc_tokens(doc)
+        reply = self.client.reserve(tokens, request_id=rid + "-w", cache_salt="hostile")
+        oids = [s.oid for s in reply.slots if s.status is SlotStatus.RESERVED]
+        if oids:
+            self.stats.commits_unwritten += sum(self.client.commit(oids))
+        try:
+            hit = self.client.lookup(tokens, request_id=rid, cache_salt=salt)
+            if hit.hit_chunks == 0:
+                return
+            locked = self.client.locked(rid, first_chunk=0, num_chunks=hit.hit_chunks)
+            view = locked.views[self.rng.randrange(len(locked.views))]
+            self.stats.overwrites_tried += 1
+            if self.rng.random() < 0.05:
+                self._store_in_child(view.data_ptr(), view.numel())
+            else:
+                self._poke(view.data_ptr(), view.numel())
+            self.client.release(rid, locked.oids)
+        finally:
+            self.client.end_request(rid)
+
+    def _poke(self, addr: int, size: int) -> None:
+        try:
+            fd = os.open("/proc/self/mem", os.O_RDWR)
+            try:
+                os.pwrite(fd, b"\xee" * size, addr)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.stats.overwrites_refused += 1
+            return
+        self.stats.overwrites_done += 1
+        self.save(force=True)
+
+    def _store_in_child(self, addr: int, size: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: a plain store through the mapping, then out
+            ctypes.memset(addr, 0xEE, size)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status):
+            self.stats.overwrites_refused += 1
+        else:
+            self.stats.overwrites_done += 1
+            self.save(force=True)
 
 
 def main() -> None:

@@ -2,17 +2,19 @@
 chaos; the one figure that must stay 0 is `wrong_bytes` (bytes a reader was told were valid and
 were not).
 
-    python -m tests.soak.soak --minutes 10 [--writers 3] [--readers 3] [--seed 0]
+    python -m tests.soak.soak --minutes 10 [--writers 3] [--readers 3] [--hostile 1] [--seed 0]
 
 The sidecar runs with short leases (`--lease-s`, reaped every 50 ms) and a small arena, so
 extents are reclaimed and reused all the time. Chaos, every `--chaos-every-s`: a client is
 SIGSTOPped past its lease and SIGCONTed later (a writer then goes on writing into its old slots; a
 reader goes on copying out of its old extents), or SIGKILLed and replaced. Writers abort now and
-then, readers drop their locks unread now and then (tests/soak/client.py).
+then, readers drop their locks unread now and then; a hostile engine commits memory it never
+wrote and tries to overwrite the chunks readers read through its mapping (tests/soak/client.py).
 
-Prints one JSON object: ops, hits, bytes verified, wrong bytes and chunks reported valid, invalid
-releases, expired commits, client errors by code, chaos counts, whether the sidecar is alive and
-its allocator consistent. Exit status 1 on a wrong byte or a dead sidecar.
+Prints one JSON object: ops, hits, bytes verified, wrong bytes and chunks reported valid, the
+hostile engine's overwrites tried / refused / done, invalid releases, expired commits, client
+errors by code, chaos counts, whether the sidecar is alive and its allocator consistent. Exit
+status 1 on a wrong byte, an overwrite that got through or a dead sidecar.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from app.bench.sidecar import SidecarProcess, start_sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMED = ["ops", "stored_chunks", "commits_expired", "aborted", "hit_chunks", "bytes_verified",
-          "releases_invalid", "wrong_bytes", "wrong_chunks"]  # fmt: skip
+          "releases_invalid", "wrong_bytes", "wrong_chunks", "commits_unwritten", "overwrites_tried",
+          "overwrites_refused", "overwrites_done"]  # fmt: skip
 
 
 @dataclass
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.monotonic()
         soak = Soak(sidecar, workdir, time.time() + args.minutes * 60, rng, env)
         try:
-            for role, n in (("writer", args.writers), ("reader", args.readers)):
+            for role, n in (("writer", args.writers), ("reader", args.readers), ("hostile", args.hostile)):
                 for _ in range(n):
                     soak.spawn(role)
             while time.time() < soak.until and sidecar.proc.poll() is None:
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         allocator_ok=allocator_ok,
         seed=args.seed,
     )
-    result["ok"] = alive and result["wrong_bytes"] == 0
+    result["ok"] = alive and result["wrong_bytes"] == 0 and result["overwrites_done"] == 0
     return result
 
 
@@ -172,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--writers", type=int, default=3)
     ap.add_argument("--readers", type=int, default=3)
+    ap.add_argument("--hostile", type=int, default=1, help="hostile engines (tests/soak/client.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lease-s", type=float, default=0.5, help="write and read lease of the sidecar")
     ap.add_argument("--chaos-every-s", type=float, default=0.5, help="0: no chaos (a control run)")

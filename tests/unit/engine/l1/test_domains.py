@@ -1,0 +1,103 @@
+"""Write domains in L1: each writer's objects in its own segments, segments zeroed between
+domains, the sidecar's share kept, a gone instance's segments free once its processes exited."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from engine.keys import Namespace, ObjectKey
+from engine.l1.allocator import ExtentAllocator
+from engine.l1.cache import L1Cache, Refusal
+from engine.l1.domains import SIDECAR, WriteDomains
+from engine.l1.eviction import make_policy
+from engine.l1.lifecycle import L1Object
+
+PAGE = 4096
+SEG = 4 * PAGE
+NS = Namespace("m", "l", 0)
+
+
+def key(i: int) -> ObjectKey:
+    return ObjectKey(NS, "t", i.to_bytes(32, "big"))
+
+
+def make(segments: int = 4, reserve: int = 0) -> tuple[L1Cache, WriteDomains, list[tuple[int, int]]]:
+    zeroed: list[tuple[int, int]] = []
+    domains = WriteDomains(segments * SEG, SEG, zero=lambda o, n: zeroed.append((o, n)), reserve=reserve)
+    cache = L1Cache(
+        ExtentAllocator(segments * SEG, PAGE), make_policy("lru"), high_watermark=1.0, low_watermark=1.0,
+        write_lease_s=10, domains=domains,
+    )  # fmt: skip
+    return cache, domains, zeroed
+
+
+def reserve(cache: L1Cache, i: int, owner: str, size: int = PAGE) -> L1Object:
+    got = cache.try_reserve(key(i), size, 0.0, owner=owner, holder=1 if owner else 0)
+    assert isinstance(got, L1Object)
+    return got
+
+
+def test_each_writer_gets_its_own_segments_and_is_granted_them() -> None:
+    cache, domains, _ = make()
+    grants: list[tuple[str, int]] = []
+    domains.on_grant = lambda inst, i: grants.append((inst, i))
+    a = [reserve(cache, i, "a") for i in range(5)]  # one segment and a page of a second
+    b = reserve(cache, 10, "b")
+    s = reserve(cache, 20, SIDECAR)
+    seg = {o.oid: o.offset // SEG for o in [*a, b, s]}
+    assert {seg[o.oid] for o in a} == {0, 1}
+    assert seg[b.oid] == 2 and seg[s.oid] == 3
+    assert grants == [("a", 0), ("a", 1), ("b", 2)]  # the sidecar's own segment goes to no client
+    assert domains.writable("a") == [0, 1] and domains.writable(SIDECAR) == []
+    cache.allocator.check()
+
+
+def test_a_writer_out_of_room_evicts_its_own_never_anothers() -> None:
+    cache, _, _ = make(segments=2)
+    for i in range(4):
+        cache.commit(reserve(cache, i, "a").oid, 0.0)  # fills segment 0
+    for i in range(4):
+        cache.commit(reserve(cache, 10 + i, "b").oid, 0.0)  # fills segment 1
+    c = cache.try_reserve(key(30), PAGE, 0.0, owner="c", holder=3)
+    assert c is Refusal.NO_SPACE  # nothing of a or b may be evicted for c: it could not write there
+    assert len(cache) == 8
+    got = reserve(cache, 40, "a")  # a evicts its own least recent
+    assert got.offset // SEG == 0 and cache.peek(key(0)) is None and cache.peek(key(10)) is not None
+
+
+def test_a_sidecar_segment_handed_to_an_engine_is_zeroed_first() -> None:
+    cache, domains, zeroed = make(segments=2)
+    s = reserve(cache, 1, SIDECAR)
+    cache.abort(s)
+    cache.commit(reserve(cache, 2, "a").oid, 0.0)  # the free segment 1
+    got = reserve(cache, 3, "a", size=SEG)  # a whole segment: only the sidecar's empty one is left
+    assert got.offset == 0 and domains.owner[0] == "a"
+    assert zeroed == [(0, SEG)]
+
+
+def test_engines_leave_the_sidecar_its_reserve() -> None:
+    cache, _, _ = make(segments=2, reserve=1)
+    reserve(cache, 1, "a", size=SEG)
+    assert cache.try_reserve(key(2), PAGE, 0.0, owner="b", holder=2) is Refusal.NO_SPACE
+    assert reserve(cache, 3, SIDECAR).offset // SEG == 1
+
+
+def test_a_gone_instances_segments_are_freed_once_its_processes_exited() -> None:
+    cache, domains, zeroed = make(segments=2)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        domains.note_process("a", proc.pid)
+        cache.commit(reserve(cache, 1, "a", size=SEG).oid, 0.0)
+        reserve(cache, 2, "b", size=SEG)
+        domains.gone("a")
+        # Its process lives (it may still write through its mapping): its segment is not reused.
+        assert cache.try_reserve(key(3), PAGE, 0.0, owner="c", holder=3) is Refusal.NO_SPACE
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+    got = reserve(cache, 4, "c")  # exited: a's chunk is evicted, its segment zeroed and handed on
+    assert got.offset // SEG == 0 and domains.owner[0] == "c" and zeroed == [(0, SEG)]
+    assert cache.peek(key(1)) is None
+    cache.allocator.check()
