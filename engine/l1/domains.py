@@ -92,11 +92,12 @@ class WriteDomains:
         free = [i for i in range(self.n) if self.owner[i] is None]
         if domain == SIDECAR:
             return free
-        spare = free + [i for i in self.mine(SIDECAR) if self.used[i] == 0]
-        engines = sum(len(v) for k, v in self._mine.items() if k != SIDECAR)
-        if engines + self.reserve >= self.n:
+        if self._engine_segments() + self.reserve >= self.n:
             return []
-        return spare
+        return free + [i for i in self.mine(SIDECAR) if self.used[i] == 0]
+
+    def _engine_segments(self) -> int:
+        return sum(len(v) for k, v in self._mine.items() if k != SIDECAR)
 
     def claim(self, domain: str, index: int) -> None:
         """`domain` owns segment `index` from now (zeroed first when another domain wrote it)."""
@@ -129,10 +130,12 @@ class WriteDomains:
         """Whether evicting an object may make room `domain` can use: it lies in the domain's own
         segment, one the domain may claim once empty, or one of an instance that is gone."""
         owner, seg, gone = self.owner, self.segment, self._gone
+        # The sidecar's segments help an engine only while engines may take one more segment.
+        sidecars = domain != SIDECAR and self._engine_segments() + self.reserve < self.n
 
         def useful(obj: L1Object) -> bool:
             o = owner[obj.offset // seg]
-            return o == domain or o in gone or (o == SIDECAR and domain != SIDECAR)
+            return o == domain or o in gone or (sidecars and o == SIDECAR)
 
         return useful
 

@@ -101,3 +101,12 @@ def test_a_gone_instances_segments_are_freed_once_its_processes_exited() -> None
     assert got.offset // SEG == 0 and domains.owner[0] == "c" and zeroed == [(0, SEG)]
     assert cache.peek(key(1)) is None
     cache.allocator.check()
+
+
+def test_an_engine_evicts_none_of_the_sidecars_chunks_it_could_not_take() -> None:
+    cache, _, _ = make(segments=2, reserve=1)
+    cache.commit(reserve(cache, 1, SIDECAR).oid, 0.0)  # an L2 load, waiting for its reader
+    for i in range(4):
+        cache.commit(reserve(cache, 10 + i, "a").oid, 0.0)  # fills a's one segment
+    reserve(cache, 20, "a")  # room from a's own chunks
+    assert cache.peek(key(1)) is not None and cache.peek(key(10)) is None
