@@ -37,10 +37,12 @@ Keys: a chunk's key covers, besides the model, layout, kv rank, cache_salt and t
 request's LoRA adapter (name and a fingerprint of its files), its multimodal items and its prompt
 embeddings (`extra_keys`); a request whose inputs cannot be keyed is not cached.
 
-Ownership: the scheduler and the workers of one engine say HELLO with the same instance nonce,
-derived from vLLM's `kv_transfer_config.engine_id` (`identity.instance_nonce`), so the workers may
-read and release what the scheduler locked and nobody else may. Engines given the same explicit
-engine_id would share ownership: leave it unset (vLLM then draws a uuid) or make it unique.
+Ownership: the scheduler and the workers of one engine say HELLO with the same instance nonce, so
+the workers may read and release what the scheduler locked and nobody else may. The scheduler
+draws it at random when it starts (`identity.new_instance_nonce`; nothing vLLM logs or configures
+derives it, so engines given the same `engine_id` still own their requests apart) and hands it to
+the workers in every step's metadata (`StepPlan.instance`); a worker connects at engine start
+under a private nonce and joins the scheduler's at its first step (`WorkerSide.follow`).
 
 A load that fails is reported to vLLM as failed blocks, which vLLM recomputes: the connector sets
 the failure policy to "recompute" (a cache must never fail a request), and `requires_kv_delivery`
@@ -74,7 +76,7 @@ from kvdepot_connector.protocol import Layout
 from kvdepot_connector.tracecontext import traceparent_of
 from kvdepot_connector.vllm.extra_keys import AdapterFingerprints, request_keys
 from kvdepot_connector.vllm.guard import SidecarGuard
-from kvdepot_connector.vllm.identity import instance_nonce
+from kvdepot_connector.vllm.identity import new_instance_nonce
 from kvdepot_connector.vllm.plan import StepPlan
 from kvdepot_connector.vllm.scheduler import CLIENT_ERRORS, LOAD_MODES, ScheduledRequest, SchedulerSide
 from kvdepot_connector.vllm.trace import Trace
@@ -155,7 +157,8 @@ class KVDepotConnector(KVConnectorBase_V1):
         default_model = served[0] if isinstance(served, list | tuple) else (served or mc.model)
         self._model = str(ktc.get_from_extra_config("kvdepot_model_id", default_model))
         self._layout = _layout(vllm_config, self._chunk_size)
-        self._instance = instance_nonce(str(ktc.engine_id or ""))
+        # The scheduler's own (its workers learn it from the step metadata); a worker's: none yet.
+        self._instance = new_instance_nonce() if role == KVConnectorRole.SCHEDULER else None
         if ktc.kv_load_failure_policy != "recompute":
             log.info(
                 "kvdepot: kv_load_failure_policy set to 'recompute' (a cache miss never fails a request)"
@@ -294,7 +297,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         rank = get_tensor_model_parallel_rank()
         client = KVDepotClient(
             self._url, model=self._model, layout=lay, kv_rank=rank, timeout_s=self._timeout_s,
-            name=f"vllm-worker-{rank}", map_arena=not by_sidecar, instance=self._instance, role="worker",
+            name=f"vllm-worker-{rank}", map_arena=not by_sidecar, instance=None, role="worker",
             rank=rank,
         )  # fmt: skip
         # Connect now, at engine start: mapping the arena (populated, so that copies pay no page
@@ -314,6 +317,8 @@ class KVDepotConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         self._trace.event("step_start")
+        if self._worker is not None and isinstance(meta, KVDepotConnectorMetadata):
+            self._worker.follow(meta.plan.instance)  # the scheduler's nonce, before any load or save
         if self._worker is not None and isinstance(meta, KVDepotConnectorMetadata) and meta.plan.loads:
             started = time.perf_counter()
             self._worker.load(meta.plan.loads)
@@ -336,6 +341,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         self._trace.event("step_end")
         if self._worker is not None and plan is not None and (plan.saves or plan.sending):
             started = time.perf_counter()
+            self._worker.follow(plan.instance)
             self._worker.save(plan.saves, plan.sending)
             self._trace.event("save", ",".join(s.request_id for s in plan.saves), started,
                               chunks=sum(s.num_chunks for s in plan.saves))  # fmt: skip

@@ -1,25 +1,30 @@
-"""The engine instance nonce of a vLLM engine, the same in its scheduler and worker processes.
+"""The engine instance nonce of a vLLM engine: random per start, shared by its scheduler and its
+workers, and handed to the workers privately.
 
-vLLM fills `kv_transfer_config.engine_id` with a fresh uuid4 when it is not set, and hands the
-same config to every process of the engine; its blake3 hash (hex) is the nonce the connector says
-HELLO with, so the sidecar lets the scheduler's locks be read and released by the workers, and no
-other engine touch them, without any extra plumbing. The nonce never enters a cache key: engines
-of one model still share cached chunks.
+The sidecar lets a client act on the requests, read locks and reservations of the instance whose
+nonce it says HELLO with, so the nonce must be known to the engine's own processes only. The
+scheduler side draws it when the connector is built in the engine-core process
+(`new_instance_nonce`: 32 random bytes, hex); the workers learn it from the connector metadata
+the scheduler builds every step (`StepPlan.instance`), which vLLM hands from the engine core to
+its workers over its own channel between them (the executor's RPC: shared memory between local
+processes), so the nonce is in no config, environment variable, file or log line. A worker
+connects at engine start under a private nonce of its own (it maps the arena early, before any
+step), and joins the scheduler's instance at the first step that names it
+(`WorkerSide.follow` -> `KVDepotClient.join_instance`: HELLO again on its connection, a new
+lifeline, REGISTER; the arena stays mapped).
 
-Engines given the same explicit `engine_id` share one nonce, hence ownership of each other's
-requests and reservations (and their engine ids, so their KV planes too when the sidecar copies):
-give every engine beside one sidecar its own engine_id, or leave it unset.
+It used to be derived from vLLM's `kv_transfer_config.engine_id`, which vLLM logs (and which an
+operator may set to the same value on several engines): whoever read the log could act for the
+engine. The nonce never enters a cache key: engines of one model still share cached chunks.
 """
 
 from __future__ import annotations
 
-import blake3
+import secrets
 
-NONCE_DOMAIN = b"kvdepot-instance-v1:"
+NONCE_BYTES = 32
 
 
-def instance_nonce(engine_id: str) -> str:
-    """A 32-byte hex nonce derived from vLLM's kv_transfer_config.engine_id."""
-    if not engine_id:
-        raise ValueError("kv_transfer_config.engine_id is empty: vLLM sets one per engine; set it")
-    return blake3.blake3(NONCE_DOMAIN + engine_id.encode()).hexdigest()
+def new_instance_nonce() -> str:
+    """A fresh random engine instance nonce (64 lowercase hex characters)."""
+    return secrets.token_hex(NONCE_BYTES)

@@ -45,8 +45,11 @@ class SaveSpec:
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """`sending`: finished requests whose blocks vLLM keeps for this step's saves; the workers
-    report them finished_sending once those saves are done, or failed (so the blocks are freed)."""
+    report them finished_sending once those saves are done, or failed (so the blocks are freed).
+    `instance`: the scheduler's engine instance nonce, which the workers join before acting
+    (vllm/identity.py: this is how it reaches them, privately)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     sending: list[str] = field(default_factory=list)
+    instance: str = ""

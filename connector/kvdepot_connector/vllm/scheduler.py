@@ -227,7 +227,10 @@ class SchedulerSide:
     # --- each step -----------------------------------------------------------------------------
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
-        plan = StepPlan(loads=self._loads_due, saves=self._saves_due, sending=self._sending)
+        plan = StepPlan(
+            loads=self._loads_due, saves=self._saves_due, sending=self._sending,
+            instance=self.clients[0].instance if self.clients else "",
+        )  # fmt: skip
         self._loads_due, self._saves_due, self._sending = [], [], []
         for s in scheduled:
             req = self._requests.get(s.request_id)

@@ -12,6 +12,8 @@ chunk's blocks of every plane, plane-major):
   SAVE_BLOCKS carry block ids only, and the sidecar runs the copies on its own streams.
 
 Primitives, in vLLM's step order:
+  follow(instance) before the step's loads and saves: act for the scheduler's engine instance,
+                  whose nonce the step's plan carries (vllm/identity.py)
   load(specs)     in start_load_kv: the request's read-locked chunks into its blocks of every
                   plane, then the locks released with the object ids copied from; RELEASE saying
                   valid=False (the objects changed: a lease expired, the scheduler ended the
@@ -102,6 +104,13 @@ class WorkerSide:
         self.client.register_kv_cache(self.shared)  # re-handshaken during the call: register again
         self._registered_with = self.client.engine_id
         return call()
+
+    def follow(self, instance: str) -> None:
+        """Act for the engine instance the scheduler named in this step's plan (vllm/identity.py):
+        the worker's client joins it before the step's loads and saves (once; a plan naming none
+        changes nothing)."""
+        if instance and instance != self.client.instance:
+            self.client.join_instance(instance)
 
     # --- loads ---------------------------------------------------------------------------------
 

@@ -58,6 +58,8 @@ class _Reply:
 class _MissingClient:
     """A sidecar client whose lookups all miss."""
 
+    instance = "ab" * 32
+
     def lookup(self, tokens: Sequence[int] | bytes, **_: object) -> _Reply:
         return _Reply()
 
