@@ -1,5 +1,6 @@
 """`kv_events` settings: the ZMQ publisher of KV events in vLLM's wire format (composed into
-app/settings.py). Off unless `endpoint` is set; loopback unless told otherwise."""
+app/settings.py). Off unless `endpoint` is set; ipc:// or CURVE unless plain tcp is allowed
+explicitly, loopback unless told otherwise."""
 
 from __future__ import annotations
 
@@ -75,6 +76,17 @@ class KvEventsSettings(BaseModel):
         "the server key.",
     )  # fmt: skip
     allow_any_address: bool = Field(False, description="Allow binding 0.0.0.0, :: or *.")
+    allow_plaintext_tcp: bool = Field(
+        False,
+        description="Allow a tcp:// endpoint without CURVE: any process that reaches the port (any "
+        "local user on loopback) reads every tenant's token ids. Default: ipc:// (socket files 0600) "
+        "or CURVE.",
+    )
+    max_subscriptions: int = Field(
+        1024, ge=1, le=1 << 20,
+        description="Distinct model-specific topic filters applied on the PUB socket; past it more are "
+        "refused (counted). Filters that are a prefix of kv@<host>@ (\"\" included) are always applied.",
+    )  # fmt: skip
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -95,6 +107,12 @@ class KvEventsSettings(BaseModel):
                 raise ValueError(
                     f"{name} {value} binds every address: events show token ids and tenants; bind "
                     "loopback or the pod's own address, or set kv_events.allow_any_address=true"
+                )
+            if host is not None and self.curve_secret_key is None and not self.allow_plaintext_tcp:
+                raise ValueError(
+                    f"{name} {value} is plain tcp: any process reaching it (any local user on "
+                    "loopback) reads every tenant's token ids; use ipc:// (0600), set CURVE keys "
+                    "(kv_events.curve_secret_key), or set kv_events.allow_plaintext_tcp=true"
                 )
         if self.replay_endpoint is not None and self.endpoint is None:
             raise ValueError("replay_endpoint needs endpoint")

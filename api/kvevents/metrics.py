@@ -36,6 +36,22 @@ class KvEventsCollector(Collector):
             value=p.namer.unknown_layout,
         )
         yield CounterMetricFamily("kvdepot_kv_events_replays", "Replay requests served.", value=p.replays)
+        yield CounterMetricFamily(
+            "kvdepot_kv_events_replays_refused",
+            "Replay requests ignored: MAX_REPLAYS replays were being sent (the client asks again).",
+            value=p.replays_refused,
+        )
+        yield CounterMetricFamily(
+            "kvdepot_kv_events_bad_requests",
+            "Malformed requests on the replay socket (ignored; logged at a bounded rate).",
+            value=p.bad_requests.count,
+        )
+        yield CounterMetricFamily(
+            "kvdepot_kv_events_subscriptions_refused",
+            "Subscriptions the PUB socket did not apply: not this sidecar's topics, or past "
+            "kv_events.max_subscriptions distinct model filters.",
+            value=p.refused_subscriptions.count,
+        )
         yield GaugeMetricFamily(
             "kvdepot_kv_events_sequence", "Sequence number of the last batch published.", value=p.last_seq
         )

@@ -9,6 +9,13 @@ Sending never blocks the loop: an XPUB socket with XPUB_NODROP answers EAGAIN wh
 queue (`sndhwm`) is full, and that batch is dropped for the live stream and counted; it stays in the
 replay buffer, so a subscriber that sees a gap in the sequence asks the replay socket for it.
 
+Budgets (guard.py): both sockets are read at most READ_BUDGET messages per reader callback (then
+the loop gets a turn and the reading goes on from a callback), both have MAXMSGSIZE (a larger frame
+drops its connection unread); the XPUB socket is XPUB_MANUAL and applies only subscriptions the
+SubscriptionFilter admits (this sidecar's topics, a cap on distinct narrow filters); refused
+subscriptions and malformed replay requests are counted and logged at a bounded rate; ipc socket
+files are 0600.
+
 Replay: a ROUTER socket; a request `(identity, "", start_seq 8 bytes big-endian)` is answered with
 every buffered batch from `start_seq` as `(identity, "", topic, seq, payload)` and then the end
 marker `(identity, "", "", -1, "")`, exactly as vLLM's publisher answers (a DEALER or REQ peer).
@@ -16,7 +23,8 @@ A replay is sent from a task, in slices, yielding between them; at most MAX_REPL
 request beyond, or a malformed one, is ignored and counted: the requester times out and asks again).
 
 State (event loop only): the ZMQ context and sockets, the sequence counter, the replay buffer
-(bounded by batches and by bytes), counters, the replay tasks (kept in a set).
+(bounded by batches and by bytes), counters, the subscription filter, the replay tasks (kept in a
+set), whether a reader's continuation is scheduled.
 
 Primitives in call order: KvEventPublisher(settings, namer, deployment...) -> bind() (ConfigError)
 -> start() (readers on the loop) -> on_events(events)... (the bus callback) -> close().
@@ -26,11 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import structlog
 import zmq
@@ -38,8 +47,17 @@ import zmq
 from api.kvevents.blocks import BlockNamer
 from api.kvevents.config import KvEventsSettings
 from api.kvevents.curve import ZapHandler, socket_fd
+from api.kvevents.guard import (
+    MAX_REQUEST_BYTES,
+    MAX_SUBSCRIPTION_BYTES,
+    READ_BUDGET,
+    SUBSCRIPTION_BUDGET,
+    SUBSCRIPTION_HWM,
+    Complaints,
+    SubscriptionFilter,
+    bind_private,
+)  # fmt: skip
 from api.kvevents.wire import END_SEQ, AllBlocksCleared, KVEvent, KVEventBatch, encode_batch, seq_bytes
-from app.errors import ConfigError
 from engine.events import Event, Kind
 
 log = structlog.get_logger("kvdepot.kv_events")
@@ -67,8 +85,10 @@ class KvEventPublisher:
         self.replays = 0
         self.replays_cut = 0
         self.replays_refused = 0
-        self.bad_requests = 0
-        self.subscribers = 0
+        self.bad_requests = Complaints(log, "kv_events_bad_replay_request")
+        self.subscriptions = SubscriptionFilter(settings.topic, self.host, settings.max_subscriptions)
+        self.refused_subscriptions = Complaints(log, "kv_events_subscription_refused")
+        self._scheduled: set[str] = set()
         self._buffer: deque[tuple[int, bytes, bytes]] = deque()
         self._buffer_bytes = 0
         self._models: dict[str, None] = {}
@@ -97,20 +117,29 @@ class KvEventPublisher:
         try:
             if s.curve_allowed_clients:
                 self._zap = ZapHandler(self._ctx, [k.encode() for k in s.curve_allowed_clients])
-            pub = self._pub = self._ctx.socket(zmq.XPUB)
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.setsockopt(zmq.SNDHWM, s.sndhwm)
-            pub.setsockopt(zmq.XPUB_NODROP, 1)
-            self._secure(pub)
-            _bind(pub, s.endpoint, "kv_events.endpoint")
+            pub = self._pub = self._new_pub()
+            bind_private(pub, s.endpoint, "kv_events.endpoint")
             if s.replay_endpoint is not None:
                 replay = self._replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
                 self._secure(replay)
-                _bind(replay, s.replay_endpoint, "kv_events.replay_endpoint")
+                bind_private(replay, s.replay_endpoint, "kv_events.replay_endpoint")
         except BaseException:
             self.close()
             raise
+
+    def _new_pub(self) -> zmq.Socket[bytes]:
+        assert self._ctx is not None
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, self.settings.sndhwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
+        pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
+        pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        self._secure(pub)
+        return pub
 
     @property
     def endpoint(self) -> str:
@@ -232,43 +261,76 @@ class KvEventPublisher:
 
     # -- readers --------------------------------------------------------------------------------
 
+    @property
+    def subscribers(self) -> int:
+        return self.subscriptions.subscribers
+
+    def _again(self, name: str, reader: Callable[[], None]) -> None:
+        """Read on from a callback once the loop had a turn (one continuation per socket)."""
+        if name not in self._scheduled and self._loop is not None and not self._loop.is_closed():
+            self._scheduled.add(name)
+
+            def go() -> None:
+                self._scheduled.discard(name)
+                reader()
+
+            self._loop.call_soon(go)
+
     def _drain_pub(self) -> None:
-        """Read XPUB's subscription messages (1 = subscribe, 0 = unsubscribe) so they never pile up."""
+        """Read XPUB's subscription messages (1 = subscribe, 0 = unsubscribe), READ_BUDGET at a time,
+        and apply those the filter admits (XPUB_MANUAL: an unapplied one costs libzmq nothing)."""
         pub = self._pub
         if pub is None or pub.closed:
             return
-        while int(pub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        for _ in range(SUBSCRIPTION_BUDGET):
             try:
-                msg = pub.recv(zmq.NOBLOCK)
+                msg = pub.recv(zmq.NOBLOCK)  # no EVENTS per message: each one takes in more
             except zmq.Again:
-                break
-            if msg[:1] == b"\x01":
-                self.subscribers += 1
-            elif msg[:1] == b"\x00":
-                self.subscribers = max(0, self.subscribers - 1)
+                if not int(pub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return  # the descriptor's edge is re-armed
+                continue
+            flag, topic = msg[:1], msg[1:]
+            if flag == b"\x01":
+                if self.subscriptions.subscribe(topic):
+                    pub.setsockopt(zmq.SUBSCRIBE, topic)
+                else:
+                    self.refused_subscriptions.note(filter_bytes=len(topic))
+            elif flag == b"\x00" and self.subscriptions.unsubscribe(topic):
+                pub.setsockopt(zmq.UNSUBSCRIBE, topic)
+        self._again("pub", self._drain_pub)
 
     def _drain_replay(self) -> None:
         sock = self._replay
         if sock is None or sock.closed:
             return
-        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        for _ in range(READ_BUDGET):
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self.bad_requests += 1
-                log.warning("kv_events_bad_replay_request", frames=len(frames))
+                self.bad_requests.note(frames=len(frames))
                 continue
             if len(self._tasks) >= MAX_REPLAYS:
                 self.replays_refused += 1
                 continue
             start = int.from_bytes(frames[2], "big", signed=True)
-            entries = [entry for entry in self._buffer if entry[0] >= start]
+            entries = self._from(start)
             self.replays += 1
             task = asyncio.get_running_loop().create_task(self._serve_replay(frames[0], entries))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        self._again("replay", self._drain_replay)
+
+    def _from(self, start: int) -> list[tuple[int, bytes, bytes]]:
+        """The buffered batches from sequence `start` on (the buffer's sequence numbers are consecutive)."""
+        buf = self._buffer
+        if not buf:
+            return []
+        skip = min(len(buf), max(0, start - buf[0][0]))
+        return list(itertools.islice(buf, skip, None))
 
     async def _serve_replay(self, ident: bytes, entries: Iterable[tuple[int, bytes, bytes]]) -> None:
         sock = self._replay
@@ -286,10 +348,3 @@ class KvEventPublisher:
             self.replays_cut += 1
             log.warning("kv_events_replay_failed", error=str(exc))
         self._drain_replay()
-
-
-def _bind(sock: zmq.Socket[bytes], endpoint: str, name: str) -> None:
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        raise ConfigError(f"{name}: cannot bind {endpoint}: {exc.strerror}") from None

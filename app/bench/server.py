@@ -264,6 +264,7 @@ def _start_sidecar(
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(args.chunk_tokens), "KVDEPOT_L2__ADAPTERS": "[]"}
     if args.kv_events_endpoint:
         env["KVDEPOT_KV_EVENTS__ENDPOINT"] = args.kv_events_endpoint
+        env["KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP"] = "true"  # the bench's own reader, on loopback
     if otlp_endpoint:
         env["KVDEPOT_TRACING__OTLP_ENDPOINT"] = otlp_endpoint
     return start_sidecar(tmp, env=env, l1_size_gb=round(size_gb, 3))

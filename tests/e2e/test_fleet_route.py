@@ -78,6 +78,7 @@ def _sidecar(tmp: Path, name: str, directory_url: str, shared: dict[str, str]) -
     env = {
         **shared,
         "KVDEPOT_KV_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP": "true",  # the directory connects over tcp
         "KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
         "KVDEPOT_FLEET__DIRECTORY_URL": directory_url,
         "KVDEPOT_FLEET__INSTANCE_ID": name,

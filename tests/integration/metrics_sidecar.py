@@ -68,6 +68,7 @@ def observed_sidecar(tmp: Path, redis_prefix: str) -> Iterator[SidecarProcess]:
         "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN,
         "KVDEPOT_L1__CHUNK_SIZE": str(CHUNK_TOKENS),
         "KVDEPOT_TRACING__OTLP_ENDPOINT": receiver.endpoint,
+        "KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP": "true",
     }
     try:
         sc = start_sidecar(

@@ -50,6 +50,7 @@ def env(**extra: str) -> dict[str, str]:
     out = {
         "KVDEPOT_L1__CHUNK_SIZE": "16", "KVDEPOT_L2__ADAPTERS": "[]",
         "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN, "KVDEPOT_EVENTS__LINGER_MS": "1",
+        "KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP": "true",  # these tests read the events over loopback tcp
     }  # fmt: skip
     out.update(extra)
     return out
@@ -260,6 +261,14 @@ def test_binding_every_address_is_refused(tmp_path: Path, endpoint: str) -> None
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and "kv_events" in result.stderr
     assert "allow_any_address" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plain_tcp_is_refused_without_curve_or_the_explicit_setting(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    result = run_serve(tmp_path, f"tcp://127.0.0.1:{port}")
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and "allow_plaintext_tcp" in result.stderr
+    assert "ipc://" in result.stderr and "Traceback" not in result.stderr
 
 
 def salted_hashes(sidecar_factory: StartSidecar, mode: str, key: str) -> tuple[list[int], list[Any]]:

@@ -52,7 +52,8 @@ def prefix_events(tokens: list[int], salt: str) -> list[Event]:
 @pytest.mark.anyio
 async def test_vllm_decodes_every_batch_byte_for_byte_and_replays_ending_with_minus_one() -> None:
     config = KvEventsSettings(
-        endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_batch_events=2, salt="plain"
+        endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_batch_events=2, salt="plain",
+        allow_plaintext_tcp=True,
     )  # fmt: skip
     namer = BlockNamer(salt_mode="plain", deployment_key=b"k", layout_of=lambda _fp: LAYOUT)
     pub = KvEventPublisher(config, namer)

@@ -123,6 +123,7 @@ def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
     sc = sidecar_factory(
         "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", data_dir=data_dir,
         env=env(KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT=f"tcp://127.0.0.1:{replay}",
+                KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP="true",
                 KVDEPOT_L2__ADAPTERS=json.dumps(adapters)),
         l1_size_gb=0.02,
     )  # fmt: skip

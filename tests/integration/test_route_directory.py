@@ -45,6 +45,7 @@ def sidecar_env(name: str, directory: str) -> dict[str, str]:
         "KVDEPOT_L1__CHUNK_SIZE": str(CHUNK), "KVDEPOT_L2__ADAPTERS": "[]", "KVDEPOT_EVENTS__LINGER_MS": "1",
         "KVDEPOT_L2__AUTH_KEYS": json.dumps([DEPLOYMENT]),
         "KVDEPOT_KV_EVENTS__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "KVDEPOT_KV_EVENTS__ALLOW_PLAINTEXT_TCP": "true",  # the directory connects over tcp
         "KVDEPOT_KV_EVENTS__REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
         "KVDEPOT_FLEET__DIRECTORY_URL": directory, "KVDEPOT_FLEET__DIRECTORY_HEARTBEAT_S": "0.3",
         "KVDEPOT_FLEET__INSTANCE_ID": name,

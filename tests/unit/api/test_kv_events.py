@@ -17,6 +17,7 @@ import zmq
 
 from api.kvevents.blocks import BlockNamer
 from api.kvevents.config import KvEventsSettings
+from api.kvevents.guard import SubscriptionFilter
 from api.kvevents.publisher import KvEventPublisher
 from api.kvevents.wire import END_SEQ, BlockRemoved, BlockStored, decode_batch
 from engine.events import L1_TIER, Event, EventBus, Kind
@@ -97,13 +98,43 @@ def test_unknown_layout_is_counted_not_guessed() -> None:
 def test_binding_every_address_is_refused_unless_allowed(endpoint: str) -> None:
     with pytest.raises(pydantic.ValidationError, match="allow_any_address"):
         KvEventsSettings(endpoint=endpoint)
-    assert KvEventsSettings(endpoint=endpoint, allow_any_address=True).endpoint == endpoint
+    allowed = KvEventsSettings(endpoint=endpoint, allow_any_address=True, allow_plaintext_tcp=True)
+    assert allowed.endpoint == endpoint
     with pytest.raises(pydantic.ValidationError, match="allow_any_address"):
-        KvEventsSettings(endpoint="tcp://127.0.0.1:1", replay_endpoint=endpoint)
+        KvEventsSettings(endpoint="tcp://127.0.0.1:1", replay_endpoint=endpoint, allow_plaintext_tcp=True)
+
+
+def test_plain_tcp_needs_curve_or_an_explicit_opt_in() -> None:
+    for endpoints in (
+        {"endpoint": "tcp://127.0.0.1:5557"},
+        {"endpoint": "ipc:///tmp/e", "replay_endpoint": "tcp://127.0.0.1:1"},
+    ):
+        with pytest.raises(pydantic.ValidationError, match="allow_plaintext_tcp"):
+            KvEventsSettings(**endpoints)  # type: ignore[arg-type]
+    assert (
+        KvEventsSettings(endpoint="ipc:///tmp/e", replay_endpoint="ipc:///tmp/r").endpoint == "ipc:///tmp/e"
+    )
+    assert KvEventsSettings(endpoint="tcp://127.0.0.1:5557", allow_plaintext_tcp=True).endpoint
+    public, secret = zmq.curve_keypair()
+    curve = {"curve_secret_key": secret.decode(), "curve_public_key": public.decode()}
+    assert KvEventsSettings(endpoint="tcp://127.0.0.1:5557", **curve).endpoint  # type: ignore[arg-type]
+
+
+def test_subscriptions_apply_only_this_sidecar_s_topics_up_to_a_cap() -> None:
+    f = SubscriptionFilter("kv@{host}@{model}", "h", cap=2)
+    assert all(f.subscribe(t) for t in (b"", b"kv", b"kv@h@", b"kv@h@", b"kv@h@m1", b"kv@h@m2", b"kv@h@m1"))
+    assert not f.subscribe(b"kv@h@m3")  # a third distinct model filter: past the cap
+    assert not f.subscribe(b"kv@other@m")  # another host's topics: never published here
+    assert not f.subscribe(b"kv@h@" + b"x" * 4096)
+    assert f.refused == 3 and f.subscribers == 7
+    assert f.unsubscribe(b"kv@h@m2") and f.subscribe(b"kv@h@m3")  # room again
+    assert not f.unsubscribe(b"kv@other@m")  # never applied: nothing to withdraw
+    assert f.subscribers == 7
 
 
 @asynccontextmanager
 async def running(**settings: object) -> AsyncIterator[tuple[KvEventPublisher, EventBus]]:
+    settings.setdefault("allow_plaintext_tcp", True)
     config = KvEventsSettings(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", **settings)  # type: ignore[arg-type]
     pub = KvEventPublisher(config, namer())
     pub.bind()
@@ -164,7 +195,7 @@ async def test_live_batches_then_replay_from_zero_ends_with_minus_one() -> None:
         dealer.send_multipart([b"", b"\x00" * 3])
         dealer.send_multipart([b"", (2).to_bytes(8, "big")])
         assert (await recv(dealer))[1:] == live[2]
-        assert pub.bad_requests == 2
+        assert pub.bad_requests.count == 2
         assert (await recv(dealer))[2] == END_SEQ
         sub.close(0)
         dealer.close(0)
@@ -249,7 +280,7 @@ def test_kv_events_need_the_bus_and_hide_the_curve_secret() -> None:
     from app.settings import Settings
 
     with pytest.raises(pydantic.ValidationError, match=r"events\.enabled"):
-        Settings(kv_events={"endpoint": "tcp://127.0.0.1:5557"}, events={"enabled": False})  # type: ignore[arg-type]
+        Settings(kv_events={"endpoint": "ipc:///tmp/x"}, events={"enabled": False})  # type: ignore[arg-type]
     public, secret = zmq.curve_keypair()
     s = Settings(
         kv_events={
@@ -262,7 +293,7 @@ def test_kv_events_need_the_bus_and_hide_the_curve_secret() -> None:
     with pytest.raises(pydantic.ValidationError, match="go together"):
         KvEventsSettings(endpoint="ipc:///tmp/x", curve_secret_key=secret.decode())  # type: ignore[arg-type]
     with pytest.raises(pydantic.ValidationError, match="needs endpoint"):
-        KvEventsSettings(replay_endpoint="tcp://127.0.0.1:1")
+        KvEventsSettings(replay_endpoint="ipc:///tmp/r")
 
 
 @pytest.mark.anyio
@@ -271,6 +302,6 @@ async def test_a_port_in_use_is_a_config_error_naming_the_setting() -> None:
 
     async with running() as (pub, _bus):
         taken = pub.endpoint
-        other = KvEventPublisher(KvEventsSettings(endpoint=taken), namer())
+        other = KvEventPublisher(KvEventsSettings(endpoint=taken, allow_plaintext_tcp=True), namer())
         with pytest.raises(ConfigError, match=r"kv_events\.endpoint"):
             other.bind()

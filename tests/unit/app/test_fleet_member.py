@@ -30,8 +30,8 @@ def test_registration_needs_kv_events() -> None:
     with pytest.raises(ConfigError, match=r"kv_events\.endpoint"):
         load_settings({"fleet.directory_url": "http://127.0.0.1:8090"})
     s = load_settings(
-        {"fleet.directory_url": "http://127.0.0.1:8090", "kv_events.endpoint": "tcp://127.0.0.1:5557"}
+        {"fleet.directory_url": "http://127.0.0.1:8090", "kv_events.endpoint": "ipc:///tmp/kvdepot-e"}
     )
     assert s.fleet.directory_heartbeat_s == 2.0 and s.fleet.instance_id is None
     with pytest.raises(ConfigError, match="directory_url"):
-        load_settings({"fleet.directory_url": "ftp://x", "kv_events.endpoint": "tcp://127.0.0.1:5557"})
+        load_settings({"fleet.directory_url": "ftp://x", "kv_events.endpoint": "ipc:///tmp/kvdepot-e"})
