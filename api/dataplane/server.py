@@ -18,7 +18,7 @@ context bound until it is done.
 Identity: every connection says HELLO first (anything else before it: `hello_required`); its
 session names the engine instance it acts for. A message naming an engine id of another instance
 is refused with `not_owner` before its handler runs; reservations are checked by the facade.
-CLEAR of every tenant is refused here (`unauthorized`): it is an administrator's act.
+CLEAR of every tenant is refused (`unauthorized`: it is an administrator's act; api/dataplane/clear.py).
 The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py): a session whose
 lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
 of an instance takes the instance's read locks and registrations (`engine.end_instance`). Until its
@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
+from api.dataplane.clear import clear_tenant
 from api.dataplane.copies import SidecarCopies
 from api.dataplane.errors import wire_code
 from api.dataplane.sessions import Session, SessionTable
 from api.dataplane.transport import RouterTransport
 from api.dataplane.workers import WorkerWatch
-from api.http.audit import AuditLog, fingerprint
-from api.http.errors import http_status
+from api.http.audit import AuditLog
 from api.lifeline import HANDSHAKE_TIMEOUT_S
 from api.metrics import DataPlaneMetrics
 from app import __version__
@@ -67,7 +67,6 @@ from engine.events import Kind
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
 from engine.results import LookupResult, SlotStatus
-from engine.tenants.quota import DEFAULT_TENANT, L1
 from engine.workers import WorkerRegistry
 from kvdepot_connector import protocol as p
 
@@ -281,31 +280,20 @@ class DataPlaneServer:
             self.workers.hello(session, m.role, m.rank)
         arena = self.engine.arena
         return p.HelloReply(
-            id=m.id,
-            version=p.PROTOCOL_VERSION,
-            server=f"kvdepot/{__version__}",
-            chunk_size=self.engine.chunk_size,
-            arena_name=arena.name,
-            arena_size=arena.size,
-            max_frame_bytes=self.max_frame_bytes,
-            session=session.id,
-            lifeline_path=self.lifeline_path,
+            id=m.id, version=p.PROTOCOL_VERSION, server=f"kvdepot/{__version__}",
+            chunk_size=self.engine.chunk_size, arena_name=arena.name, arena_size=arena.size,
+            max_frame_bytes=self.max_frame_bytes, session=session.id, lifeline_path=self.lifeline_path,
             lifeline_token=session.token if self.lifeline_path else b"",
             heartbeat_s=self.workers.registry.heartbeat_s if self.workers and self.lifeline_path else 0.0,
-        )
+        )  # fmt: skip
 
     def _register(self, m: p.Register, s: Session) -> p.Reply:
         lay = m.layout
         try:
             layout = KVLayout(
-                dtype=lay.dtype,
-                num_layers=lay.num_layers,
-                num_kv_heads=lay.num_kv_heads,
-                head_dim=lay.head_dim,
-                block_size=lay.block_size,
-                kind=lay.kind,
-                chunk_size=lay.chunk_size,
-            )
+                dtype=lay.dtype, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                head_dim=lay.head_dim, block_size=lay.block_size, kind=lay.kind, chunk_size=lay.chunk_size,
+            )  # fmt: skip
         except ValueError as exc:
             raise InvalidInput(f"layout: {exc}") from None
         reg = self.engine.register(m.model, layout, m.kv_rank, m.group, instance=s.instance)
@@ -378,39 +366,7 @@ class DataPlaneServer:
         return p.Pong(id=m.id, server_time=time.time())
 
     def _clear(self, m: p.Clear, s: Session) -> p.Reply:
-        salt = m.cache_salt
-        before = None if salt is None else self._held(salt)
-        try:
-            if salt is None:
-                raise Unauthorized(
-                    "clearing every tenant is not a data-plane operation: give a cache_salt to clear one "
-                    "tenant (restart the sidecar, or remove the tenant's quota and data over HTTP, for more)"
-                )
-            count = self.engine.clear(salt)
-        except KVDepotError as exc:
-            self._audit_clear(s, salt, before, before, exc)
-            raise
-        self._audit_clear(s, salt, before, self._held(salt), None)
-        return p.CountReply(id=m.id, count=count)
-
-    def _held(self, salt: str) -> dict[str, int]:
-        return {"l1_bytes": self.engine.tenants.held(salt, L1)}
-
-    def _audit_clear(
-        self, s: Session, salt: str | None, before: object, after: object, exc: KVDepotError | None
-    ) -> None:
-        """One audit record (api/http/audit.py) for a CLEAR: the caller is the engine instance,
-        named by a digest of its nonce (never the nonce)."""
-        if self.audit is None:
-            return
-        self.audit.record({
-            "ts": round(time.time(), 3), "method": "CLEAR", "resource": "dataplane.clear",
-            "target": None if salt is None else (salt or DEFAULT_TENANT),
-            "caller": {"peer": f"dataplane instance {fingerprint(s.instance)}", "token": None},
-            "before": before, "after": after,
-            "outcome": {"status": 200, "code": None} if exc is None else {"status": http_status(exc),
-                                                                            "code": exc.code},
-        })  # fmt: skip
+        return clear_tenant(self.engine, self.audit, s.instance, m)
 
     # --- copies done by the sidecar (engines that share their KV cache): api/dataplane/copies.py
 
