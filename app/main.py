@@ -192,7 +192,7 @@ class Service:
         keys = BlobKeys.from_settings([k.get_secret_value() for k in s.l2.auth_keys], data_dir / KEY_FILE)
         self.l2 = build_l2(
             s.l2, cache=cache, queue=store_queue, arena=self.arena,
-            build=lambda config: build_adapter(config, data_dir),
+            build=lambda config: build_adapter(config, data_dir, keys),
             executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10, keys=keys,
         )  # fmt: skip
         self.engine = build_engine(

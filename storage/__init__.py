@@ -23,6 +23,8 @@ redis_adapter  Redis/Valkey adapter: pipelined single-key commands, timeouts, re
 redis_lane     its bulk lane: large values over blocking sockets in its executor, into L1 in place
 redis_read     how the lane reads one value: one GET, or GETRANGE pieces in a sliding window
 resp           the lane's RESP2 wire protocol over one blocking socket
+redis_fleet    the fleet ledger in Redis: tenants' usage and quotas (scripts: redis_fleet_lua),
+               quotas sealed with the deployment's key (fleet_quota)
 mock           in-memory adapter with capacity, simulated bandwidth/latency and fault injection
 factory        build_adapter(config, data_dir): one adapter with the executor it needs
 """

@@ -21,6 +21,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from storage.auth import BlobKeys
 from storage.base import L2Adapter
 from storage.config import (
     AdapterConfig,
@@ -58,8 +59,9 @@ def slab_checkpoint_path(config: SlabAdapterConfig, data_dir: Path) -> Path:
     return data_dir / f"{default_slab_path(config, data_dir).name}.index"
 
 
-def build_adapter(config: AdapterConfig, data_dir: Path) -> L2Adapter:
-    """A new adapter for `config`; call `await adapter.close()` to release everything it holds."""
+def build_adapter(config: AdapterConfig, data_dir: Path, keys: BlobKeys | None = None) -> L2Adapter:
+    """A new adapter for `config`; call `await adapter.close()` to release everything it holds.
+    `keys` (the deployment's) seal a Redis adapter's fleet quotas (storage/fleet_quota.py)."""
     if isinstance(config, DiskAdapterConfig):
         executor = ThreadPoolExecutor(io_threads(config), thread_name_prefix=f"kvdepot-l2-{config.name}")
         return DiskAdapter(config, default_disk_dir(config, data_dir), executor, owns_executor=True)
@@ -74,7 +76,7 @@ def build_adapter(config: AdapterConfig, data_dir: Path) -> L2Adapter:
 
         threads = io_threads(config)
         executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvdepot-l2-{config.name}")
-        return RedisAdapter(config, executor, owns_executor=True)
+        return RedisAdapter(config, executor, owns_executor=True, keys=keys)
     if isinstance(config, MockAdapterConfig):
         return MockAdapter(config)
     raise TypeError(f"unknown adapter config {type(config).__name__}")

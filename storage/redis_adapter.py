@@ -59,12 +59,12 @@ failed is kept.
 Fleet scope (config.scope "fleet", the default): `fleet` is the tenant ledger kept in Redis itself
 (storage/redis_fleet.py), shared by every sidecar on the prefix. The write-behind reserves in it
 before storing; `delete` releases the reservations of the keys it UNLINKed; evict_salt then evicts
-the tenant's oldest blobs fleet-wide (whoever wrote them), not only this sidecar's. `usage()` and
-the per-tenant figures above stay this sidecar's own.
+the tenant's oldest blobs fleet-wide (whoever wrote them; only keys that name the tenant: see
+FleetLedger.oldest), quotas sealed with `keys`. `usage()` and the per-tenant figures above stay
+this sidecar's own.
 
 Primitives in call order: store, contains, load, load_into, delete, usage, set_capacity,
-evict_salt, close (AdapterCore).
-"""
+evict_salt, close (AdapterCore)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 
 from app.errors import BackendError
 from storage import blob_header, redis_read
+from storage.auth import BlobKeys
 from storage.base import MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
@@ -108,6 +109,7 @@ class RedisAdapter(AdapterCore[None]):
         executor: ThreadPoolExecutor | None = None,
         *,
         owns_executor: bool = False,
+        keys: BlobKeys | None = None,
     ) -> None:
         super().__init__(config.name, int(config.capacity_gb * (1 << 30)) if config.capacity_gb else 0)
         self.config = config
@@ -120,7 +122,7 @@ class RedisAdapter(AdapterCore[None]):
         self.fleet: FleetLedger | None = None
         if config.scope == "fleet":
             self.fleet = FleetLedger(
-                self.router, config.key_prefix, config.grace_s, on_down=self._fleet_down
+                self.router, config.key_prefix, config.grace_s, on_down=self._fleet_down, keys=keys
             )
 
     @property

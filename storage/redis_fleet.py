@@ -7,8 +7,9 @@ hash tag so that on a Redis Cluster they live in one slot and one Lua script upd
   <prefix>__fleet:{s<hex salt>}:sizes    hash: blob key -> its reserved size
   <prefix>__fleet:{s<hex salt>}:keys     sorted set: blob key -> reservation time (Redis TIME, µs)
   <prefix>__fleet:{s<hex salt>}:pending  set: blob keys whose write has not returned yet
-  <prefix>__fleet:{s<hex salt>}:quota    the tenant's fleet l2_bytes (-1: unlimited; absent: each
-                                         sidecar's own quota applies)
+  <prefix>__fleet:{s<hex salt>}:quota    the tenant's fleet l2_bytes (-1: unlimited), sealed with the
+                                         deployment's key (storage/fleet_quota.py); absent, or a value
+                                         not sealed so: each sidecar's own quota applies
 `used` always equals the sum of `sizes` (every script changes both). A blob and its tenant's meta
 keys live in different slots, so a write and its accounting cannot be one transaction. Instead the
 size is *reserved* before the blob is written (`reserve`: refused when the tenant would go over its
@@ -26,6 +27,12 @@ at most one blob per such duplicate write. Overshoot <= the bytes of the tenant'
 and (b) in flight, 0 when no write outlives grace_s and no key is written by two sidecars at once.
 A blob written again reserves its new size in place of the old one (sizes is per key), so sidecars
 sharing a prefix do not count a blob twice.
+
+Writers of the Redis without the key: a quota value they set fails its seal (the sidecar's own
+quota applies, never unlimited: RESERVE is passed the limit the caller verified, and applies it only
+while the quota key still holds the value verified); an entry they plant in a tenant's ledger that
+names a key not of that tenant (`oldest`: the key's structure says its salt) is released, never
+UNLINKed. Edits of `used`/`sizes` are undone by the next reconcile (the scan is the truth).
 
 Drift (blobs expired by ttl_s, deleted by hand, written by a `scope: "local"` sidecar or a tool,
 writes that failed after their reservation) only ever makes `used` too high; hand edits of the meta
@@ -52,7 +59,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
+import structlog
+
 from app.errors import BackendError
+from storage.auth import BlobKeys
+from storage.fleet_quota import INVALID, QuotaSeal
+from storage.redis_fleet_lua import ADOPT, COMMIT, FORGET, OLDEST, RESERVE, SETTLE, USAGE
 from storage.redis_scan import as_text, scan_names
 
 if TYPE_CHECKING:  # redis-py loads only where a Redis tier is configured
@@ -60,97 +72,11 @@ if TYPE_CHECKING:  # redis-py loads only where a Redis tier is configured
 
     from storage.redis_router import RedisRouter
 
+log = structlog.get_logger("kvdepot.storage.fleet")
+
+MAX_QUOTAS_KEPT = 1 << 16
 META = "__fleet:"
 """After the key prefix: the meta keys. No blob key starts so (they start with their version)."""
-
-_RESERVE = """
-local q = redis.call('GET', KEYS[4])
-local limit = tonumber(ARGV[3])
-if q then limit = tonumber(q) end
-local old = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-local delta = tonumber(ARGV[2]) - old
-local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-if limit >= 0 and delta > 0 and used + delta > limit then return {0, used, limit} end
-local t = redis.call('TIME')
-redis.call('INCRBY', KEYS[1], delta)
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[3], t[1] .. string.format('%06d', tonumber(t[2])), ARGV[1])
-redis.call('SADD', KEYS[5], ARGV[1])
-return {1, used + delta, limit}
-"""
-
-_FORGET = """
-local s = redis.call('ZSCORE', KEYS[3], ARGV[1])
-if ARGV[2] ~= '' and s ~= ARGV[2] then return -1 end
-if ARGV[3] ~= '' and s and redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 then
-  local t = redis.call('TIME')
-  if tonumber(t[1]) * 1000000 + tonumber(t[2]) - tonumber(s) < tonumber(ARGV[3]) then return -1 end
-end
-local size = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('SREM', KEYS[5], ARGV[1])
-if size > 0 then redis.call('DECRBY', KEYS[1], size) end
-return size
-"""
-
-_OLDEST = """
-local t = redis.call('TIME')
-local cutoff = tonumber(t[1]) * 1000000 + tonumber(t[2]) - tonumber(ARGV[2])
-local items = redis.call('ZRANGE', KEYS[3], 0, tonumber(ARGV[3]) - 1, 'WITHSCORES')
-local out = {}
-local freed = 0
-for i = 1, #items, 2 do
-  if freed >= tonumber(ARGV[1]) then break end
-  if tonumber(items[i + 1]) < cutoff or redis.call('SISMEMBER', KEYS[5], items[i]) == 0 then
-    local size = redis.call('HGET', KEYS[2], items[i]) or '0'
-    out[#out + 1] = items[i]
-    out[#out + 1] = items[i + 1]
-    out[#out + 1] = size
-    freed = freed + tonumber(size)
-  end
-end
-return out
-"""
-
-_ADOPT = """
-local old = redis.call('HGET', KEYS[2], ARGV[1])
-if old == ARGV[2] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-if old and redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 then
-  local s = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
-  if now - s < tonumber(ARGV[3]) then return 0 end
-end
-local delta = tonumber(ARGV[2]) - tonumber(old or '0')
-redis.call('INCRBY', KEYS[1], delta)
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if not old then redis.call('ZADD', KEYS[3], t[1] .. string.format('%06d', tonumber(t[2])), ARGV[1]) end
-return delta
-"""
-
-_SETTLE = """
-local sum = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[2])) do sum = sum + tonumber(v) end
-local before = tonumber(redis.call('GET', KEYS[1]) or '0')
-if sum == 0 then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
-else
-  redis.call('SET', KEYS[1], sum)
-end
-return {before, sum}
-"""
-
-_COMMIT = """
-for i = 1, #ARGV do redis.call('SREM', KEYS[5], ARGV[i]) end
-return #ARGV
-"""
-
-_USAGE = """
-return {tonumber(redis.call('GET', KEYS[1]) or '0'), redis.call('HLEN', KEYS[2]),
-  redis.call('GET', KEYS[4]) or ''}
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
@@ -176,13 +102,19 @@ class FleetLedger:
     def __init__(
         self, router: RedisRouter, prefix: str, grace_s: float,
         salt_of: Callable[[str], str | None] | None = None,
-        on_down: Callable[[str], None] | None = None,
+        on_down: Callable[[str], None] | None = None, *, keys: BlobKeys | None = None,
     ) -> None:  # fmt: skip
         self.router = router
         self.prefix = prefix
         self.grace_us = int(grace_s * 1_000_000)
         self._salt_of = salt_of or key_salt
         self._on_down = on_down
+        self._seal = QuotaSeal(keys, prefix)
+        self._quotas: dict[str, bytes] = {}  # salt -> the quota value last read ("" none)
+        self.invalid_quotas = 0
+        self.foreign_entries = 0
+        """Ledger entries of a tenant naming a key not of that tenant (released, never UNLINKed)."""
+        """Quota values read that were not sealed with a key of this deployment (a Redis writer's)."""
 
     # --- keys ----------------------------------------------------------------------------------
 
@@ -200,7 +132,7 @@ class FleetLedger:
         except (ValueError, UnicodeDecodeError):
             return None
 
-    async def _script(self, salt: str, script: str, *args: str | int) -> Any:
+    async def _script(self, salt: str, script: str, *args: str | int | bytes) -> Any:
         keys = self.meta(salt)
 
         def command(pipe: Pipeline, _: int) -> object:
@@ -216,12 +148,46 @@ class FleetLedger:
 
     # --- accounting ----------------------------------------------------------------------------
 
+    def _quota_args(self, salt: str, fallback_limit: int | None) -> tuple[int, bytes]:
+        """(the limit to apply, the quota value it was read from): the tenant's sealed fleet quota,
+        else (none, or one that fails its seal) `fallback_limit`; -1 for unlimited."""
+        raw = self._quotas.get(salt, b"")
+        opened = self._seal.open(salt, raw)
+        limit = fallback_limit if isinstance(opened, str) else opened
+        return (-1 if limit is None else int(limit)), raw
+
+    def _saw_quota(self, salt: str, raw: Any) -> None:
+        value = raw if isinstance(raw, bytes) else str(raw).encode()
+        if len(self._quotas) >= MAX_QUOTAS_KEPT:
+            self._quotas.clear()
+        self._quotas[salt] = value
+        if value and self._seal.open(salt, value) == INVALID:
+            self.invalid_quotas += 1
+            if self.invalid_quotas == 1:  # the tenant is not named: its salt is a secret
+                log.warning("fleet_quota_not_sealed", prefix=self.prefix,
+                            detail="a tenant's quota key holds a value not sealed with this "
+                            "deployment's key; its own quota applies")  # fmt: skip
+
+    @staticmethod
+    def _reservation(reply: Any) -> Reservation | None:
+        """A reserve script's answer; None when the quota changed since it was read."""
+        status, used, limit = reply
+        if int(status) == 2:
+            return None
+        return Reservation(bool(status), int(used), None if int(limit) < 0 else int(limit))
+
     async def reserve(self, salt: str, key: str, size: int, fallback_limit: int | None) -> Reservation:
         """Reserve `size` bytes for blob `key` of `salt` (replacing its earlier reservation) unless
-        that takes the tenant over its fleet quota (or `fallback_limit` when it has none)."""
-        fallback = -1 if fallback_limit is None else fallback_limit
-        ok, used, limit = await self._script(salt, _RESERVE, key, size, fallback)
-        return Reservation(bool(ok), int(used), None if int(limit) < 0 else int(limit))
+        that takes the tenant over its fleet quota (or `fallback_limit` when it has none, or one
+        that is not sealed with the deployment's key). BackendError when the quota keeps changing."""
+        for _ in range(3):
+            limit, raw = self._quota_args(salt, fallback_limit)
+            reply = await self._script(salt, RESERVE, key, size, limit, raw)
+            got = self._reservation(reply)
+            if got is not None:
+                return got
+            self._saw_quota(salt, reply[2])
+        raise BackendError("redis fleet ledger: the tenant's quota changed under every reservation")
 
     async def reserve_many(
         self, items: list[tuple[str, str, int, int | None]]
@@ -229,10 +195,11 @@ class FleetLedger:
         """`reserve` of each (salt, key, size, fallback_limit), one pipeline per node, in order;
         None where that node failed (BackendError when all did)."""
         keys = [self.meta(salt) for salt, _, _, _ in items]
+        quotas = [self._quota_args(salt, fallback) for salt, _, _, fallback in items]
 
         def command(pipe: Pipeline, i: int) -> object:
-            _, key, size, fallback = items[i]
-            return pipe.eval(_RESERVE, 5, *keys[i], key, size, -1 if fallback is None else fallback)
+            _, key, size, _ = items[i]
+            return pipe.eval(RESERVE, 5, *keys[i], key, size, *quotas[i])
 
         await self.router.start()
         replies = await self.router.pipeline([k[0] for k in keys], command)
@@ -243,8 +210,11 @@ class FleetLedger:
                     self._on_down(str(reply))
                 out.append(None)
                 continue
-            ok, used, limit = reply
-            out.append(Reservation(bool(ok), int(used), None if int(limit) < 0 else int(limit)))
+            out.append(self._reservation(reply))
+            if out[-1] is None:  # the quota changed since it was read: once more, alone
+                salt, key, size, fallback = items[len(out) - 1]
+                self._saw_quota(salt, reply[2])
+                out[-1] = await self.reserve(salt, key, size, fallback)
         if items and all(r is None for r in out):
             raise BackendError("redis fleet ledger: no node answered")
         return out
@@ -252,36 +222,47 @@ class FleetLedger:
     async def commit(self, salt: str, keys: list[str]) -> None:
         """The writes of `keys` returned: their reservations are no longer in flight."""
         if keys:
-            await self._script(salt, _COMMIT, *keys)
+            await self._script(salt, COMMIT, *keys)
 
     async def forget(self, salt: str, key: str, score: str = "", *, min_age: bool = False) -> int:
         """Release `key`'s reservation (only if its reservation time is still `score`, when given;
         only if older than grace_s, when `min_age`). Bytes released; -1 when kept."""
         grace = str(self.grace_us) if min_age else ""
-        return int(await self._script(salt, _FORGET, key, score, grace))
+        return int(await self._script(salt, FORGET, key, score, grace))
 
     async def oldest(self, salt: str, nbytes: int, limit: int = 512) -> list[tuple[str, str, int]]:
-        """`salt`'s oldest reservations older than grace_s, enough for `nbytes`: (key, score, size)."""
-        flat = await self._script(salt, _OLDEST, nbytes, self.grace_us, limit)
+        """`salt`'s oldest reservations older than grace_s, enough for `nbytes`: (key, score, size),
+        only keys whose structure names `salt` (what eviction may UNLINK). An entry naming any
+        other key (planted by a writer of the Redis: another tenant's blob, a meta key) is
+        released from the ledger, counted in `foreign_entries`, its key never touched."""
+        flat = await self._script(salt, OLDEST, nbytes, self.grace_us, limit)
         out = []
         for i in range(0, len(flat), 3):
-            key, score, size = flat[i : i + 3]
-            out.append((as_text(key), as_text(score), int(size)))
+            key, score, size = as_text(flat[i]), as_text(flat[i + 1]), int(flat[i + 2])
+            if self._salt_of(key) == salt:
+                out.append((key, score, size))
+                continue
+            self.foreign_entries += 1
+            await self.forget(salt, key, score)
         return out
 
     async def usage(self, salt: str) -> tuple[int, int, int | None]:
-        """(bytes, blobs, fleet l2_bytes quota or None) of `salt`."""
-        used, count, quota = await self._script(salt, _USAGE)
-        text = as_text(quota)
-        return int(used), int(count), (None if text in ("", "-1") else int(text))
+        """(bytes, blobs, fleet l2_bytes quota or None) of `salt` (None too for a quota value that
+        is not sealed with the deployment's key)."""
+        used, count, quota = await self._script(salt, USAGE)
+        self._saw_quota(salt, quota)
+        opened = self._seal.open(salt, quota)
+        return int(used), int(count), (None if isinstance(opened, str) else opened)
 
     async def set_quota(self, salt: str, l2_bytes: int | None) -> None:
         key = self.meta(salt)[3]
-        value = -1 if l2_bytes is None else l2_bytes
+        value = self._seal.seal(salt, l2_bytes)
         await self._plain(key, lambda pipe, k: pipe.set(k, value))
+        self._saw_quota(salt, value)
 
     async def drop_quota(self, salt: str) -> None:
         await self._plain(self.meta(salt)[3], lambda pipe, k: pipe.delete(k))
+        self._quotas.pop(salt, None)
 
     async def _plain(self, key: bytes, call: Callable[[Pipeline, bytes], object]) -> None:
         await self.router.start()
@@ -339,8 +320,8 @@ class FleetLedger:
                         report.released_bytes += max(released, 0)
             for key, size in blobs.items():
                 if reserved.get(key) != size:
-                    report.adopted_bytes += int(await self._script(salt, _ADOPT, key, size, self.grace_us))
-            before, total = await self._script(salt, _SETTLE)
+                    report.adopted_bytes += int(await self._script(salt, ADOPT, key, size, self.grace_us))
+            before, total = await self._script(salt, SETTLE)
             report.ledger_fixed += int(before) != int(total)
             report.tenants += 1
         return report

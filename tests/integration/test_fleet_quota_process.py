@@ -34,6 +34,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 LIMIT = 6 * CHUNK_BYTES + 3000  # six blobs (headers of a few hundred bytes each), not seven
 LOWER = 3 * CHUNK_BYTES + 1500
 W_LIMIT = 3 * CHUNK_BYTES + 1500  # three blobs
+DEPLOYMENT_KEY = "5e" * 32
 
 
 @pytest.fixture
@@ -89,6 +90,7 @@ def start(factory: StartSidecar, url: str, prefix: str, **extra: Any) -> Sidecar
         "KVDEPOT_L1__CHUNK_SIZE": "16",
         "KVDEPOT_L2__ADAPTERS": json.dumps([adapter]),
         "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN,
+        "KVDEPOT_L2__AUTH_KEYS": json.dumps([DEPLOYMENT_KEY]),  # one deployment: its quotas are sealed
     }
     return factory(env=env, l1_size_gb=3 / 1024)
 
