@@ -29,6 +29,7 @@ returned instead of a second one, once it is in the file), job(id) / latest(targ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -262,8 +263,11 @@ class PurgeJobs:
         then L1 again (what lookups loaded or clients stored meanwhile)."""
         if L1 in job.tiers:
             job.l1_chunks = self.engine.clear(salt)
-        if store is not None and salt is not None:
-            await store.settled(salt)
+        if store is not None and salt is not None:  # bounded: a tier that hangs holds no purge
+            settle_s = self.tiers.drain_timeout_s if self.tiers is not None else 30.0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settle_s):
+                    await store.settled(salt)
         for tier in self._adapters():
             if tier.name in job.tiers:
                 progress = job.progress.setdefault(tier.name, TierProgress())
