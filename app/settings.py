@@ -225,7 +225,7 @@ class L1Settings(BaseModel):
         64, ge=1, le=1 << 20,
         description="Write-domain segment size in MiB: each segment is one sealed memfd, written by "
         "one engine instance (or the sidecar) only and mapped read-only by the others; at most "
-        "1/16 of the arena (and at least 1/64), and at least one chunk.",
+        "1/16 of the arena (and at least 1/64); a larger chunk spans consecutive segments of its writer.",
     )  # fmt: skip
 
     @field_validator("low_watermark")

@@ -231,7 +231,10 @@ class Session:
         """The arena, once this process may write `[offset, offset+size)` (the grant read)."""
         arena = self._mapped()
         if not arena.writable(offset, size):
-            self._take_grants(arena.segment_of(offset))
+            last = arena.segment_of(offset + max(size, 1) - 1)
+            for index in range(arena.segment_of(offset), last + 1):  # a chunk may span segments
+                if not arena.writable(index * arena.segment, 1):
+                    self._take_grants(index)
             if not arena.writable(offset, size):
                 raise SidecarError("refused", f"no write grant for the extent at {offset}", False)
         return arena

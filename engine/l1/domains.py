@@ -5,9 +5,9 @@ one sealed memfd each, mapped read-only by every client); a segment belongs to a
 DOMAIN, and only its writers get its read-write descriptor. The domains are the sidecar's own
 (`SIDECAR`: prefetched L2 loads, the copies of SAVE_BLOCKS; no engine gets it read-write) and one
 per engine instance whose client sessions reserve memory (STORE). An object is allocated only in a
-segment of the domain that writes it, so an extent reused in a domain shows only that domain's own
-old bytes (or zeros): a commit of an extent its writer never filled cannot expose another
-instance's bytes.
+segment of the domain that writes it (a chunk larger than a segment: in consecutive ones, `run`),
+so an extent reused in a domain shows only that domain's own old bytes (or zeros): a commit of an
+extent its writer never filled cannot expose another instance's bytes.
 
 State: per segment its owner (None: free), its allocated bytes, and the last domain that owned it
 (a free segment is zeroed before another domain gets it); per engine instance the pidfds of its
@@ -116,15 +116,44 @@ class WriteDomains:
         if domain != SIDECAR and self.on_grant is not None:
             self.on_grant(domain, index)
 
+    def run(self, domain: str, count: int) -> list[int] | None:
+        """`count` consecutive empty segments `domain` owns or may claim (a chunk larger than a
+        segment spans them), or None."""
+        mine = set(self.mine(domain))
+        claimable = set(self.claimable(domain))
+        streak: list[int] = []
+        for i in range(self.n):
+            if self.used[i] == 0 and (i in mine or i in claimable):
+                streak.append(i)
+                if len(streak) < count:
+                    continue
+                new = sum(1 for j in streak if j not in mine)
+                if domain == SIDECAR or self._engine_segments() + new + self.reserve <= self.n:
+                    return streak
+                streak.pop(0)
+            else:
+                streak = []
+        return None
+
+    def _spans(self, offset: int, size: int) -> list[tuple[int, int]]:
+        seg, end, out = self.segment, offset + size, []
+        while offset < end:
+            i = offset // seg
+            stop = min(end, (i + 1) * seg)
+            out.append((i, stop - offset))
+            offset = stop
+        return out
+
     def allocated(self, offset: int, size: int) -> None:
-        self.used[offset // self.segment] += size
+        for i, n in self._spans(offset, size):
+            self.used[i] += n
 
     def freed(self, offset: int, size: int) -> None:
-        i = offset // self.segment
-        self.used[i] -= size
-        owner = self.owner[i]
-        if self.used[i] == 0 and owner in self._gone and not self._alive(owner):
-            self._free(i)
+        for i, n in self._spans(offset, size):
+            self.used[i] -= n
+            owner = self.owner[i]
+            if self.used[i] == 0 and owner in self._gone and not self._alive(owner):
+                self._free(i)
 
     def helps(self, domain: str) -> Callable[[L1Object], bool]:
         """Whether evicting an object may make room `domain` can use: it lies in the domain's own

@@ -141,6 +141,17 @@ class RoomMaker:
             return self.allocator.allocate(size)
         alloc = self.allocator
         need = alloc.aligned(size)
+        if need > domains.segment:  # a chunk larger than a segment: consecutive ones of the domain
+            run = domains.run(domain, -(-need // domains.segment))
+            if run is None:
+                return None
+            offset = alloc.allocate_in(size, domains.bounds(run[0])[0], domains.bounds(run[-1])[1])
+            if offset is not None:
+                for i in run:
+                    if domains.owner[i] != domain:
+                        domains.claim(domain, i)
+                domains.allocated(offset, need)
+            return offset
         for claim in (False, True):
             for i in domains.claimable(domain) if claim else domains.mine(domain):
                 lo, hi = domains.bounds(i)

@@ -110,3 +110,16 @@ def test_an_engine_evicts_none_of_the_sidecars_chunks_it_could_not_take() -> Non
         cache.commit(reserve(cache, 10 + i, "a").oid, 0.0)  # fills a's one segment
     reserve(cache, 20, "a")  # room from a's own chunks
     assert cache.peek(key(1)) is not None and cache.peek(key(10)) is None
+
+
+def test_a_chunk_larger_than_a_segment_spans_consecutive_ones_of_its_domain() -> None:
+    cache, domains, _ = make(segments=4)
+    grants: list[tuple[str, int]] = []
+    domains.on_grant = lambda inst, i: grants.append((inst, i))
+    reserve(cache, 1, "b")  # segment 0
+    big = reserve(cache, 2, "a", size=2 * SEG)
+    assert big.offset == SEG and grants == [("b", 0), ("a", 1), ("a", 2)]
+    assert domains.used == [PAGE, SEG, SEG, 0]
+    cache.abort(big)
+    assert domains.used == [PAGE, 0, 0, 0] and domains.owner[1:3] == ["a", "a"]
+    cache.allocator.check()
