@@ -62,7 +62,8 @@ class WriteDomains:
         self.used = [0] * self.n
         self._last: list[str | None] = [None] * self.n
         self._mine: dict[str, list[int]] = {}
-        self._pids: dict[str, list[int]] = {}
+        #: instance -> pid -> pidfd of its lifelines' processes
+        self._pids: dict[str, dict[int, int]] = {}
         self._gone: set[str] = set()
         self._zero = zero
         #: segments engines leave to the sidecar's own writes (its L2 loads)
@@ -173,18 +174,22 @@ class WriteDomains:
     def note_process(self, instance: str, pid: int) -> None:
         """A process of `instance` holds a lifeline (it may map the instance's segments writable)."""
         self._gone.discard(instance)
-        pids = self._pids.setdefault(instance, [])
+        pids = self._pids.setdefault(instance, {})
+        if pid in pids:
+            return
         if len(pids) >= MAX_PIDS:
             self._prune(instance)
         with contextlib.suppress(OSError):  # already gone
-            pids.append(os.pidfd_open(pid))
+            pids[pid] = os.pidfd_open(pid)
 
     def gone(self, instance: str) -> None:
         """Every session of `instance` ended: its segments are freed once its processes exited
-        and the segments are empty."""
-        if instance in self._mine or instance in self._pids:
-            self._gone.add(instance)
-            self._release_orphans()
+        and the segments are empty (an instance that never wrote is forgotten at once)."""
+        if instance not in self._mine:
+            self._drop_pids(instance)
+            return
+        self._gone.add(instance)
+        self._release_orphans()
 
     def _alive(self, instance: str) -> bool:
         self._prune(instance)
@@ -196,17 +201,21 @@ class WriteDomains:
         if not pids:
             return
         poller = select.poll()
-        for fd in pids:
+        for fd in pids.values():
             poller.register(fd, select.POLLIN)
         dead = {fd for fd, _ in poller.poll(0)}
-        for fd in dead:
+        for pid, fd in list(pids.items()):
+            if fd in dead:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                del pids[pid]
+        if not pids:
+            del self._pids[instance]
+
+    def _drop_pids(self, instance: str) -> None:
+        for fd in self._pids.pop(instance, {}).values():
             with contextlib.suppress(OSError):
                 os.close(fd)
-        left = [fd for fd in pids if fd not in dead]
-        if left:
-            self._pids[instance] = left
-        else:
-            del self._pids[instance]
 
     def _release_orphans(self) -> None:
         for instance in list(self._gone):
@@ -218,6 +227,7 @@ class WriteDomains:
             if not self.mine(instance):
                 self._gone.discard(instance)
                 self._mine.pop(instance, None)
+                self._drop_pids(instance)
 
     def _free(self, index: int) -> None:
         owner = self.owner[index]
@@ -227,8 +237,5 @@ class WriteDomains:
         self.counters.released += 1
 
     def close(self) -> None:
-        for pids in self._pids.values():
-            for fd in pids:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._pids.clear()
+        for instance in list(self._pids):
+            self._drop_pids(instance)

@@ -123,3 +123,15 @@ def test_a_chunk_larger_than_a_segment_spans_consecutive_ones_of_its_domain() ->
     cache.abort(big)
     assert domains.used == [PAGE, 0, 0, 0] and domains.owner[1:3] == ["a", "a"]
     cache.allocator.check()
+
+
+def test_a_process_is_watched_once_and_an_instance_that_never_wrote_is_forgotten() -> None:
+    import os
+
+    _, domains, _ = make()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):  # a long-lived engine process reconnecting its lifeline
+        domains.note_process("a", os.getpid())
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    domains.gone("a")  # it never wrote: nothing to wait for
+    assert len(os.listdir("/proc/self/fd")) == before
