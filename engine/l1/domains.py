@@ -117,6 +117,16 @@ class WriteDomains:
         if domain != SIDECAR and self.on_grant is not None:
             self.on_grant(domain, index)
 
+    def runs(self, domain: str) -> list[tuple[int, int]]:
+        """`domain`'s segments as maximal runs of consecutive ones: (first, last) each."""
+        out: list[tuple[int, int]] = []
+        for i in sorted(self.mine(domain)):
+            if out and out[-1][1] == i - 1:
+                out[-1] = (out[-1][0], i)
+            else:
+                out.append((i, i))
+        return out
+
     def run(self, domain: str, count: int) -> list[int] | None:
         """`count` consecutive empty segments `domain` owns or may claim (a chunk larger than a
         segment spans them), or None."""

@@ -135,35 +135,42 @@ class RoomMaker:
         return offset
 
     def _place(self, size: int, domain: str) -> int | None:
-        """Allocate in `domain`'s segments, else in one it may claim (which it then owns)."""
+        """Allocate in `domain`'s segments (an extent may cross from one to the next when both
+        are its own), else growing them by one it may claim (which it then owns), else, for a
+        chunk larger than a segment, in consecutive empty ones it owns or may claim."""
         domains = self.domains
         if domains is None:
             return self.allocator.allocate(size)
         alloc = self.allocator
         need = alloc.aligned(size)
-        if need > domains.segment:  # a chunk larger than a segment: consecutive ones of the domain
-            run = domains.run(domain, -(-need // domains.segment))
-            if run is None:
-                return None
-            offset = alloc.allocate_in(size, domains.bounds(run[0])[0], domains.bounds(run[-1])[1])
-            if offset is not None:
-                for i in run:
-                    if domains.owner[i] != domain:
-                        domains.claim(domain, i)
-                domains.allocated(offset, need)
-            return offset
-        for claim in (False, True):
-            for i in domains.claimable(domain) if claim else domains.mine(domain):
-                lo, hi = domains.bounds(i)
-                if hi - lo - domains.used[i] < need:
-                    continue
+        runs = domains.runs(domain)
+        for first, last in runs:
+            lo, hi = domains.bounds(first)[0], domains.bounds(last)[1]
+            if hi - lo - sum(domains.used[first : last + 1]) >= need:
                 offset = alloc.allocate_in(size, lo, hi)
                 if offset is not None:
-                    if claim:
-                        domains.claim(domain, i)
                     domains.allocated(offset, need)
                     return offset
-        return None
+        starts = {last + 1: first for first, last in runs}  # a claimable segment right after a run
+        for i in domains.claimable(domain):
+            lo = domains.bounds(starts.get(i, i))[0]
+            offset = alloc.allocate_in(size, lo, domains.bounds(i)[1])
+            if offset is not None:
+                domains.claim(domain, i)
+                domains.allocated(offset, need)
+                return offset
+        if need <= domains.segment:
+            return None
+        run = domains.run(domain, -(-need // domains.segment))
+        if run is None:
+            return None
+        offset = alloc.allocate_in(size, domains.bounds(run[0])[0], domains.bounds(run[-1])[1])
+        if offset is not None:
+            for i in run:
+                if domains.owner[i] != domain:
+                    domains.claim(domain, i)
+            domains.allocated(offset, need)
+        return offset
 
     def evict(
         self, need: int, salt: str | None = None, helps: Callable[[L1Object], bool] | None = None
