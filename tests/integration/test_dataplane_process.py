@@ -69,6 +69,9 @@ LONG_LEASES = CHUNK_ENV | {
     "KVDEPOT_L1__READ_LEASE_S": "600",
     "KVDEPOT_L1__MAX_REQUEST_SHARE": "1.0",
     "KVDEPOT_L2__ADAPTERS": "[]",  # no L2: every segment of the arena may go to engines' write domains
+    # a store of the whole of L1 in flight: no quarantine budget but L1 itself here
+    "KVDEPOT_L1__QUARANTINE_MAX_BYTES": str(1 << 40),
+    "KVDEPOT_L1__QUARANTINE_TOTAL_MAX_BYTES": str(1 << 40),
 }
 
 
