@@ -43,7 +43,7 @@ from api.directory.ingest import Subscriptions
 from api.directory.metrics import DirectoryCollector
 from app import __version__
 from app.errors import ConfigError
-from app.serving import QuietUvicorn, bind_listener
+from app.serving import QuietUvicorn, bind_listener, guarded_http
 from app.settings import HttpSettings, LoggingSettings
 from app.settings_load import describe_validation_error
 from fleet.directory import Directory
@@ -141,7 +141,7 @@ class DirectoryService:
         ctx = DirectoryContext(http=s.http, directory=d, subscriptions=subs, registry=registry)
         config = uvicorn.Config(
             create_directory_app(ctx), log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=2, http=guarded_http(s.http),
         )  # fmt: skip
         server = QuietUvicorn(config)
         now = time.monotonic()

@@ -36,7 +36,7 @@ from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
 from app.fleet_member import DirectoryMember
 from app.kv_events import KvEvents, build_kv_events
-from app.serving import QuietUvicorn, bind_listener
+from app.serving import QuietUvicorn, bind_listener, guarded_http
 from app.settings import Settings
 from app.supervisor import Supervisor
 from app.tracing import Tracing, build_tracing
@@ -283,6 +283,7 @@ class Service:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
+            http=guarded_http(s.http),  # header/body deadlines, connection cap (api/http/connections.py)
         )
         self.http_server = QuietUvicorn(config)
 

@@ -5,7 +5,7 @@ Sources, highest precedence first: flags (`--engine URL[=SIDECAR_ID]` repeated, 
 fleet/router_config.RouterSettings at its top level, engines as `[[engines]]` tables), then the
 defaults. Bad settings and a port in use raise ConfigError with one line naming the setting.
 
-Client connections are bounded (api/route/connections.py): headers within `header_timeout_s`,
+Client connections are bounded (api/http/connections.py): headers within `header_timeout_s`,
 `max_connections` open at once, idle kept-alive ones closed after `idle_timeout_s`; bodies within
 `body_timeout_s` (the app's RequestGuard).
 
@@ -28,8 +28,8 @@ import structlog
 import uvicorn
 from pydantic import ValidationError
 
+from api.http.connections import ConnectionLimits, GuardedH11Protocol
 from api.route.app import RouterState, create_router_app
-from api.route.connections import ConnectionLimits, GuardedH11Protocol
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.serving import QuietUvicorn, bind_listener
@@ -71,10 +71,12 @@ def run_router(settings: RouterSettings) -> int:
     app = create_router_app(settings, Supervisor())
     state: RouterState = app.state.router
 
-    def cut(kind: str) -> None:  # header_timeout, connection_limit
+    def cut(kind: str) -> None:  # header_timeout, body_timeout, connection_limit
         state.metrics.errors.labels(kind).inc()
 
-    limits = ConnectionLimits(settings.header_timeout_s, settings.max_connections, cut)
+    limits = ConnectionLimits(
+        settings.header_timeout_s, settings.max_connections, cut, settings.body_timeout_s
+    )
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
         http=GuardedH11Protocol.with_limits(limits), timeout_keep_alive=settings.idle_timeout_s,

@@ -1,8 +1,12 @@
 """The HTTP listener of kvdepot's processes (`serve`, `directory`, `route`): the socket bound before
 anything starts (a taken port is one ConfigError line) and uvicorn without its own signal handling
-(each process owns SIGTERM/SIGINT and stops its server itself).
+(each process owns SIGTERM/SIGINT and stops its server itself). The sidecar's and the directory's
+client connections are bounded by their `http` settings (api/http/connections.py: headers within
+`header_timeout_s`, what is left of an answered body within `body_timeout_s`, `max_connections`
+open at once); the router builds its own from its settings.
 
-Primitives: bind_listener(host, port, keys) -> socket; QuietUvicorn(config).serve(sockets=[...]).
+Primitives: bind_listener(host, port, keys) -> socket; QuietUvicorn(config).serve(sockets=[...]);
+guarded_http(http_settings, on_cut) -> the protocol class for uvicorn.Config(http=...).
 """
 
 from __future__ import annotations
@@ -10,11 +14,25 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import uvicorn
 
+from api.http.connections import ConnectionLimits, GuardedH11Protocol
 from app.errors import ConfigError
+from app.settings import HttpSettings
+
+
+def _ignore(kind: str) -> None:
+    return None
+
+
+def guarded_http(
+    http: HttpSettings, on_cut: Callable[[str], None] = _ignore
+) -> type[GuardedH11Protocol]:
+    """uvicorn's h11 protocol with the deadlines and the connection cap of `http`."""
+    limits = ConnectionLimits(http.header_timeout_s, http.max_connections, on_cut, http.body_timeout_s)
+    return GuardedH11Protocol.with_limits(limits)
 
 
 class QuietUvicorn(uvicorn.Server):

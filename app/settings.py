@@ -89,6 +89,20 @@ class HttpSettings(BaseModel):
     max_body_bytes: int = Field(
         64 * 1024, ge=1024, le=64 << 20, description="Larger request bodies are refused (413) unread."
     )
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="A request's headers must all arrive within this long of the connection's opening "
+        "(or of the first byte of a kept-alive connection's next request); past it: 408, closed.",
+    )  # fmt: skip
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="A request's body must all arrive within this long of its headers (what is left of "
+        "a body answered unread, within this long of the answer); past it: 408 or closed.",
+    )  # fmt: skip
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Client connections open at once; past it a new one is answered 503 and closed.",
+    )  # fmt: skip
 
     @field_validator("admin_token")
     @classmethod

@@ -16,7 +16,8 @@ before each registration (and by the service's sweeper), so `max_instances` free
 
 A score request is decoded with msgspec (a 32k-token body parses in a fraction of pydantic's
 time); a malformed one is 400 with a stable code. Registration bodies are pydantic (InstanceSpec):
-a bad one is 422 naming the field. Bodies past `http.max_body_bytes` are 413 unread.
+a bad one is 422 naming the field. Bodies past `http.max_body_bytes` are 413 unread; a body not
+all in within `http.body_timeout_s` of its headers is 408 (both close the connection).
 
 State: none beyond the context (DirectoryContext). Event loop only.
 """
@@ -228,6 +229,9 @@ def create_directory_app(ctx: DirectoryContext) -> FastAPI:
         return JSONResponse(error_body(exc.code, exc.message), status_code=503)
 
     app.include_router(router)
-    # The body cap before anything is read; tokens are checked per route (scores need none).
-    app.add_middleware(RequestGuard, max_body_bytes=ctx.http.max_body_bytes, token_ok=lambda _h: True)
+    # The body cap and deadline before anything is read; tokens are checked per route (scores need none).
+    app.add_middleware(
+        RequestGuard, max_body_bytes=ctx.http.max_body_bytes, token_ok=lambda _h: True,
+        body_timeout_s=ctx.http.body_timeout_s,
+    )  # fmt: skip
     return app

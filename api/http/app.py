@@ -43,8 +43,9 @@ def create_app(ctx: ControlContext) -> FastAPI:
     # Inside the request scope below (its rejections are logged), outside everything that reads bodies.
     http = ctx.settings.http
     app.add_middleware(
-        RequestGuard, max_body_bytes=http.max_body_bytes, token_ok=functools.partial(token_ok, http)
-    )
+        RequestGuard, max_body_bytes=http.max_body_bytes, token_ok=functools.partial(token_ok, http),
+        body_timeout_s=http.body_timeout_s,
+    )  # fmt: skip
     # Outside the guard: every mutating call is audited, those it refuses too (rate-limited).
     app.add_middleware(AuditMiddleware, audit=ctx.audit, ctx=ctx)
     ctx.registry.register(AuditCollector(ctx.audit))

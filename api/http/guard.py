@@ -3,12 +3,15 @@
 Role: FastAPI reads and parses a body before it runs a route's dependencies, so neither the admin
 token of a mutation nor the size of a body can be checked there in time. This middleware runs
 first: a mutation (any method but GET, HEAD and OPTIONS) without the admin token, when one is set,
-is answered 401 unread; a body declared (Content-Length) or found (counted as it arrives, chunked
-or not) larger than `http.max_body_bytes` is answered 413 with the stable code
-`payload_too_large`, unread past the cap. With `body_timeout_s` (the router's), a body not all in
-within that long of the request's headers is answered 408 (`body_timeout`). Both close the
-connection (`connection: close`): the rest of the body is never read. Routes keep their own token
-check (`deps.Admin`); `bearer_ok` is the comparison every token check uses.
+is answered 401 unread, closing the connection when a body was announced (its deadline never
+starts: the rest of it is never read); a body declared (Content-Length) or found (counted as it
+arrives, chunked or not) larger than `http.max_body_bytes` is answered 413 with the stable code
+`payload_too_large`, unread past the cap. With `body_timeout_s` (the sidecar's, the directory's and
+the router's), a body not all in within that long of the request's headers is answered 408
+(`body_timeout`). Both close the connection (`connection: close`): the rest of the body is never
+read (what is left of a body the app answered unread is the server's: api/http/connections.py).
+Routes keep their own token check (`deps.Admin`); `bearer_ok` is the comparison every token check
+uses.
 
 State: none; one instance wraps the app. Runs on the event loop, per request.
 
@@ -81,53 +84,81 @@ class RequestGuard:
         headers = Headers(scope=scope)
         if scope["method"] not in SAFE_METHODS and not self.token_ok(headers.get("authorization")):
             message = "a valid admin bearer token is required (Authorization: Bearer <token>)"
-            await _answer(send, 401, "unauthorized", message, {"www-authenticate": "Bearer"})
+            extra = {"www-authenticate": "Bearer"} | (CLOSE if _has_body(headers) else {})
+            await _answer(send, 401, "unauthorized", message, extra)
             return
         limit = self.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _answer(send, 413, TOO_LARGE, BodyTooLarge(limit).detail, CLOSE)
             return
-        received = 0
-        timeout_s = self.body_timeout_s
-        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-        body_done = False
-
-        async def capped() -> Message:
-            nonlocal received, body_done
-            if deadline is None or body_done:
-                message = await receive()
-            else:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        message = await receive()
-                except TimeoutError:
-                    raise BodyTimeout(timeout_s or 0.0) from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLarge(limit)
-                body_done = not message.get("more_body", False)
-            return message
-
-        started = False
-
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        exchange = _Exchange(receive, send, limit, self.body_timeout_s, self.count)
         try:
-            await self.app(scope, capped, watched)
+            await self.app(scope, exchange.receive, exchange.send)
         except BodyTooLarge as exc:  # read outside FastAPI's body parsing: answer here
-            if started:
+            if exchange.started:
                 raise
             await _answer(send, 413, TOO_LARGE, exc.detail, CLOSE)
-        except BodyTimeout as exc:
-            self.count(BODY_TIMEOUT)
-            if started:
+        except BodyTimeout:
+            if exchange.replaced:
+                return
+            if exchange.started:
+                self.count(BODY_TIMEOUT)
                 raise
-            await _answer(send, 408, BODY_TIMEOUT, str(exc), CLOSE)
+            await exchange.answer_timeout()
+
+
+class _Exchange:
+    """One request's body, read under the cap and the deadline, and its answer. A body past its
+    deadline is answered 408 here even when the app caught the error (FastAPI answers a body it
+    could not read 400): the app's own answer is dropped."""
+
+    def __init__(
+        self, receive: Receive, send: Send, limit: int, timeout_s: float | None,
+        count: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self._receive, self._send, self.count = receive, send, count
+        self.limit, self.timeout_s = limit, timeout_s
+        self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        self.received = 0
+        self.body_done = self.started = self.timed_out = self.replaced = False
+
+    async def receive(self) -> Message:
+        if self.deadline is None or self.body_done:
+            message = await self._receive()
+        else:
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    message = await self._receive()
+            except TimeoutError:
+                self.timed_out = True
+                raise BodyTimeout(self.timeout_s or 0.0) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.limit:
+                raise BodyTooLarge(self.limit)
+            self.body_done = not message.get("more_body", False)
+        return message
+
+    async def send(self, message: Message) -> None:
+        """The app's answer, or ours (408) when the body's deadline passed before it started."""
+        if self.timed_out and not self.started and message["type"] == "http.response.start":
+            self.replaced = True
+            await self.answer_timeout()
+        if self.replaced:
+            return
+        self.started = self.started or message["type"] == "http.response.start"
+        await self._send(message)
+
+    async def answer_timeout(self) -> None:
+        self.count(BODY_TIMEOUT)
+        self.started = True
+        await _answer(self._send, 408, BODY_TIMEOUT, str(BodyTimeout(self.timeout_s or 0.0)), CLOSE)
+
+
+def _has_body(headers: Headers) -> bool:
+    """Whether a request's headers announce a body (a length above 0, or chunks)."""
+    return headers.get("content-length", "0").strip() not in ("", "0") or "transfer-encoding" in headers
 
 
 async def _answer(

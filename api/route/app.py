@@ -10,7 +10,7 @@ them: `admin_token` needed, loopback clients only without one; URLs' credentials
 a body not all in within `body_timeout_s` a 408 (api/http/guard.RequestGuard; both close the
 connection), all as `{"error": {"code", "message"}}`. Headers are relayed end to end only
 (proxy.end_to_end: no hop-by-hop header, none the sender named in `Connection`). The header
-deadline and the connection cap are the server's (api/route/connections.py, app/route.py).
+deadline and the connection cap are the server's (api/http/connections.py, app/route.py).
 
 State: `RouterState` (settings, engines, the httpx client, metrics, the supervisor of its
 background task), built by create_router_app and opened/closed by the app's lifespan. Everything

@@ -6,13 +6,13 @@ the router keeps serving."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.integration.raw_http import Raw
 from tests.integration.route_helpers import metric
 from tests.integration.test_route_process import Fleet, complete, served_by
 from tests.integration.waiting import wait_for
@@ -21,46 +21,6 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "router-status-token-81f2"
 LIMITS = f'header_timeout_s = 1\nbody_timeout_s = 2\nadmin_token = "{TOKEN}"\n'
-
-
-class Raw:
-    """A raw client connection: what it was sent back, and whether the router closed it."""
-
-    def __init__(self, port: int, first: bytes) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.sock.setblocking(False)
-        self.got = b""
-        self.closed = False
-        if first:
-            self.sock.send(first)
-
-    def poll(self, trickle: bytes = b"") -> bool:
-        """Read what arrived, send `trickle`; True once the router closed the connection."""
-        if self.closed:
-            return True
-        try:
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    self.closed = True
-                    return True
-                self.got += data
-        except BlockingIOError:
-            pass
-        except OSError:  # reset
-            self.closed = True
-            return True
-        if trickle:
-            try:
-                self.sock.send(trickle)
-            except BlockingIOError:
-                pass
-            except OSError:
-                self.closed = True
-        return self.closed
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def port_of(fleet: Fleet) -> int:
