@@ -15,8 +15,9 @@ Primitives in data-plane call order:
                                                     -> per-chunk StoreSlot (reserve; client copies);
                                                        chunks ending past prompt_tokens (when > 0)
                                                        hold generated tokens
-  commit(engine, oids)                              -> per-oid ok / lease expired; visible at once
-                                                       (committed generated chunks are counted);
+  commit(engine, oids[, holder])                    -> per-oid ok / lease expired; visible at once
+                                                       (committed generated chunks are counted; the
+                                                       holder's quarantine of expired ones goes);
                                                        NotOwner (nothing done) for a reservation of
                                                        another instance (abort likewise)
   free_lookup_locks / end_request / clear
@@ -364,9 +365,10 @@ class CacheEngine:
                 cache.unlock(obj)
         return slots
 
-    def commit(self, engine_id: int, oids: list[int]) -> list[bool]:
+    def commit(self, engine_id: int, oids: list[int], holder: int = 0) -> list[bool]:
         """Make reserved chunks ready. Per oid: True, or False when its lease had expired (or it is
-        unknown). NotOwner, and nothing committed, if one is another instance's reservation."""
+        unknown). NotOwner, and nothing committed, if one is another instance's reservation. The
+        client session `holder` is done with these oids: what of them it held quarantined is freed."""
         reg = self.registration(engine_id)
         self._check_owner(reg, oids)
         now = self._clock()
@@ -384,12 +386,15 @@ class CacheEngine:
                 self.counters.decode_chunks_stored += 1
             if store is not None and obj.visible:
                 store.submit(obj, reg, request_id)
+        if not all(out):
+            self.cache.writer_done(holder, oids)
         return out
 
-    def abort(self, engine_id: int, oids: list[int]) -> int:
+    def abort(self, engine_id: int, oids: list[int], holder: int = 0) -> int:
         """Drop reservations the client will not fill (a copy failed). NotOwner, and nothing
-        dropped, if one is another instance's reservation."""
+        dropped, if one is another instance's reservation. As `commit`, for `holder`'s quarantine."""
         self._check_owner(self.registration(engine_id), oids)
+        self.cache.writer_done(holder, oids)
         n = 0
         for oid in oids:
             try:
@@ -415,7 +420,7 @@ class CacheEngine:
         dead. Nothing it holds may block others: the requests it took part in lose their read
         locks (a late RELEASE of them by it is answered invalid) and its write reservations are
         quarantined (fencing: their memory is not reused, their commit refused) until its lifeline
-        closes. Returns (requests, reservations)."""
+        closes or it commits or aborts them late. Returns (requests, reservations)."""
         rids = self._requests.release_holder(holder)
         if rids:
             fenced = self._fenced.setdefault(holder, set())

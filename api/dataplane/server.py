@@ -350,11 +350,11 @@ class DataPlaneServer:
             slots=[p.Slot(s.chunk, _WIRE_STATUS[s.status], s.oid, s.offset, s.size) for s in slots],
         )
 
-    def _commit(self, m: p.Commit, _: Session) -> p.Reply:
-        return p.CommitReply(id=m.id, ok=self.engine.commit(m.engine_id, m.oids))
+    def _commit(self, m: p.Commit, s: Session) -> p.Reply:
+        return p.CommitReply(id=m.id, ok=self.engine.commit(m.engine_id, m.oids, holder=s.id))
 
-    def _abort(self, m: p.Abort, _: Session) -> p.Reply:
-        return p.CountReply(id=m.id, count=self.engine.abort(m.engine_id, m.oids))
+    def _abort(self, m: p.Abort, s: Session) -> p.Reply:
+        return p.CountReply(id=m.id, count=self.engine.abort(m.engine_id, m.oids, holder=s.id))
 
     def _free_lookup_locks(self, m: p.FreeLookupLocks, _: Session) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.free_lookup_locks(m.engine_id, m.request_id))

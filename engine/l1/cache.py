@@ -32,6 +32,7 @@ Primitives in call order:
   evict(...) / delete(obj) / clear(...)
   fence_holder(holder)           a client session is suspect: its reservations are quarantined
   release_holder(holder)         a client session is gone: its reservations and quarantine go
+  writer_done(holder, oids)      its late COMMIT/ABORT: those of its quarantined objects go
   reap(now)                      reclaims expired write reservations: a client's are quarantined
                                  (read locks: the facade)
 
@@ -67,7 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from app.errors import LeaseExpired, NotFound
@@ -379,12 +380,23 @@ class L1Cache:
         mine = [o for o in self._reservations.values() if o.holder == holder]
         for obj in mine:
             self.abort(obj)
-        for obj in self.quarantine.take(holder):
+        self._unquarantine(self.quarantine.take(holder))
+        return len(mine)
+
+    def writer_done(self, holder: int, oids: Iterable[int]) -> int:
+        """The client session `holder` committed or aborted `oids` after their lease expired: it
+        copies into them no more (a client commits once its copies are done), so those it holds
+        quarantined are freed now instead of when its lifeline closes. The extents stay in the
+        writer's own write domain (engine/l1/domains.py). Returns how many."""
+        return self._unquarantine(self.quarantine.take(holder, oids)) if holder else 0
+
+    def _unquarantine(self, objects: list[L1Object]) -> int:
+        for obj in objects:
             obj.apply(Event.FREE)
             self.counters.quarantine_freed += 1
             self._by_oid.pop(obj.oid, None)
             self._free(obj.offset)
-        return len(mine)
+        return len(objects)
 
     def fence_holder(self, holder: int) -> int:
         """The client session `holder` is suspect (silent: stalled or dying): its reservations

@@ -1,11 +1,12 @@
 """Quarantine: the memory of client write reservations whose lease expired, kept until the writer
-is known gone, and the budget that bounds it.
+is known gone or done with it, and the budget that bounds it.
 
 Role: fencing. A writer stalled past its write lease (a GC pause, SIGSTOP, an overloaded worker)
 keeps copying at the offsets it was given; a generation check cannot stop those late bytes, so
 the extent must not be reused while the writer may live. L1Cache (engine/l1/cache.py) moves such a
 reservation to QUARANTINED and hands it here; it frees the memory when the holder session is gone
-(its lifeline closed).
+(its lifeline closed), or, object by object, when the holder itself commits or aborts it late
+(it copies into it no more).
 
 Budget: any client reservation may end up quarantined (its writer may stall at any time), so what
 is bounded is the exposure: bytes quarantined plus bytes of client reservations in flight (reserved,
@@ -23,10 +24,12 @@ bytes in flight per engine instance, totals. Owned by the event loop (through L1
 
 Primitives in call order: `refuses(instance, nbytes)`, `reserved(instance, nbytes)`, then
 `settled(instance, nbytes)` (committed or aborted) or `add(obj, nbytes)` (quarantined), and
-`take(holder)` -> what to free.
+`take(holder[, oids])` -> what to free (the holder is gone, or done with those oids).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from engine.l1.lifecycle import L1Object
 
@@ -92,9 +95,22 @@ class Quarantine:
             self._flying.pop(instance, None)
         self.in_flight -= nbytes
 
-    def take(self, holder: int) -> list[L1Object]:
-        """The holder is gone: its quarantined objects, no longer counted (the caller frees them)."""
-        taken = self._held.pop(holder, [])
+    def take(self, holder: int, oids: Iterable[int] | None = None) -> list[L1Object]:
+        """The holder is gone (`oids` None), or done with `oids` (its late COMMIT or ABORT): those
+        of its quarantined objects, no longer counted (the caller frees them)."""
+        if oids is None:
+            taken = self._held.pop(holder, [])
+        else:
+            wanted = set(oids)
+            held = self._held.get(holder, [])
+            taken = [(obj, n) for obj, n in held if obj.oid in wanted]
+            if not taken:
+                return []
+            kept = [(obj, n) for obj, n in held if obj.oid not in wanted]
+            if kept:
+                self._held[holder] = kept
+            else:
+                del self._held[holder]
         for obj, nbytes in taken:
             left = self._by_instance[obj.owner] - nbytes
             if left:

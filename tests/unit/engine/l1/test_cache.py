@@ -300,3 +300,21 @@ def test_stalled_writers_of_many_instances_quarantine_at_most_the_total() -> Non
     cache.release_holder(1)  # a's writer is gone: its share is free for others again
     assert isinstance(cache.try_reserve(key(999), PAGE, 100.0, owner="c", holder=3), L1Object)
     cache.allocator.check()
+
+
+def test_a_late_commit_or_abort_by_its_writer_frees_its_quarantined_memory() -> None:
+    cache = fenced_cache(8, cap_pages=8)
+    mine = [cache.try_reserve(key(i), PAGE, 0.0, owner="a", holder=1) for i in range(3)]
+    theirs = cache.try_reserve(key(9), PAGE, 0.0, owner="a", holder=2)  # another session of "a"
+    assert all(isinstance(o, L1Object) for o in [*mine, theirs])
+    cache.reap(100.0)
+    assert cache.quarantine.objects == 4
+    oids = [o.oid for o in mine if isinstance(o, L1Object)]
+    assert cache.writer_done(2, oids) == 0  # not its writer: nothing goes
+    assert cache.writer_done(1, oids[:2]) == 2  # its writer is done with two of them
+    assert (cache.quarantine.objects, cache.quarantine.of("a")) == (2, 2 * PAGE)
+    assert cache.writer_done(0, oids) == 0 and cache.allocator.used == 2 * PAGE
+    cache.release_holder(1)
+    cache.release_holder(2)
+    assert cache.quarantine.objects == 0 and cache.allocator.used == 0
+    cache.allocator.check()
