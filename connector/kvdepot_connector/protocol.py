@@ -41,10 +41,10 @@ them; a message naming another instance's engine id or reservation is refused wi
 and changes nothing. Ids are unguessable (random). The instance is never part of a cache key:
 two instances of one model register different engine ids and share the cached chunks. The HELLO
 reply names a lifeline (a unix socket, `kvdepot_connector.lifeline`) and a token for it: until the
-client has connected it, its session may only PING (and say HELLO again): REGISTER, STORE, COMMIT,
-REGISTER_KV_CACHE, LOAD_BLOCKS and SAVE_BLOCKS are refused (`unauthorized`), and a session whose
-lifeline is not connected within the sidecar's handshake timeout (seconds) is closed
-(`hello_required` next). The client library connects it right after HELLO.
+client has connected it, its session may not REGISTER, STORE, COMMIT, REGISTER_KV_CACHE,
+LOAD_BLOCKS or SAVE_BLOCKS (`unauthorized`), and a session whose lifeline is not connected within
+the sidecar's handshake timeout (seconds) is closed (`hello_required` next). The client library
+connects it right after HELLO.
 
 Workers and heartbeats (optional fields, protocol 3). HELLO may say the process's `role`
 (scheduler or worker) and `rank`; the sidecar lists it under its instance (GET /workers). A reply
