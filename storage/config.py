@@ -48,7 +48,9 @@ class DiskAdapterConfig(BaseModel):
     o_direct: bool = Field(False, description="Use O_DIRECT where the filesystem allows it.")
     io_threads: int = Field(4, ge=1, le=64, description="Threads of this adapter's file I/O executor.")
     authenticate: bool = Field(
-        False, description="Sign blobs with the deployment key and load only signed ones (files are 0600)."
+        True,
+        description="Sign blobs with the deployment key (l2.auth_keys or <data_dir>/l2.key) and load "
+        "only signed ones: a blob planted in the directory is never served. Files are 0600 either way.",
     )
 
 
@@ -91,7 +93,9 @@ class SlabAdapterConfig(BaseModel):
         30.0, gt=0, le=86_400, description="Least time between two checkpoints of the slot index."
     )
     authenticate: bool = Field(
-        False, description="Sign blobs with the deployment key and load only signed ones."
+        True,
+        description="Sign blobs with the deployment key (l2.auth_keys or <data_dir>/l2.key) and load "
+        "only signed ones: a slot planted in the file is never served.",
     )
 
     @model_validator(mode="after")
