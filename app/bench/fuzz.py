@@ -1,12 +1,20 @@
-"""`kvdepot bench fuzz`: hostile frames at a live sidecar while another client pings it; one JSON object.
+"""`kvdepot bench fuzz`: hostile frames at a live service while another client pings it; one JSON
+object per surface.
 
-A sidecar is started (or `--url` used) and `--frames` frames go to it over several DEALER
+`--surface` chooses (comma-separated, or `all`, one at a time, each against a fresh process):
+`dataplane` (this module), `kv-replay`, `kv-pub`, `lifeline` (a sidecar's other local sockets:
+fuzz_kv.py), `directory`, `router` (the fleet's processes: fuzz_fleet.py). Each reports frames per
+second, the pinger's p50/p99/max and hangs, and the target's RSS at start and end
+(`--max-rss-growth-mb` bounds its growth).
+
+The data plane: a sidecar is started (or `--url` used) and `--frames` frames go to it over several DEALER
 sockets, pipelined (a bounded window of frames in flight per socket, replies drained as they come):
 structure-aware ones from `fuzz_frames.FrameMaker` (every request type, hostile fields) and random
 bytes. Frames over the sidecar's `max_frame_bytes` (the transport drops the connection that sent
-one) go through a socket of their own that expects no reply. Meanwhile a pinger, in its own
-process so that the fuzzer's work does not delay it, PINGs every `--ping-interval-ms` through the
-client library and times each answer; one not answered within `--hang-s` is a hang.
+one) go through a socket of their own that expects no reply. Meanwhile a pinger (fuzz_watch.py), in
+its own process so that the fuzzer's work does not delay it, PINGs every `--ping-interval-ms`
+through the client library and GETs `/health`, and times each answer; one not answered within
+`--hang-s` is a hang.
 
 At the end: the sidecar is alive, a store / lookup / retrieve round trip through the client library
 gives back the same bytes, and `/status` says the allocator is consistent. `ok` (exit status 0)
@@ -22,9 +30,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -36,12 +41,15 @@ import msgspec.inspect as mi
 import zmq
 
 from app.bench.fuzz_frames import FrameMaker, Region
+from app.bench.fuzz_watch import pinger, rss_mb, start_pinger, stop_pinger
 from kvdepot_connector import protocol as p
 from kvdepot_connector.lifeline import LifelineClient
 
 #: a socket whose replies stop for this many pings' hang time is a stalled socket
 STALL_FACTOR = 5
 REGION_BYTES = 1 << 16
+#: what `--surface` chooses from (app/bench/fuzz_kv.py, fuzz_fleet.py for all but the data plane)
+SURFACES = ("dataplane", "kv-replay", "kv-pub", "lifeline", "directory", "router")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -54,15 +62,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="frames per second at most (0: no limit)")
     ap.add_argument("--ping-interval-ms", type=float, default=10.0)
     ap.add_argument("--hang-s", type=float, default=2.0, help="a ping unanswered this long is a hang")
+    ap.add_argument(
+        "--surface",
+        default="dataplane",
+        help=f"comma-separated surfaces to attack, one JSON line each: {', '.join(SURFACES)} or all",
+    )
+    ap.add_argument(
+        "--max-rss-growth-mb",
+        type=float,
+        default=256.0,
+        help="a target whose RSS grew more than this during its storm fails",
+    )
     ap.add_argument("--pinger", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--health", help=argparse.SUPPRESS)
 
 
-def _percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
-def _client(url: str, chunk_size: int, timeout_s: float, model: str, *, map_arena: bool = True) -> Any:
+def client_for(url: str, chunk_size: int, timeout_s: float, model: str, *, map_arena: bool = True) -> Any:
     from kvdepot_connector.client import KVDepotClient
 
     layout = p.Layout(
@@ -72,11 +87,11 @@ def _client(url: str, chunk_size: int, timeout_s: float, model: str, *, map_aren
     return KVDepotClient(url, model=model, layout=layout, timeout_s=timeout_s, map_arena=map_arena)
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
     """The sidecar answers a PING (through the client library)."""
     from kvdepot_connector.errors import KVDepotClientError
 
-    client = _client(url, 16, 5.0, "fuzz-pinger", map_arena=False)
+    client = client_for(url, 16, 5.0, "fuzz-pinger", map_arena=False)
     try:
         client.ping()
         return True
@@ -84,46 +99,6 @@ def _answers(url: str) -> bool:
         return False
     finally:
         client.close()
-
-
-# --- the pinger (its own process) ---------------------------------------------------------------
-
-
-def pinger(args: argparse.Namespace) -> dict[str, Any]:
-    """PING until SIGTERM; print "ready" after the first answer, then the figures as JSON."""
-    from kvdepot_connector.errors import KVDepotClientError
-
-    stop = False
-
-    def on_term(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    client = _client(args.url, 16, args.hang_s, "fuzz-pinger", map_arena=False)
-    latencies: list[float] = []
-    hangs = 0
-    interval = args.ping_interval_ms / 1000
-    next_at = time.monotonic()
-    while not stop:
-        start = time.perf_counter()
-        try:
-            client.ping()
-        except KVDepotClientError:
-            hangs += 1
-        latencies.append(time.perf_counter() - start)
-        if len(latencies) == 1:
-            print("ready", flush=True)
-        next_at += interval
-        time.sleep(max(0.0, next_at - time.monotonic()))
-    client.close()
-    return {
-        "pings": len(latencies),
-        "ping_p50_ms": round(_percentile(latencies, 0.5) * 1000, 3),
-        "ping_p99_ms": round(_percentile(latencies, 0.99) * 1000, 3),
-        "ping_max_ms": round(max(latencies, default=0.0) * 1000, 3),
-        "hangs": hangs,
-    }
 
 
 # --- the fuzzer ---------------------------------------------------------------------------------
@@ -264,7 +239,7 @@ def roundtrip(url: str, chunk_size: int, seed: int, patience_s: float) -> bool:
 
     rng = random.Random(seed)
     tokens = [rng.randrange(1 << 31) for _ in range(4 * chunk_size)]
-    with _client(url, chunk_size, 10.0, "fuzz-check") as client:
+    with client_for(url, chunk_size, 10.0, "fuzz-check") as client:
         elems = client.chunk_bytes // 2
         chunks = [
             torch.randn(elems, generator=torch.Generator().manual_seed(seed + i)).half() for i in range(4)
@@ -292,24 +267,6 @@ def _allocator_ok(http: str | None) -> bool | None:
         return bool(json.loads(resp.read())["l1"]["allocator_ok"])
 
 
-def _start_pinger(args: argparse.Namespace, url: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "app.cli", "bench", "fuzz", "--pinger", "--url", url,
-           "--hang-s", str(args.hang_s), "--ping-interval-ms", str(args.ping_interval_ms)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    if proc.stdout.readline().strip() != "ready":
-        proc.kill()
-        raise RuntimeError("the pinger did not start")
-    return proc
-
-
-def _stop_pinger(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    return result
-
-
 def _make_region() -> Region:
     name = f"kvdepot-fuzz-{os.getpid()}-{os.urandom(4).hex()}"
     fd = os.open(Path("/dev/shm") / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -320,25 +277,31 @@ def _make_region() -> Region:
     return Region(name, REGION_BYTES)
 
 
-def _fuzz(args: argparse.Namespace, url: str, http: str | None, alive: Any) -> dict[str, Any]:
+def _fuzz(
+    args: argparse.Namespace, url: str, http: str | None, alive: Any, pid: int | None = None
+) -> dict[str, Any]:
     fuzzer = Fuzzer(url, sockets=args.sockets, window=args.window, stall_s=STALL_FACTOR * args.hang_s)
     region = _make_region()
     try:
         hello = fuzzer.hello(30)
         maker = FrameMaker(random.Random(args.seed), region, hello.chunk_size, hello.max_frame_bytes)
-        pinger_proc = _start_pinger(args, url)
+        pinger_proc = start_pinger(args, url, http)
+        rss_start = rss_mb(pid) if pid else 0.0
         try:
             elapsed = fuzzer.run(maker, args.frames, args.rate)
         finally:
-            pings = _stop_pinger(pinger_proc)
+            pings = stop_pinger(pinger_proc)
+        rss_end = rss_mb(pid) if pid else 0.0
     finally:
         fuzzer.close()
         os.unlink(Path("/dev/shm") / region.name)
-    crashed = not alive() or not _answers(url)
+    crashed = not alive() or not answers(url)
     rt = False if crashed else roundtrip(url, hello.chunk_size, args.seed, patience_s=60)
     allocator = None if crashed else _allocator_ok(http)
     ok = not crashed and rt and allocator is not False and pings["hangs"] == 0 and fuzzer.stalled_sockets == 0
+    ok = ok and rss_end - rss_start <= args.max_rss_growth_mb
     return {
+        "surface": "dataplane",
         "frames_sent": fuzzer.sent,
         "frames_oversize": fuzzer.oversize,
         "replies": dict(sorted(fuzzer.replies.items())),
@@ -348,6 +311,8 @@ def _fuzz(args: argparse.Namespace, url: str, http: str | None, alive: Any) -> d
         "elapsed_s": round(elapsed, 2),
         "kinds": dict(sorted(fuzzer.kinds.items())),
         **pings,
+        "rss_start_mb": rss_start,
+        "rss_end_mb": rss_end,
         "crashed": crashed,
         "roundtrip_ok": rt,
         "allocator_ok": allocator,
@@ -356,15 +321,7 @@ def _fuzz(args: argparse.Namespace, url: str, http: str | None, alive: Any) -> d
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.pinger:
-        print(json.dumps(pinger(args)))
-        return 0
-    if args.url is not None:
-        result = _fuzz(args, args.url, args.http, alive=lambda: True)  # the PING after says
-        result["url"] = args.url
-        print(json.dumps(result))
-        return 0 if result["ok"] else 1
+def _dataplane(args: argparse.Namespace) -> dict[str, Any]:
     from app.bench.sidecar import start_sidecar
 
     env = {
@@ -376,12 +333,44 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvdepot-fuzz-") as tmp:
         sidecar = start_sidecar(Path(tmp), env=env, l1_size_gb=0.0625)
         try:
-            result = _fuzz(args, sidecar.url, sidecar.http, alive=lambda: sidecar.proc.poll() is None)
+            result = _fuzz(args, sidecar.url, sidecar.http, alive=lambda: sidecar.proc.poll() is None,
+                           pid=sidecar.proc.pid)  # fmt: skip
         finally:
             status = sidecar.stop()
         result["sidecar_exit"] = status
         if result["crashed"]:
             result["sidecar_log_tail"] = sidecar.lines[-20:]
     result["url"] = "started"
-    print(json.dumps(result))
-    return 0 if result["ok"] else 1
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.pinger:
+        print(json.dumps(pinger(args)))
+        return 0
+    if args.url is not None:
+        result = _fuzz(args, args.url, args.http, alive=lambda: True)  # the PING after says
+        result["url"] = args.url
+        print(json.dumps(result))
+        return 0 if result["ok"] else 1
+    surfaces = list(SURFACES) if args.surface == "all" else args.surface.split(",")
+    unknown = [s for s in surfaces if s not in SURFACES]
+    if unknown:
+        raise SystemExit(
+            f"--surface: unknown {', '.join(unknown)} (choose from {', '.join(SURFACES)} or all)"
+        )
+    ok = True
+    for surface in surfaces:  # one at a time, each against a fresh target
+        if surface == "dataplane":
+            result = _dataplane(args)
+        elif surface in ("directory", "router"):
+            from app.bench.fuzz_fleet import fleet_surface
+
+            result = fleet_surface(args, surface)
+        else:
+            from app.bench.fuzz_kv import sidecar_surface
+
+            result = sidecar_surface(args, surface)
+        print(json.dumps(result), flush=True)
+        ok = ok and bool(result["ok"])
+    return 0 if ok else 1
