@@ -15,8 +15,8 @@ then on, and may raise LifelineRefused), and calls `on_closed(line)` as soon as 
 State: the listening socket and one `Lifeline` per connection (buffers, received descriptors not
 yet claimed by a frame, the handshake timer). Owned by the event loop: sockets are non-blocking
 and served with `loop.add_reader` / `add_writer` (no threads). Every connection is bounded:
-connections, frame size, descriptors per frame and per connection, output buffer, and a
-handshake timeout (a peer that says nothing is closed).
+connections, accepts per wake, frame size, descriptors per frame and per connection, output
+buffer, a handshake timeout (a silent peer is closed); refusals counted, logged rate-bounded.
 
 Primitives in call order: `start()`, `Lifeline.send(names, fds)`, `Lifeline.grant(items)` (Grant
 frames: arena segments the peer may now write), `close()`.
@@ -37,6 +37,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
+from api.complaints import Complaints
 from kvdepot_connector.lifeline import (
     HEADER,
     MAX_FDS_PER_MESSAGE,
@@ -74,6 +75,7 @@ class LifelineLimits:
     #: bytes read from one lifeline per wake of the loop: a peer flooding frames (heartbeats)
     #: gets its turn like every other socket and cannot starve the loop
     max_read_per_wake: int = 16 * 1024
+    max_accepts_per_wake: int = 64  # a connection flood waits in the listen backlog, not the loop
 
 
 class LifelineRefused(Exception):
@@ -304,10 +306,15 @@ class LifelineServer:
         self.offer = offer
         self.limits = limits
         self.lines: set[Lifeline] = set()
-        self.refused = 0
+        # refused at accept (uid, limits) / closed before a good hello: counted, rate-bounded lines
+        self.refusals, self.drops = Complaints(log, "lifeline_refused"), Complaints(log, "lifeline_dropped")
         self._per_uid: dict[int, int] = {}
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def refused(self) -> int:  # refused at accept or dropped before a good hello
+        return self.refusals.count + self.drops.count
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -343,13 +350,13 @@ class LifelineServer:
 
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
+        for _ in range(self.limits.max_accepts_per_wake):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("lifeline_accept_failed", error=exc.strerror)
+                self.refusals.note(error=exc.strerror)
                 return
             sock.setblocking(False)
             pid, uid, gid = _PEERCRED.unpack(
@@ -361,8 +368,7 @@ class LifelineServer:
                 or len(self.lines) >= self.limits.max_connections
                 or mine >= self.limits.max_connections_per_uid
             ):
-                self.refused += 1
-                log.warning("lifeline_refused", pid=pid, uid=uid, connections=len(self.lines), of_uid=mine)
+                self.refusals.note(pid=pid, uid=uid, connections=len(self.lines), of_uid=mine)
                 sock.close()
                 continue
             line = Lifeline(self, sock, pid, uid, gid)
@@ -379,8 +385,7 @@ class LifelineServer:
         else:
             self._per_uid.pop(line.uid, None)
         if line.holder is None:
-            self.refused += 1
-            log.info("lifeline_dropped", pid=line.pid, reason=why)
+            self.drops.note(pid=line.pid, reason=why)
             return
         log.info("lifeline_closed", pid=line.pid, reason=why)
         try:

@@ -7,29 +7,31 @@ applies, how often a refused request is logged, and how an ipc endpoint is bound
   connection, whatever a peer sends), and a *narrow* one, that fixed part followed by at most
   `MAX_MODEL_BYTES` bytes (one model's topic), while fewer than `cap` distinct narrow filters are
   held. Anything else is refused and counted. (libzmq itself still remembers every filter a
-  connected peer sent until that peer leaves: who may connect is what bounds it, hence ipc 0600 or
-  CURVE by default.) The socket's RCVHWM is small, so one connection cannot queue in libzmq much
-  more than the publisher reads meanwhile.
-- `Complaints`: counts every refusal and logs one line per `interval_s` at most, naming how many
-  refusals it stands for (a flood of bad requests costs a counter, not a log line each).
+  connected peer sent until that peer leaves, so a peer past REFUSED_PER_PEER refused filters is
+  disconnected: peers.py.) The socket's RCVHWM is small, so one connection cannot queue in libzmq
+  much more than the publisher reads meanwhile.
+- `Complaints` (api/complaints.py, re-exported here): counts every refusal and logs one line per
+  `interval_s` at most, naming how many refusals it stands for (a flood of bad requests costs a
+  counter, not a log line each).
 - `bind_private(sock, endpoint)`: an ipc socket file created 0600 (under a umask, then chmod), so
   only the sidecar's user may connect; tcp endpoints bind as they are.
 
-State: the filter's narrow-filter counts and counters; the complaint counters. Event loop only.
+State: the filter's narrow-filter counts and counters. Event loop only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import zmq
 
+from api.complaints import Complaints
 from app.errors import ConfigError
+
+__all__ = ["Complaints", "SubscriptionFilter", "bind_private", "ipc_path"]
 
 #: bytes a narrow subscription may add to the topic's fixed part (a model name)
 MAX_MODEL_BYTES = 512
@@ -44,6 +46,9 @@ SUBSCRIPTION_BUDGET = 256
 #: subscription messages a connection may have queued in libzmq: libzmq takes in at most about this
 #: many per connection each time the socket is touched, fewer than the publisher reads meanwhile
 SUBSCRIPTION_HWM = 64
+#: refused filters after which a peer's connections are dropped (peers.py: libzmq keeps every
+#: filter a connected peer sent, so this bounds what one peer holds there)
+REFUSED_PER_PEER = 64
 
 
 class SubscriptionFilter:
@@ -83,27 +88,6 @@ class SubscriptionFilter:
 
     def _is_narrow(self, topic: bytes) -> bool:
         return topic.startswith(self.fixed) and len(topic) - len(self.fixed) <= MAX_MODEL_BYTES
-
-
-class Complaints:
-    """Refusals counted, logged at most once per `interval_s` (with the count since the last line)."""
-
-    def __init__(self, logger: Any, event: str, interval_s: float = 10.0) -> None:
-        self._log = logger
-        self._event = event
-        self.interval_s = interval_s
-        self.count = 0
-        self._unlogged = 0
-        self._last = -float("inf")
-
-    def note(self, **fields: object) -> None:
-        self.count += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
-            self._log.warning(self._event, refused=self._unlogged, total=self.count, **fields)
-            self._unlogged = 0
-            self._last = now
 
 
 def bind_private(sock: zmq.Socket[bytes], endpoint: str, name: str) -> None:
