@@ -52,6 +52,12 @@ class KvEventsCollector(Collector):
             "kv_events.max_subscriptions distinct model filters.",
             value=p.refused_subscriptions.count,
         )
+        yield CounterMetricFamily(
+            "kvdepot_kv_events_peers_dropped",
+            "Connections to the PUB socket shut down: their peer sent more refused filters than its "
+            "budget (libzmq keeps every filter a connected peer sent).",
+            value=p.peers.dropped if p.peers is not None else 0,
+        )
         yield GaugeMetricFamily(
             "kvdepot_kv_events_sequence", "Sequence number of the last batch published.", value=p.last_seq
         )

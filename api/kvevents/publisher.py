@@ -13,8 +13,9 @@ Budgets (guard.py): both sockets are read at most READ_BUDGET messages per reade
 the loop gets a turn and the reading goes on from a callback), both have MAXMSGSIZE (a larger frame
 drops its connection unread); the XPUB socket is XPUB_MANUAL and applies only subscriptions the
 SubscriptionFilter admits (this sidecar's topics, a cap on distinct narrow filters); refused
-subscriptions and malformed replay requests are counted and logged at a bounded rate; ipc socket
-files are 0600.
+subscriptions and malformed replay requests are counted and logged at a bounded rate; a peer past
+REFUSED_PER_PEER refused filters is disconnected (peers.py: libzmq keeps every filter a connected
+peer sent, and walks them all on the loop at each disconnection); ipc socket files are 0600.
 
 Replay: a ROUTER socket; a request `(identity, "", start_seq 8 bytes big-endian)` is answered with
 every buffered batch from `start_seq` as `(identity, "", topic, seq, payload)` and then the end
@@ -51,12 +52,14 @@ from api.kvevents.guard import (
     MAX_REQUEST_BYTES,
     MAX_SUBSCRIPTION_BYTES,
     READ_BUDGET,
+    REFUSED_PER_PEER,
     SUBSCRIPTION_BUDGET,
     SUBSCRIPTION_HWM,
     Complaints,
     SubscriptionFilter,
     bind_private,
 )  # fmt: skip
+from api.kvevents.peers import PeerDropper
 from api.kvevents.wire import END_SEQ, AllBlocksCleared, KVEvent, KVEventBatch, encode_batch, seq_bytes
 from engine.events import Event, Kind
 
@@ -94,6 +97,7 @@ class KvEventPublisher:
         self._models: dict[str, None] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None
+        self.peers: PeerDropper | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._zap: ZapHandler | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -119,6 +123,7 @@ class KvEventPublisher:
                 self._zap = ZapHandler(self._ctx, [k.encode() for k in s.curve_allowed_clients])
             pub = self._pub = self._new_pub()
             bind_private(pub, s.endpoint, "kv_events.endpoint")
+            self.peers = PeerDropper(self.endpoint, REFUSED_PER_PEER)
             if s.replay_endpoint is not None:
                 replay = self._replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
@@ -284,20 +289,32 @@ class KvEventPublisher:
             return
         for _ in range(SUBSCRIPTION_BUDGET):
             try:
-                msg = pub.recv(zmq.NOBLOCK)  # no EVENTS per message: each one takes in more
+                frame = pub.recv(zmq.NOBLOCK, copy=False)  # no EVENTS per message: each takes in more
             except zmq.Again:
                 if not int(pub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return  # the descriptor's edge is re-armed
                 continue
+            msg = frame.bytes
             flag, topic = msg[:1], msg[1:]
             if flag == b"\x01":
                 if self.subscriptions.subscribe(topic):
                     pub.setsockopt(zmq.SUBSCRIBE, topic)
                 else:
                     self.refused_subscriptions.note(filter_bytes=len(topic))
+                    self._refused_from(frame)
             elif flag == b"\x00" and self.subscriptions.unsubscribe(topic):
                 pub.setsockopt(zmq.UNSUBSCRIBE, topic)
         self._again("pub", self._drain_pub)
+
+    def _refused_from(self, frame: zmq.Frame) -> None:
+        """A refused filter, charged to its peer (dropped past its budget: peers.py)."""
+        if self.peers is None:
+            return
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            address = None
+        self.peers.refused(address if isinstance(address, str) else None)
 
     def _drain_replay(self) -> None:
         sock = self._replay
