@@ -34,6 +34,8 @@ class DirectoryStats:
     registrations: int = 0
     event_disconnects: int = 0
     """KV-event connections lost (a sidecar gone, or a frame past max_event_bytes refused unread)"""
+    events_dropped: int = 0
+    """KV-event messages dropped past max_queued_event_bytes (the instance is resynced)"""
 
 
 class Directory:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -145,6 +145,11 @@ class DirectoryConfig(BaseModel):
         description="largest KV-event or replay frame taken (ZMQ MAXMSGSIZE: a larger one drops the "
         "connection unread)",
     )  # fmt: skip
+    max_queued_event_bytes: int = Field(
+        32 << 20, ge=1 << 20, le=1 << 32,
+        description="bytes of received KV-event messages waiting, all instances together (at least "
+        "max_event_bytes); one that does not fit is dropped, counted, and its instance resynced",
+    )  # fmt: skip
     forget_after: float = Field(
         4.0, ge=1, le=1000,
         description="a registered instance silent this many times instance_timeout_s is forgotten",
@@ -171,3 +176,9 @@ class DirectoryConfig(BaseModel):
     match_max_scopes: int = Field(64, ge=1, le=4096, description="(model, tenant, adapter) scopes kept")
     max_tokens: int = Field(1 << 20, ge=1, le=1 << 24, description="longest request scored")
     max_lora_candidates: int = Field(4, ge=1, le=64, description="extra keys tried per adapter name")
+
+    @model_validator(mode="after")
+    def _queue_takes_a_frame(self) -> DirectoryConfig:
+        if self.max_queued_event_bytes < self.max_event_bytes:
+            raise ValueError("max_queued_event_bytes must be at least max_event_bytes (one frame fits)")
+        return self

@@ -24,9 +24,11 @@ DEALER); a listing line past 1 MiB fails the resync (lines are split once, linea
   - a stream quiet for `directory.probe_s`: the replay socket is asked from the next sequence
     expected (a last batch lost on a quiet stream shows there; nothing newer: nothing to do).
 
-While a task repairs, the live batches wait in the SUB socket's queue (`RCVHWM`); those dropped
-beyond it are one more gap, repaired the same way. Any failure (sidecar down, a listing cut short)
-restarts the task after a backoff (0.2 s doubling to 5 s), from a fresh subscription and listing.
+While a task repairs, the live batches wait in its intake (api/directory/intake.py: a reader task
+drains the SUB socket into a queue bounded in bytes, all instances' together,
+`directory.max_queued_event_bytes`); one that does not fit is dropped, counted (`events_dropped`)
+and its instance resynced (`overflow`). Any failure (sidecar down, a listing cut short) restarts
+the task after a backoff (0.2 s doubling to 5 s), from a fresh subscription and listing.
 
 State: per task its sockets and pending nudge; the manager's task set (kept, discarded on done).
 Event loop only.
@@ -48,6 +50,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from api.complaints import Complaints
+from api.directory.intake import Budget, Intake, rcvhwm
 from fleet.credentials import instance_credential
 from fleet.directory import Directory
 from fleet.ingest import Batch, BatchTokens, InventoryReader, apply_batch, batch_decoder, batch_tokens_decoder
@@ -58,7 +62,6 @@ from fleet.stream import Action
 log = structlog.get_logger("kvdepot.directory")
 
 _END = -1
-_RCVHWM = 100_000
 _YIELD_EVERY = 512
 MAX_LINE_BYTES = 1 << 20
 """Longest inventory line taken (a chunk line is a few hundred bytes)."""
@@ -80,6 +83,7 @@ class Subscription:
         self.nudged: Action | None = None
         self.failures = 0
         self.last_error = ""
+        self.drops = Complaints(log, "directory_events_dropped")
 
     @property
     def directory(self) -> Directory:
@@ -110,26 +114,25 @@ class Subscription:
 
     async def _run_once(self) -> None:
         inst = self._instance()
+        config = self.owner.config
         sub = self.owner.zctx.socket(zmq.SUB)
         monitor: zmq.asyncio.Socket | None = None
+        intake = Intake(sub, self.owner.budget, self._dropped)
         try:
-            sub.setsockopt(zmq.RCVHWM, _RCVHWM)
-            sub.setsockopt(zmq.MAXMSGSIZE, self.owner.config.max_event_bytes)
+            sub.setsockopt(zmq.RCVHWM, rcvhwm(config.max_queued_event_bytes))
+            sub.setsockopt(zmq.MAXMSGSIZE, config.max_event_bytes)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sub.connect(inst.spec.events_endpoint)
-            poller = zmq.asyncio.Poller()
-            poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            intake.start()
             inst.tracker.need_resync(inst.tracker.resync_reason or "start")
             await self._resync(inst.tracker.resync_reason or "start")
             lost = False
-            probe_s = self.owner.config.probe_s
             quiet_since = time.monotonic()
             while True:
-                ready = dict(await poller.poll(250))
-                if monitor in ready:
+                frames = await intake.get(wait_s=0.25)
+                while await monitor.poll(0):
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event == zmq.EVENT_DISCONNECTED:
                         self.directory.stats.event_disconnects += 1
@@ -137,8 +140,10 @@ class Subscription:
                     elif event == zmq.EVENT_CONNECTED and lost:
                         lost = False
                         await self._resync("reconnect")  # a restarted sidecar may have said nothing yet
-                if sub in ready:
-                    frames = await sub.recv_multipart()
+                if intake.take_overflow():
+                    inst.tracker.need_resync("overflow")
+                    await self._resync("overflow")  # what was dropped is in the inventory
+                if frames is not None:
                     await self._on_frames(frames)
                     quiet_since = time.monotonic()
                 if self.nudged is not None:
@@ -147,14 +152,19 @@ class Subscription:
                         await self._resync(inst.tracker.resync_reason or "incarnation")
                     elif action is Action.REPLAY:
                         await self._replay(None, "catchup")
-                elif time.monotonic() - quiet_since >= probe_s:
+                elif time.monotonic() - quiet_since >= config.probe_s:
                     quiet_since = time.monotonic()
                     await self._replay(None, "probe")  # a last batch lost on a quiet stream
         finally:
+            await intake.close()
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(0)
             sub.close(0)
+
+    def _dropped(self, nbytes: int) -> None:
+        self.directory.stats.events_dropped += 1
+        self.drops.note(instance=self.id, bytes=nbytes)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         d = self.directory
@@ -318,6 +328,8 @@ class Subscriptions:
         self.instance_secret = instance_secret
         """Derives a registered instance's credential (None: registered instances are sent none)."""
         self.zctx = zmq.asyncio.Context()
+        self.budget = Budget(config.max_queued_event_bytes)
+        """Bytes of received events waiting, all subscriptions together (api/directory/intake.py)."""
         self.http = httpx.AsyncClient()
         self.subs: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         # the matcher needs the token ids of stores; without it msgspec skips them unbuilt

@@ -4,7 +4,8 @@
 `kvdepot_directory_duplicates_total`, `kvdepot_directory_gaps_repaired_total{by}` (replay,
 inventory), `kvdepot_directory_resyncs_total{reason}`, `kvdepot_directory_bad_batches_total`,
 `kvdepot_directory_registrations_total`, `kvdepot_directory_chunks_capped_total`,
-`kvdepot_directory_event_disconnects_total`, `kvdepot_directory_instances_forgotten_total`,
+`kvdepot_directory_event_disconnects_total`, `kvdepot_directory_events_dropped_total`,
+`kvdepot_directory_instances_forgotten_total`,
 `kvdepot_directory_score_requests_total`,
 `kvdepot_directory_match_requests_total`; with the matcher on, `kvdepot_directory_repeated_chunks_total`,
 `kvdepot_directory_match_collisions_total`, `kvdepot_directory_match_entries`."""
@@ -46,6 +47,8 @@ class DirectoryCollector(Collector):
              d.registry.capped),
             ("event_disconnects", "KV-event connections lost (a frame past max_event_bytes included).",
              s.event_disconnects),
+            ("events_dropped", "KV-event messages dropped past max_queued_event_bytes (the instance "
+             "is resynced from its inventory).", s.events_dropped),
             ("instances_forgotten", "Registered instances forgotten after forget_after timeouts.",
              d.registry.forgotten),
             ("score_requests", "Score requests answered.", d.scorer.requests),

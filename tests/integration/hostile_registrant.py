@@ -33,7 +33,7 @@ def endless_line(total: int, piece: int = 1 << 16) -> Iterator[bytes]:
 
 
 class HostileRegistrant:
-    def __init__(self, name: str, hashes: list[int] | None = None) -> None:
+    def __init__(self, name: str, hashes: list[int] | None = None, sndhwm: int = 10) -> None:
         self.name = name
         self.body: Callable[[], Iterator[bytes]] = lambda: listing(hashes or [])
         self.authorizations: list[str | None] = []
@@ -67,7 +67,7 @@ class HostileRegistrant:
         self._ctx = zmq.Context()
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 10)
+        self.pub.setsockopt(zmq.SNDHWM, sndhwm)  # before the bind: 0 keeps every frame published
         port = free_port()
         self.pub.bind(f"tcp://127.0.0.1:{port}")
         self.events_endpoint = f"tcp://127.0.0.1:{port}"
