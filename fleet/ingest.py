@@ -10,7 +10,9 @@ without building them, which is most of a batch's bytes. `apply_batch` walks the
                     request by adapter name;
   BlockRemoved      the same chunks cleared in that holder;
   AllBlocksCleared  every holder of the instance cleared; the caller resyncs from the inventory to
-                    relearn the tiers that were not cleared (vLLM's event names no medium).
+                    relearn the tiers that were not cleared (vLLM's event names no medium). A
+                    batch's last one is applied first, the events before it skipped: one pass over
+                    the index per batch, however many it names.
 
 With the non-prefix matcher on, `BatchTokens` decodes the token ids too, and each batch's stores
 (chunk tokens, first block hash, scope: model, tenant from `extra_keys`, adapter) go to the
@@ -21,7 +23,8 @@ into a resync of the instance's holders.
 
 Bounds: an instance indexes at most `registry.max_chunks` chunks over all its media (live stores
 past what it holds, a listing past the cap: dropped, counted in `registry.capped`). What an
-instance announces lands in its own holders only: it cannot clear or replace another's.
+instance announces lands in its own holders only: it cannot clear or replace another's. A batch
+costs work linear in its events (at most `directory.max_event_bytes`), plus one index pass.
 
 State: the LoraBook (adapter name -> recent extra keys, bounded). Event loop only.
 
@@ -32,6 +35,7 @@ InventoryReader(registry, inst) -> feed_page(lines)/feed(line) ... -> finish().
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import msgspec
 
@@ -276,7 +280,13 @@ def apply_batch(
     room: int | None = None
     """Chunks the instance may still add (asked on its first store)."""
     learning: list[tuple[StoredTokens, int]] = []
-    for ev in batch.events:
+    events = batch.events
+    last_clear = _last_clear(events)
+    if last_clear >= 0:  # what came before it is cleared with it: one pass over the index per batch
+        index.clear(inst.mask())
+        cleared = True
+        events = events[last_clear + 1 :]
+    for ev in events:
         kind = type(ev)
         if kind is Stored or kind is Removed or kind is StoredTokens:
             medium = ev.medium or L1_MEDIUM  # type: ignore[union-attr]
@@ -311,6 +321,14 @@ def apply_batch(
     if learning and matchers is not None:
         _learn(matchers, inst, learning)
     return chunks, cleared
+
+
+def _last_clear(events: Sequence[object]) -> int:
+    """Where the batch's last AllBlocksCleared is (-1: none)."""
+    for at in range(len(events) - 1, -1, -1):
+        if type(events[at]) is Cleared:
+            return at
+    return -1
 
 
 def _learn(matchers: Matchers, inst: Instance, stores: list[tuple[StoredTokens, int]]) -> None:
