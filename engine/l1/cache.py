@@ -210,12 +210,15 @@ class L1Cache:
 
     def try_reserve(
         self, key: ObjectKey, size: int, now: float, *, temporary: bool = False, owner: str = "",
-        holder: int = 0, generated: bool = False,
+        holder: int = 0, generated: bool = False, overflow: str = "",
     ) -> L1Object | Refusal:  # fmt: skip
         """Reserve room for `key`, within its tenant's quota (see the module docstring). A
         temporary object, once committed, is deleted when its last reader lets go (`make_ordinary`
         keeps it). `owner`: the engine instance it belongs to; `holder`: the client session that
-        writes into it (0: the sidecar itself); `generated`: it holds KV of generated tokens."""
+        writes into it (0: the sidecar itself); `generated`: it holds KV of generated tokens;
+        `overflow`: for a write of the sidecar's (an L2 load), the engine instance whose write domain
+        takes it when the sidecar's own segments have no room (its request asked for it: it counts
+        as that engine's write)."""
         if key in self._objects:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
@@ -230,6 +233,8 @@ class L1Cache:
             ledger.note_refusal(salt, L1)
             return Refusal.QUOTA
         offset = self._room.allocate(size, owner if holder else SIDECAR)
+        if offset is None and overflow and not holder and self.domains is not None:
+            offset = self._room.allocate(size, overflow)
         if offset is None:
             self.counters.no_space += 1
             return Refusal.NO_SPACE

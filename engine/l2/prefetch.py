@@ -9,8 +9,9 @@ checks and decodes run in the codec executor.
 One prefetch, in order:
   1. locate: ask the active tiers, in order, which of the missing chunks they hold; the run is the
      contiguous prefix found somewhere (policy: the first tier that has each chunk)
-  2. reserve temporary L1 objects for the run (`cache.try_reserve(..., temporary=True)`; a chunk
-     being loaded by someone else, or no room, ends the run there)
+  2. reserve temporary L1 objects for the run (`cache.try_reserve(..., temporary=True)`: in the
+     sidecar's own write domain, or when it has no room in the asking engine's, where the load
+     counts as that engine's write; a chunk being loaded by someone else, or no room, ends the run)
   3. load straight into the reservations (adapter.load_into: a raw blob's payload lands in L1,
      checked there by codec.verify_in_place; any other blob is decoded into it by
      codec.decode_into: key, layout, checksum, and for a tier with `authenticate` the MAC with the
@@ -275,7 +276,9 @@ class PrefetchController:
                     return
                 slot.waiting = loading
                 continue
-            obj = self.cache.try_reserve(slot.key, reg.chunk_bytes, now, temporary=True)
+            obj = self.cache.try_reserve(
+                slot.key, reg.chunk_bytes, now, temporary=True, overflow=reg.instance
+            )
             if not isinstance(obj, L1Object):
                 if obj is Refusal.QUOTA:
                     self.counters.quota_refused += 1

@@ -135,3 +135,23 @@ def test_a_process_is_watched_once_and_an_instance_that_never_wrote_is_forgotten
     assert len(os.listdir("/proc/self/fd")) == before + 1
     domains.gone("a")  # it never wrote: nothing to wait for
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_l2_load_overflows_into_the_asking_engines_domain_only() -> None:
+    cache, domains, _ = make(segments=3, reserve=1)
+    for i in range(4):
+        cache.commit(reserve(cache, i, "a").oid, 0.0)  # a fills segment 0
+    for i in range(4):
+        cache.commit(reserve(cache, 20 + i, "b").oid, 0.0)  # b fills segment 1 (2 is the reserve)
+    for i in range(4):  # the sidecar's L2 loads fill its reserve, and are being read
+        cache.commit(reserve(cache, 10 + i, SIDECAR).oid, 0.0)
+        found = cache.find(key(10 + i), 0.0)
+        assert found is not None
+        cache.lock(found, 0.0)
+    # No room in the sidecar's segments: a load for a's request lands in a's domain (evicting a's
+    # own least recent), never in b's, and without the overflow it finds no room.
+    assert cache.try_reserve(key(51), PAGE, 0.0, temporary=True) is Refusal.NO_SPACE
+    got = cache.try_reserve(key(50), PAGE, 0.0, temporary=True, overflow="a")
+    assert isinstance(got, L1Object) and domains.owner[got.offset // SEG] == "a"
+    assert cache.peek(key(0)) is None and all(cache.peek(key(20 + i)) is not None for i in range(4))
+    cache.allocator.check()
