@@ -71,8 +71,9 @@ CACHE_COUNTERS: tuple[Row, ...] = (
     ("evictions", "L1 objects evicted.", "evicted"),
     ("evicted_bytes", "L1 bytes evicted.", "evicted_bytes"),
     ("expired_write_leases", "Write reservations reclaimed after their lease.", "expired_reservations"),
-    ("l1_quarantine_refusals", "Chunks refused: their instance held its quarantine cap.",
-     "quarantine_refused"),
+    ("l1_quarantine_refusals",
+     "Chunks refused: their instance (or all instances together) held its quarantine budget "
+     "(quarantined plus in flight).", "quarantine_refused"),
 )
 
 # EventsCollector: the event bus's counters (engine/events.py).
