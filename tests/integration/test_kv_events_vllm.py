@@ -18,17 +18,21 @@ from engine.events import L1_TIER, Event, EventBus, Kind
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from tests.integration.conftest import StartSidecar
 from tests.integration.kv_events_helpers import (
-    VLLM_PYTHON,
     consumer_cmd,
     consumer_env,
     consumer_result,
+    need_vllm_python,
     start_consumer,
     stored,
 )
 from tests.integration.test_kv_events_sidecar import client, data, env, free_ports, metric, prefix
 from tests.integration.waiting import wait_for
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM venv")
+
+@pytest.fixture(autouse=True)
+def _vllm_venv() -> None:
+    need_vllm_python()
+
 
 LAYOUT = KVLayout(
     dtype="float16", num_layers=2, num_kv_heads=1, head_dim=32, block_size=4, kind="test", chunk_size=16
