@@ -26,7 +26,9 @@ from tests.integration.waiting import wait_for
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "disk": {"type": "disk", "name": "disk", "fsync": "never"},
-    "slab": {"type": "slab", "name": "slab", "size_bytes": 4 << 20, "slot_bytes": 128 << 10, "fsync": "never"},
+    "slab": {
+        "type": "slab", "name": "slab", "size_bytes": 4 << 20, "slot_bytes": 128 << 10, "fsync": "never",
+    },
 }
 
 
