@@ -290,6 +290,8 @@ def _router(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], subpro
             attack["served"] = False
         finally:
             conn.close()
+        # alive while its engine and directory still are: its /health follows its engines
+        attack["alive"] = proc.poll() is None and _get(port, "/health", 30) == 200
     finally:
         for peer in peers:
             peer.terminate()
@@ -301,7 +303,9 @@ def fleet_surface(args: argparse.Namespace, surface: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvdepot-fuzz-") as tmp:
         result, proc, port = (_directory if surface == "directory" else _router)(args, Path(tmp))
         try:
-            alive = proc.poll() is None and _get(port, "/health", 30) == 200
+            alive = result.pop("alive", None)
+            if alive is None:
+                alive = proc.poll() is None and _get(port, "/health", 30) == 200
         finally:
             proc.terminate()
             try:
