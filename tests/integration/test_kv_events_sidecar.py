@@ -228,19 +228,21 @@ def test_eviction_announces_the_removed_blocks(sidecar_factory: StartSidecar) ->
         for seed in range(1, 7):  # 6 x 8 chunks: the oldest are evicted
             c.store(prefix(seed, 8), data(8), request_id=f"w{seed}")
         c.close()
-        # everything since sequence 0, by replay (the subscription may have come late)
+        # everything since sequence 0, by replay (the subscription may have come late), until the
+        # events account for what the inventory lists: the stores' events are published from the
+        # loop's event drain, after their replies, so the first BlockRemoved may come before the rest
         deadline = time.monotonic() + 20
         while True:
             batches = ev.replay(0)
             events = [e for b in batches for e in b[2]]
             removed = of_type(events, "BlockRemoved")
-            if removed or time.monotonic() > deadline:
+            stored = {h for e in of_type(events, "BlockStored") for h in e["block_hashes"]}
+            gone = [h for e in removed for h in e["block_hashes"]]
+            listed = {h for line in inventory(sc)[1:-1] for h in line["block_hashes"]}
+            if (removed and listed == stored - set(gone)) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        stored = {h for e in of_type(events, "BlockStored") for h in e["block_hashes"]}
-        gone = [h for e in removed for h in e["block_hashes"]]
         assert gone and set(gone) <= stored and all(e["medium"] == "CPU" for e in removed)
-        listed = {h for line in inventory(sc)[1:-1] for h in line["block_hashes"]}
         assert listed == stored - set(gone)  # what the inventory lists is what the events leave
     finally:
         ev.close()
