@@ -117,6 +117,7 @@ class Service:
         self._lock: DataDirLock | None = None
         self._codec_executor: ThreadPoolExecutor | None = None
         self._transfer_executor: ThreadPoolExecutor | None = None
+        self._scrub_executor: ThreadPoolExecutor | None = None
         self._state_executor: ThreadPoolExecutor | None = None
         self._key_id = ""
 
@@ -177,8 +178,11 @@ class Service:
             s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate,
             segment_bytes=min(s.l1.segment_mb << 20, s.l1.size_bytes // 16),
         )  # fmt: skip
+        # A segment an engine instance left is zeroed in this thread, off the event loop.
+        self._scrub_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-scrub")
         domains = WriteDomains(
-            self.arena.size, self.arena.segment_bytes, zero=self.arena.zero, reserve=int(bool(s.l2.adapters))
+            self.arena.size, self.arena.segment_bytes, zero=self.arena.zero,
+            reserve=int(bool(s.l2.adapters)), scrubber=self._scrub_executor,
         )  # engines leave the sidecar a segment for its L2 loads
         store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
         # One bus for every component: the cache carries it to the engine and the L2 parts.
@@ -447,10 +451,10 @@ class Service:
         if self.http_socket is not None:
             self.http_socket.close()
             self.http_socket = None
-        for executor in (self._codec_executor, self._transfer_executor):
-            if executor is not None:
+        for executor in (self._codec_executor, self._transfer_executor, self._scrub_executor):
+            if executor is not None:  # the scrubber's memset ends before the arena is unmapped
                 executor.shutdown(wait=True, cancel_futures=True)
-        self._codec_executor = self._transfer_executor = None
+        self._codec_executor = self._transfer_executor = self._scrub_executor = None
         if self._state_executor is not None:
             self._state_executor.shutdown(wait=True)
             self._state_executor = None

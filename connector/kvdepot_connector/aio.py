@@ -140,6 +140,8 @@ class AsyncKVDepotClient(ClientBase):
             await self._call(calls.abort(s.reserved(reply)))
             raise
         committed = await self._call(calls.commit(oids)) if oids else []
+        if oids:
+            s.map_ahead()  # a non-blocking read of the lifeline; the mapping runs in its thread
         return s.outcome(reply, committed)
 
     async def free_lookup_locks(self, request_id: str) -> int:

@@ -253,7 +253,12 @@ class KVDepotClient(ClientBase):
 
     def commit(self, oids: Sequence[int]) -> list[bool]:
         """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""
-        return self._call(calls.commit(oids)) if oids else []
+        if not oids:
+            return []
+        committed = self._call(calls.commit(oids))
+        with self._lock:
+            self._session.map_ahead()
+        return committed
 
     def abort(self, oids: Sequence[int]) -> int:
         """Give reserved slots back unfilled."""

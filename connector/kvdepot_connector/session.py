@@ -14,7 +14,9 @@ token the reply handed out, and keeps it open for the life of the client (a new 
 new one, then closes the old). The arena's sealed memfds come over it and are mapped from the
 descriptors (kvdepot_connector.shm), never by name: every segment read-only, and read-write only
 the segments the sidecar grants this engine instance (write domains). Before copying into a slot
-in a segment not yet granted, the client reads the grant the sidecar sent before its STORE reply.
+in a segment not yet granted, the client reads the grant the sidecar sent before its STORE reply;
+after each commit it takes the grants already waiting (segments granted ahead of their first
+write) and maps them in the arena mapping's thread, off the next store's path (`map_ahead`).
 It is how the sidecar knows the client is alive: when it closes (the process died, or `close()`),
 the sidecar drops the session's reservations and, with the last session of the engine instance,
 the instance's read locks and registrations. When the HELLO reply asks for heartbeats
@@ -37,6 +39,7 @@ Primitives:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -204,9 +207,10 @@ class Session:
                 os.close(f)
         self._take_grants()
 
-    def _take_grants(self, wait_for: int | None = None) -> None:
+    def _take_grants(self, wait_for: int | None = None, *, soon: bool = False) -> None:
         """Map the segments granted so far read-write (frames already waiting are read; with
-        `wait_for`, frames are read until that segment's grant came)."""
+        `wait_for`, frames are read until that segment's grant came, and it is mapped here and
+        now; `soon`: the others are mapped in the arena mapping's thread)."""
         line, arena = self.lifeline, self.arena
         if line is None or arena is None or not arena.segment:
             return
@@ -220,8 +224,12 @@ class Session:
             raise SidecarUnavailable(f"lifeline: {exc}") from None
         for name in [n for n in line.granted if n.startswith("write:")]:
             fd = line.granted.pop(name)
+            index = int(name.split(":")[1])
+            if soon and index != wait_for:
+                arena.grant_soon(index, fd)
+                continue
             try:
-                arena.grant(int(name.split(":")[1]), fd)
+                arena.grant(index, fd)
             except (OSError, ValueError) as exc:
                 raise SidecarUnavailable(f"cannot map a granted segment: {exc}") from None
             finally:
@@ -233,8 +241,14 @@ class Session:
         if not arena.writable(offset, size):
             last = arena.segment_of(offset + max(size, 1) - 1)
             for index in range(arena.segment_of(offset), last + 1):  # a chunk may span segments
-                if not arena.writable(index * arena.segment, 1):
-                    self._take_grants(index)
+                if arena.writable(index * arena.segment, 1):
+                    continue
+                try:
+                    if arena.settle(index):  # granted ahead: being mapped in the mapping's thread
+                        continue
+                except (OSError, ValueError) as exc:
+                    raise SidecarUnavailable(f"cannot map a granted segment: {exc}") from None
+                self._take_grants(index)
             if not arena.writable(offset, size):
                 raise SidecarError("refused", f"no write grant for the extent at {offset}", False)
         return arena
@@ -304,6 +318,13 @@ class Session:
                 arena.region(slot.offset, slot.size).copy_(_as_u8(src))
             oids.append(slot.oid)
         return oids
+
+    def map_ahead(self) -> None:
+        """Map the segments granted so far (ahead of their first write) in the arena mapping's
+        thread: called after each commit, off the path of the store that will write them (a
+        broken lifeline is the next call's to report)."""
+        with contextlib.suppress(SidecarUnavailable):
+            self._take_grants(soon=True)
 
     def locked(self, reply: p.RetrieveReply) -> Locked:
         return Locked(

@@ -10,8 +10,12 @@ Write domains: the arena comes as segments (`ArenaMapping.from_segments(fds, siz
 read-only descriptor per segment, in order). The client reserves the whole arena's address range
 once and maps each segment there read-only, so offsets, `region` and the tensor span the arena as
 before; `grant(index, fd)` maps a segment its engine instance may write read-write over its
-read-only mapping. `write` (and `writable`) refuse an extent outside the granted segments, before
-any byte moves. `ArenaMapping.from_fd(fd, size)`: a sidecar whose arena is one memfd, read-write.
+read-only mapping, and `grant_soon(index, fd)` does so in a thread of the mapping's own (the
+sidecar grants a segment ahead of its first write: its page tables, tens of ms for 64 MiB, are
+filled while the caller still copies into another one); `settle(index)` waits for that mapping.
+`close` waits for the mappings in flight before it unmaps the range they go into. `write` (and
+`writable`) refuse an extent outside the granted segments, before any byte moves.
+`ArenaMapping.from_fd(fd, size)`: a sidecar whose arena is one memfd, read-write.
 
 Copies between the caller's CPU memory and the arena (`write`, `read`) are one bounds-checked
 `memmove` each, on the calling thread and without the GIL: no torch kernel, whose thread pool
@@ -25,6 +29,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -63,6 +68,9 @@ class ArenaMapping:
         #: bytes per segment (0: one read-write mapping of the whole arena)
         self.segment = segment
         self._writable: set[int] = set()
+        #: grants being mapped in `_mapper`'s thread (segment -> its future)
+        self._pending: dict[int, Future[None]] = {}
+        self._mapper: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_segments(cls, fds: list[int], size: int) -> ArenaMapping:
@@ -94,6 +102,28 @@ class ArenaMapping:
             raise ValueError(f"segment {index} is shorter than the arena says")
         _map_fixed(self.tensor.data_ptr() + index * seg, min(seg, self.size - index * seg), fd, writable=True)
         self._writable.add(index)
+
+    def grant_soon(self, index: int, fd: int) -> None:
+        """`grant(index, fd)` in this mapping's thread, which closes `fd`; `settle` waits for it."""
+        if self._mapper is None:
+            self._mapper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-grant")
+
+        def run() -> None:
+            try:
+                self.grant(index, fd)
+            finally:
+                os.close(fd)
+
+        self._pending[index] = self._mapper.submit(run)
+
+    def settle(self, index: int) -> bool:
+        """Wait until a `grant_soon` of segment `index` was mapped (its error raised here); whether
+        there was one."""
+        future = self._pending.pop(index, None)
+        if future is None:
+            return False
+        future.result()
+        return True
 
     def writable(self, offset: int, size: int) -> bool:
         """Whether this process may write `[offset, offset+size)` (segments granted to it)."""
@@ -141,6 +171,10 @@ class ArenaMapping:
             raise ValueError(f"extent {offset}+{size} outside the arena of {self.size} bytes")
 
     def close(self) -> None:
+        if self._mapper is not None:  # nothing may map into the range once it is unmapped
+            self._mapper.shutdown(wait=True)
+            self._mapper = None
+        self._pending.clear()
         del self.tensor
         with contextlib.suppress(BufferError):
             self._mm.close()

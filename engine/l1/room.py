@@ -119,10 +119,11 @@ class RoomMaker:
         """An offset for `size` bytes written by `domain` (see the module docstring), or None."""
         alloc = self.allocator
         need = alloc.aligned(size)
-        helps = None if self.domains is None else self.domains.helps(domain)
+        domains = self.domains
         if alloc.used + need > self.high:
-            self.evict(alloc.used + need - self.low, helps=helps)
+            self.evict(alloc.used + need - self.low, helps=None if domains is None else domains.helps(domain))
         offset = self._place(size, domain)
+        helps = None if offset is not None or domains is None else domains.helps(domain)
         while offset is None:
             # Fragmented or above the low watermark already: free more, one object's worth at a time.
             # When everything left is pinned, chunks pinned only by queued write-behind are let go
@@ -149,7 +150,7 @@ class RoomMaker:
             if hi - lo - sum(domains.used[first : last + 1]) >= need:
                 offset = alloc.allocate_in(size, lo, hi)
                 if offset is not None:
-                    domains.allocated(offset, need)
+                    self._allocated(domain, offset, need)
                     return offset
         starts = {last + 1: first for first, last in runs}  # a claimable segment right after a run
         for i in domains.claimable(domain):
@@ -157,7 +158,7 @@ class RoomMaker:
             offset = alloc.allocate_in(size, lo, domains.bounds(i)[1])
             if offset is not None:
                 domains.claim(domain, i)
-                domains.allocated(offset, need)
+                self._allocated(domain, offset, need)
                 return offset
         if need <= domains.segment:
             return None
@@ -171,6 +172,17 @@ class RoomMaker:
                     domains.claim(domain, i)
             domains.allocated(offset, need)
         return offset
+
+    def _allocated(self, domain: str, offset: int, need: int) -> None:
+        """Count an extent in its segments; one that starts writing into an empty segment of its
+        domain's may have the domain claim its next one ahead (engine/l1/domains.py)."""
+        domains = self.domains
+        assert domains is not None
+        last = domains.index(offset + need - 1)
+        started = domains.used[last] == 0
+        domains.allocated(offset, need)
+        if started:
+            domains.ahead(domain, last, need)
 
     def evict(
         self, need: int, salt: str | None = None, helps: Callable[[L1Object], bool] | None = None

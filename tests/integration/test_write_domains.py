@@ -4,6 +4,7 @@ and a commit of memory never written exposes no other instance's bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -75,3 +76,35 @@ def test_a_commit_of_unwritten_memory_exposes_no_other_instances_bytes(sidecar_f
         other.close()
         victim.close()
         hostile.close()
+
+
+def test_the_next_segment_is_granted_ahead_and_mapped_before_the_store_that_writes_it(
+    sidecar_factory: StartSidecar,
+) -> None:
+    sc = sidecar_factory(env=ENV, l1_size_gb=0.02)  # 20 segments of 1 MiB and a bit: 16 chunks each
+    a, b = client(sc.url), client(sc.url)
+    try:
+        first = a.reserve(request_tokens(31, 1), request_id="f", cache_salt="t").slots[0]
+        arena = a._session.arena
+        assert arena is not None and arena.segment > 0
+        seg = first.offset // arena.segment
+        ctypes.memmove(a.slot_view(first).data_ptr(), chunk_data(31, 0).data_ptr(), first.size)
+        assert a.commit([first.oid]) == [True]
+        # The grant of the next segment came with that store; after the commit it is being
+        # mapped (or was) in the mapping's thread, so the store that starts writing it does not.
+        assert arena.settle(seg + 1) or arena.writable((seg + 1) * arena.segment, 1)
+        assert arena.writable((seg + 1) * arena.segment, arena.segment)
+        other = b._session.arena
+        assert other is not None  # another instance's mapping of both stays read-only
+        assert not any(other.writable(i * arena.segment, 1) for i in (seg, seg + 1))
+        n = arena.segment // LAYOUT.chunk_bytes
+        toks = request_tokens(32, n + 1)  # fills the rest of `seg` and spills into `seg + 1`
+        data = [chunk_data(32, i) for i in range(n + 1)]
+        assert a.store(toks, data, request_id="s", cache_salt="t").stored == n + 1
+        outs = [torch.empty(LAYOUT.chunk_bytes // 2, dtype=torch.float16) for _ in range(n + 1)]
+        assert a.lookup(toks, request_id="r", cache_salt="t").hit_chunks == n + 1
+        assert a.retrieve("r", outs) and all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
+        assert sc.get_json("/status")["l1"]["allocator_ok"]
+    finally:
+        a.close()
+        b.close()

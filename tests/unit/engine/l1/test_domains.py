@@ -9,7 +9,7 @@ import sys
 from engine.keys import Namespace, ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.cache import L1Cache, Refusal
-from engine.l1.domains import SIDECAR, WriteDomains
+from engine.l1.domains import AHEAD_OBJECTS, SIDECAR, WriteDomains
 from engine.l1.eviction import make_policy
 from engine.l1.lifecycle import L1Object
 
@@ -155,3 +155,71 @@ def test_an_l2_load_overflows_into_the_asking_engines_domain_only() -> None:
     assert isinstance(got, L1Object) and domains.owner[got.offset // SEG] == "a"
     assert cache.peek(key(0)) is None and all(cache.peek(key(20 + i)) is not None for i in range(4))
     cache.allocator.check()
+
+
+def test_a_writer_starting_a_segment_is_granted_its_next_one_ahead_and_only_one() -> None:
+    big = AHEAD_OBJECTS * PAGE  # segments of 16 one-page objects: worth mapping ahead
+    domains = WriteDomains(16 * big, big, zero=lambda o, n: None)
+    cache = L1Cache(
+        ExtentAllocator(16 * big, PAGE), make_policy("lru"), high_watermark=1.0, low_watermark=1.0,
+        write_lease_s=10, domains=domains,
+    )  # fmt: skip
+    grants: list[tuple[str, int]] = []
+    domains.on_grant = lambda inst, i: grants.append((inst, i))
+    reserve(cache, 0, "a")  # starts segment 0: 1 comes ahead
+    assert grants == [("a", 0), ("a", 1)]
+    for i in range(1, AHEAD_OBJECTS):
+        reserve(cache, i, "a")  # fills segment 0: nothing more
+    assert grants == [("a", 0), ("a", 1)]
+    reserve(cache, 100, "a")  # starts 1 (granted ahead): 2 comes ahead
+    assert grants[-1] == ("a", 2) and len(grants) == 3 and domains.counters.ahead == 2
+    reserve(cache, 101, "b", size=2 * PAGE)  # 8 objects a segment: b's segments are not worth it
+    assert grants[-1] == ("b", 3)
+    # Ahead claims stop where a quarter of the segments would no longer be free.
+    for i in range(200, 200 + 16 * AHEAD_OBJECTS):
+        if not isinstance(cache.try_reserve(key(i), PAGE, 0.0, owner="a", holder=1), L1Object):
+            break
+    assert sum(1 for i in domains.mine("a") if domains.used[i] == 0) <= 1
+    assert domains.counters.ahead < 16 - 16 // 4
+    cache.allocator.check()
+
+
+def test_a_gone_instances_segment_is_zeroed_in_the_scrubbers_thread_and_never_written_meanwhile() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    started, release = threading.Event(), threading.Event()
+    zeroed: list[tuple[int, int]] = []
+
+    def slow_zero(offset: int, size: int) -> None:
+        started.set()
+        assert release.wait(10)
+        zeroed.append((offset, size))
+
+    scrubber = ThreadPoolExecutor(1)
+    try:
+        domains = WriteDomains(2 * SEG, SEG, zero=slow_zero, scrubber=scrubber)
+        cache = L1Cache(
+            ExtentAllocator(2 * SEG, PAGE), make_policy("lru"), high_watermark=1.0, low_watermark=1.0,
+            write_lease_s=10, domains=domains,
+        )  # fmt: skip
+        a = reserve(cache, 1, "a", size=SEG)  # segment 0
+        cache.abort(a)
+        domains.gone("a")  # no process of a's is known: its segment is free now, zeroed in the thread
+        assert started.wait(10) and domains.owner[0] is None and 0 in domains.scrubbing
+        b = reserve(cache, 2, "b")  # a clean free segment is there: b takes it, not the one being zeroed
+        assert b.offset // SEG == 1 and zeroed == []
+        waited: list[L1Object | Refusal] = []
+        claim = threading.Thread(target=lambda: waited.append(cache.try_reserve(
+            key(3), SEG, 0.0, owner="c", holder=3)))  # fmt: skip
+        claim.start()
+        claim.join(0.2)
+        assert claim.is_alive() and zeroed == []  # c needs segment 0: it waits for the zeroing
+        release.set()
+        claim.join(10)
+        got = waited[0]
+        assert isinstance(got, L1Object) and got.offset == 0 and zeroed == [(0, SEG)]
+        assert domains.counters.scrub_waits == 1 and domains.counters.scrubbed == 1
+    finally:
+        release.set()
+        scrubber.shutdown(wait=True)
