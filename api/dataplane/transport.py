@@ -8,7 +8,7 @@ Frames are read in a reader callback on the socket's file descriptor and answere
 task switch per message: each two-frame message (routing id, request) goes to `handle`, which
 returns the reply bytes or an awaitable of them; anything else that arrives gets `malformed()`.
 The descriptor is edge-triggered, so the reader drains the socket until it says nothing is left,
-up to `READ_BUDGET` messages per call before giving the loop a turn. A deferred reply is sent from
+up to `READ_BUDGET` messages or `READ_SLICE_S` seconds per call before giving the loop a turn. A deferred reply is sent from
 a task; sending touches the socket, which can consume the edge of its descriptor, so the reader
 drains the socket again right after. A reply the client's queue has no room for is dropped and
 logged. A socket that fails, or is closed under the reader, ends `serve` with an error, so the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -33,8 +34,11 @@ from app.errors import ConfigError
 
 log = structlog.get_logger("kvdepot.dataplane")
 
-#: messages handled per reader callback before other work on the loop gets a turn
+#: messages handled per reader callback before other work on the loop gets a turn ...
 READ_BUDGET = 64
+#: ... or seconds spent on them (a flood of costly frames must not hold the loop: /health, the
+#: lifelines and the L2 tasks each get a turn between slices)
+READ_SLICE_S = 0.004
 #: how often the serve task checks that its socket is still open
 WATCHDOG_S = 0.5
 
@@ -120,10 +124,13 @@ class RouterTransport:
         sock = self._sock
         if sock is None or self._done is None or self._done.done():
             return
+        until = time.perf_counter() + READ_SLICE_S
         try:
             for _ in range(READ_BUDGET):
                 if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
+                if time.perf_counter() > until:
+                    break
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 2:
                     if frames:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 import structlog
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from starlette.routing import BaseRoute, Match
-from starlette.types import Scope
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http.audit import AuditCollector, AuditMiddleware
 from api.http.context import ControlContext
@@ -50,30 +49,49 @@ def create_app(ctx: ControlContext) -> FastAPI:
     app.add_middleware(AuditMiddleware, audit=ctx.audit, ctx=ctx)
     ctx.registry.register(AuditCollector(ctx.audit))
 
-    @app.middleware("http")
-    async def request_scope(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        request_id = request.headers.get("x-request-id", "")[:64] or uuid.uuid4().hex[:16]
+    # Outermost: a request id for every request (its log lines and the answer's x-request-id).
+    app.add_middleware(RequestScope, routes=routes)
+    return app
+
+
+class RequestScope:
+    """Pure ASGI (no task or stream per request, so an answer needs few turns of a busy loop):
+    binds the request id (`x-request-id`, or a fresh one) to the log context, returns it in the
+    answer's headers, and logs each request but `/health` and `/metrics` with its route template,
+    status and time."""
+
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        asked = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"")
+        request_id = asked.decode("latin-1")[:64] or uuid.uuid4().hex[:16]
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
         structlog.contextvars.bind_contextvars(request_id=request_id)
         start = time.perf_counter()
         try:
-            response = await call_next(request)
+            await self.app(scope, receive, send_with_id)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
-        response.headers["x-request-id"] = request_id
-        if request.url.path not in ("/health", "/metrics"):
+        if status and scope["path"] not in ("/health", "/metrics"):
             log.info(
-                "http_request",
-                request_id=request_id,
-                method=request.method,
-                path=route_of(request.scope, routes),
-                status=response.status_code,
+                "http_request", request_id=request_id, method=scope["method"],
+                path=route_of(scope, self.routes), status=status,
                 ms=round((time.perf_counter() - start) * 1000, 2),
-            )
-        return response
-
-    return app
+            )  # fmt: skip
 
 
 def route_of(scope: Scope, routes: list[BaseRoute]) -> str:
