@@ -8,11 +8,11 @@ Frames are read in a reader callback on the socket's file descriptor and answere
 task switch per message: each two-frame message (routing id, request) goes to `handle`, which
 returns the reply bytes or an awaitable of them; anything else that arrives gets `malformed()`.
 The descriptor is edge-triggered, so the reader drains the socket until it says nothing is left,
-up to `READ_BUDGET` messages or `READ_SLICE_S` seconds per call before giving the loop a turn. A deferred reply is sent from
-a task; sending touches the socket, which can consume the edge of its descriptor, so the reader
-drains the socket again right after. A reply the client's queue has no room for is dropped and
-logged. A socket that fails, or is closed under the reader, ends `serve` with an error, so the
-supervisor marks the data plane dead.
+up to `READ_BUDGET` messages or `READ_SLICE_S` seconds per call before giving the loop a turn.
+A deferred reply is sent from a task; sending touches the socket, which can consume the edge of
+its descriptor, so the reader drains the socket again right after. A reply the client's queue has
+no room for is dropped and logged. A socket that fails, or is closed under the reader, ends
+`serve` with an error, so the supervisor marks the data plane dead.
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),
 `stop()` (serve returns), `close()` (socket, context and ipc path go).

@@ -44,7 +44,12 @@ class TensorHandle(msgspec.Struct, frozen=True):
     event_sync_required: bool = False
 
 
-BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=1 << 20)]
+#: block ids in one LOAD_BLOCKS / SAVE_BLOCKS: 2M tokens in blocks of 16 (decoding the most costs
+#: the sidecar's loop ~5 ms; 1 << 20 of them cost ~45 ms, a stall any client could repeat)
+MAX_BLOCK_IDS = 1 << 17
+BlockIds = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=MAX_BLOCK_IDS)
+]
 
 
 class RegisterKVCache(Msg, tag="register_kv_cache"):

@@ -128,6 +128,19 @@ def test_token_bytes_are_validated(server: DataPlaneServer) -> None:
     assert isinstance(huge, p.ErrorReply) and "max_tokens" in huge.message
 
 
+def test_a_block_list_past_its_bound_is_refused_before_any_work(server: DataPlaneServer) -> None:
+    from kvdepot_connector.kv_sharing import MAX_BLOCK_IDS
+
+    eid = register(server)
+    frame = msgspec.msgpack.encode({
+        "op": "load_blocks", "id": 7, "engine_id": eid, "request_id": "r", "first_chunk": 0,
+        "num_chunks": 1, "block_ids": [1] * (MAX_BLOCK_IDS + 1),
+    })  # fmt: skip
+    reply = p.reply_decoder.decode(server.handle(frame))
+    assert isinstance(reply, p.ErrorReply) and reply.code == "malformed_frame" and reply.id == 7
+    assert MAX_BLOCK_IDS * 16 >= 2 * (1 << 20)  # a 2M-token request in blocks of 16 still fits
+
+
 def test_undecodable_frames_get_malformed_frame_with_salvaged_id(server: DataPlaneServer) -> None:
     registry = CollectorRegistry()
     server.metrics = DataPlaneMetrics(registry)
