@@ -195,4 +195,7 @@ def build_admin(
     quotas = QuotaRegistry(engine.tenants, quota_file, executor)
     label_file = None if quota_file is None else quota_file.parent / LABEL_FILE
     labels = LabelRegistry(engine.tenants, label_file, executor if label_file is not None else None)
-    return Administration(engine.tenants, quotas, engine.l2, allowed_roots=allowed_roots, labels=labels)
+    return Administration(
+        engine.tenants, quotas, engine.l2, allowed_roots=allowed_roots, labels=labels,
+        fit_l1=engine.cache.fit_quota,
+    )  # fmt: skip

@@ -11,7 +11,9 @@ adapters may use (`allowed_roots`; None: any). Owned by the event loop.
 Primitives:
   quotas() / quota(salt)                    every tenant with a quota or usage / one (NotFound)
   set_quota(salt, quota) / delete_quota(salt)   durable and in effect for the next operation
-                                            (l2_bytes also in every fleet-scope Redis adapter)
+                                            (l2_bytes also in every fleet-scope Redis adapter);
+                                            a tenant over a lowered limit is brought down to it
+                                            then, in L1 (`fit_l1`) and in every L2 tier
   fleet_quota(salt)                         quota(salt) with the fleet figures
   set_label(salt, label) / label(salt) / delete_label(salt)   display names (engine/tenants/labels.py)
   reconcile(name)                           a fleet-scope adapter's ledger, now
@@ -27,6 +29,7 @@ Every L2 change raises NotFound when the sidecar runs without L2.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,6 +49,7 @@ from engine.answers import (
     TierFigures,
     redacted,
 )
+from engine.l2.enforce import enforce_quota
 from engine.l2.parts import L2Parts
 from engine.l2.tiers import RemoveMode, Tier
 from engine.tenants.labels import LabelRegistry
@@ -62,6 +66,7 @@ class Administration:
     def __init__(
         self, ledger: TenantLedger, quotas: QuotaRegistry, l2: L2Parts | None, *,
         allowed_roots: list[Path] | None = None, labels: LabelRegistry | None = None,
+        fit_l1: Callable[[str], int] | None = None,
     ) -> None:  # fmt: skip
         if quotas.ledger is not ledger:
             raise ValueError("the quota registry must write to the L1 cache's ledger")
@@ -70,6 +75,8 @@ class Administration:
         self.label_registry = labels if labels is not None else LabelRegistry(ledger)
         self.l2 = l2
         self.allowed_roots = None if allowed_roots is None else [r.resolve() for r in allowed_roots]
+        #: evicts a tenant's L1 objects down to its limit (L1Cache.fit_quota); None: nothing to do
+        self._fit_l1 = fit_l1
 
     # --- tenants and quotas --------------------------------------------------------------------
 
@@ -97,6 +104,11 @@ class Administration:
             except BackendError as exc:
                 log.warning("fleet_quota_not_written", adapter=name, error=str(exc))
                 errors[name] = f"quota not written to this adapter: {exc}"
+        # Met now, not at the tenant's next store (one that stopped writing would stay over).
+        if self._fit_l1 is not None:
+            self._fit_l1(salt)
+        if self.l2 is not None:
+            await enforce_quota(self.l2.tiers, salt)
         answer = await self.fleet_quota(salt)
         return dataclasses.replace(answer, fleet_errors=answer.fleet_errors | errors)
 

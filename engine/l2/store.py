@@ -34,7 +34,8 @@ limit of (s, t), H what s holds there and P the bytes of s being written there b
   another tenant's) until it fits; if that cannot make it fit (the blob is larger than L, or P
   alone leaves no room), the blob is not written to t and a quota refusal is noted for (s, t);
   s is still brought down to L. Hence a lowered quota takes effect at the tenant's next write to
-  that tier, quota 0 stores nothing, and in allowlist mode (limit 0 without a quota) neither do
+  that tier at the latest (the quota administration also meets it at once: engine/l2/enforce.py),
+  quota 0 stores nothing, and in allowlist mode (limit 0 without a quota) neither do
   salts without a quota. A chunk whose tenant has limit 0 and holds nothing in every target tier
   is refused at `submit` (no pin, no encoding).
 - Fleet scope (a Redis adapter whose `fleet` ledger lives in Redis, storage/redis_fleet.py): the

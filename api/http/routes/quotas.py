@@ -73,7 +73,7 @@ async def get_quota(ctx: Ctx, _: Admin, cache_salt: Salt) -> TenantQuota:
 @router.put(
     "/{cache_salt:path}",
     response_model=TenantQuota,
-    summary="Set a tenant's quota (null = unlimited)",
+    summary="Set a tenant's quota (null = unlimited); a tenant over it is brought down to it now",
     responses=errors(401, 413, 422),
 )
 async def put_quota(ctx: Ctx, _: Admin, cache_salt: Salt, body: QuotaBody) -> TenantQuota:

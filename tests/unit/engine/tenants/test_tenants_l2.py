@@ -230,6 +230,25 @@ async def test_a_lowered_quota_takes_effect_at_the_tenants_next_write_to_the_tie
         await assert_l2_ledger_true(eng)
 
 
+async def test_a_quota_set_below_what_a_tenant_holds_is_met_at_once_in_l1_and_l2() -> None:
+    async with l2_engine(64 * PAGE, [MockAdapterConfig(name="m1")], build) as (eng, _):
+        eid = eng.register("m", small_layout()).engine_id
+        ba = blob_bytes(eng, eid, "a")
+        store(eng, eid, seq(6, 0), "a")
+        store(eng, eid, seq(2, 0), "b")
+        await settle(eng)
+        assert eng.tenants.held("a", L1) == 6 * PAGE
+        # The tenant writes nothing more: the PUT itself brings it down, its oldest first.
+        answer = await admin(eng).set_quota("a", Quota(l1_bytes=2 * PAGE, l2_bytes=3 * ba))
+        assert eng.tenants.held("a", L1) == 2 * PAGE and eng.tenants.held("a", "m1") == 3 * ba
+        assert answer.tiers["m1"].bytes == 3 * ba and answer.tiers[L1].bytes == 2 * PAGE
+        kept = names(eng, eid, seq(6, 0), "a")[3:]
+        assert [k for k in mock(eng, "m1").keys_lru() if ObjectKey.parse(k).salt == "a"] == kept
+        assert eng.tenants.held("b", "m1") == 2 * blob_bytes(eng, eid, "b")  # never another's
+        assert eng.tenants.held("b", L1) == 2 * PAGE
+        await assert_l2_ledger_true(eng)
+
+
 async def test_allowlist_mode_keeps_salts_without_a_quota_out_of_l2() -> None:
     async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
