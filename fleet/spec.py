@@ -141,9 +141,9 @@ class DirectoryConfig(BaseModel):
         "(more are dropped, counted)",
     )  # fmt: skip
     max_event_bytes: int = Field(
-        16 << 20, ge=1 << 16, le=1 << 30,
+        2 << 20, ge=1 << 16, le=1 << 30,
         description="largest KV-event or replay frame taken (ZMQ MAXMSGSIZE: a larger one drops the "
-        "connection unread)",
+        "connection unread); libzmq holds at most max_queued_event_bytes / this of them per instance",
     )  # fmt: skip
     max_queued_event_bytes: int = Field(
         32 << 20, ge=1 << 20, le=1 << 32,

@@ -119,7 +119,7 @@ class Subscription:
         monitor: zmq.asyncio.Socket | None = None
         intake = Intake(sub, self.owner.budget, self._dropped)
         try:
-            sub.setsockopt(zmq.RCVHWM, rcvhwm(config.max_queued_event_bytes))
+            sub.setsockopt(zmq.RCVHWM, rcvhwm(config.max_queued_event_bytes, config.max_event_bytes))
             sub.setsockopt(zmq.MAXMSGSIZE, config.max_event_bytes)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -217,7 +217,9 @@ class Subscription:
         last: int | None = None
         try:
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.owner.config.max_event_bytes)
+            config = self.owner.config
+            dealer.setsockopt(zmq.MAXMSGSIZE, config.max_event_bytes)
+            dealer.setsockopt(zmq.RCVHWM, rcvhwm(config.max_queued_event_bytes, config.max_event_bytes))
             dealer.connect(endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             timeout_ms = int(self.owner.config.replay_timeout_s * 1000)

@@ -1,12 +1,12 @@
 """Intake: the received KV-event messages of a subscription, waiting to be applied, bounded in bytes.
 
 A reader task takes every message off the SUB socket as soon as the loop turns (also while the
-subscription's task repairs: a resync awaiting `GET /inventory`, a replay), so what waits is
-here, not in libzmq (whose queue is kept short: `rcvhwm`). A message is charged its frames' bytes
-plus `OVERHEAD` (the objects that hold it) against a `Budget` all the directory's subscriptions
-share (`directory.max_queued_event_bytes`: registering more instances buys no more memory); one
-that would take the total past it is dropped and counted (`dropped`, the directory's
-`events_dropped`, logged at a bounded rate) and the intake is marked `overflowed`: the
+subscription's task repairs: a resync awaiting `GET /inventory`, a replay), so what waits is here,
+not in libzmq (whose queue is kept short: `rcvhwm`, at most the budget in bytes). A message is
+charged its frames' bytes plus `OVERHEAD` (the objects that hold it) against a `Budget` all the
+directory's subscriptions share (`directory.max_queued_event_bytes`: registering more instances
+buys no more memory); one that would take the total past it is dropped and counted (`dropped`, the
+directory's `events_dropped`, logged at a bounded rate) and the intake is marked `overflowed`: the
 subscription resyncs the instance from its inventory (`take_overflow`), so dropped events are
 repaired, never silently lost. (The budget is at least `max_event_bytes`: any one message fits.)
 
@@ -27,15 +27,15 @@ import zmq.asyncio
 
 #: bytes charged per message besides its frames (the list and bytes objects holding it)
 OVERHEAD = 256
-#: libzmq's queue of the SUB socket, in messages, at least / at most (see `rcvhwm`)
-_MIN_HWM, _MAX_HWM = 16, 100_000
-_HWM_UNIT = 256 << 10
+#: libzmq's queue of a SUB (or replay) socket, in messages, at least / at most (see `rcvhwm`)
+_MIN_HWM, _MAX_HWM = 2, 1000
 
 
-def rcvhwm(max_bytes: int) -> int:
-    """The SUB socket's RCVHWM: messages libzmq may hold while the loop is busy elsewhere (one per
-    256 KiB of the byte budget, 128 by default; those past it are a gap, repaired like any other)."""
-    return max(_MIN_HWM, min(_MAX_HWM, max_bytes // _HWM_UNIT))
+def rcvhwm(max_bytes: int, max_message: int) -> int:
+    """A socket's RCVHWM: messages libzmq may hold while the loop is busy elsewhere, so that they
+    take no more than the byte budget even at the largest size taken (`max_message`; 16 by
+    default: 32 MiB of 2 MiB messages). Those past it are a gap, repaired like any other."""
+    return max(_MIN_HWM, min(_MAX_HWM, max_bytes // max(max_message, 1)))
 
 
 class Budget:

@@ -293,9 +293,13 @@ def _router(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], subpro
         # alive while its engine and directory still are: its /health follows its engines
         attack["alive"] = proc.poll() is None and _get(port, "/health", 30) == 200
     finally:
-        for peer in peers:
+        for peer in peers:  # a peer slow to stop is killed: the storm's figures are not lost
             peer.terminate()
-            peer.wait(10)
+            try:
+                peer.wait(10)
+            except subprocess.TimeoutExpired:
+                peer.kill()
+                peer.wait()
     return attack | pings, proc, port
 
 

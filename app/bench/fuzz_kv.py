@@ -177,19 +177,22 @@ def _attack_lifeline(path: str, frames: int, rng: random.Random, hang_s: float) 
     devnull = os.open(os.devnull, os.O_RDONLY)
     start = time.monotonic()
     conn: socket.socket | None = None
+    i = 0
     try:
-        for i in range(frames):
+        while i < frames:  # frames sent: a connection refused sends none (counted, retried)
             if conn is None:
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.settimeout(hang_s)
                 try:
                     conn.connect(path)
                 except OSError:
-                    refused += 1  # past the per-uid cap: the server closes at once
+                    refused += 1  # the listen backlog is full (or past the per-uid cap)
                     conn.close()
                     conn = None
+                    time.sleep(0.0005)  # the server accepts a bounded number per wake
                     continue
             name, data, with_fd = _lifeline_frame(rng)
+            i += 1
             kinds[name] += 1
             try:
                 if with_fd:

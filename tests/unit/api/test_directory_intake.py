@@ -36,6 +36,6 @@ def test_messages_past_the_shared_budget_are_dropped_counted_and_flag_a_resync()
 
 
 def test_libzmq_holds_few_messages_per_socket() -> None:
-    assert rcvhwm(32 << 20) == 128
-    assert rcvhwm(1 << 20) == 16
-    assert rcvhwm(1 << 40) == 100_000
+    assert rcvhwm(32 << 20, 2 << 20) == 16  # the defaults: 32 MiB at the largest message size
+    assert rcvhwm(16 << 20, 16 << 20) == 2
+    assert rcvhwm(1 << 40, 1 << 16) == 1000
