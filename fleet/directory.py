@@ -28,7 +28,7 @@ class DirectoryStats:
     gaps_replayed: int = 0
     """gaps closed by the replay socket"""
     resyncs: dict[str, int] = field(default_factory=dict)
-    """inventory resyncs by reason: start, incarnation, replay_short, cleared, no_replay, catchup"""
+    """inventory resyncs by reason: start, incarnation, restart, replay_short, cleared, no_replay, catchup"""
     resync_failures: int = 0
     bad_batches: int = 0
     registrations: int = 0

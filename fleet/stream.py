@@ -1,14 +1,16 @@
 """StreamTracker: where the directory stands in one sidecar's KV-event stream, and what to do next.
 
 Each batch a sidecar publishes carries a sequence number (from 0 at each start) and the sidecar's
-incarnation id (new at each start). The tracker decides, per batch received live or by replay:
+incarnation id (new at each start; in the inventory and heartbeats, in a batch only from sidecars
+that appended it to vLLM's format). The tracker decides, per batch received live or by replay:
 
   APPLY   the next batch expected: apply it, expect the one after;
   SKIP    a batch already applied (a duplicate, one listed by the inventory, an old incarnation's);
   REPLAY  a gap in this incarnation: ask the replay socket for everything from `expected`;
-  RESYNC  nothing known yet, a new incarnation, or a gap the replay could not fill (older than the
-          replay buffer, or no replay socket): replace the holdings with `GET /inventory`, whose
-          header names the incarnation and the last sequence it covers (`resynced`).
+  RESYNC  nothing known yet, a new incarnation or the sequence back at 0 (a restart), or a gap the
+          replay could not fill (older than the replay buffer, or no replay socket): replace the
+          holdings with `GET /inventory`, whose header names the incarnation and the last
+          sequence it covers (`resynced`).
 
 A heartbeat carries the sidecar's incarnation and last sequence too (`published`): a stream that
 went quiet right after a lost batch is noticed there (behind for `grace_s`: REPLAY), and a restart
@@ -50,15 +52,20 @@ class StreamTracker:
     def synced(self) -> bool:
         return self.expected is not None
 
-    def on_batch(self, seq: int, incarnation: str) -> Action:
-        if incarnation in self.retired:
+    def on_batch(self, seq: int, incarnation: str = "") -> Action:
+        """`incarnation`: what the batch says ("" in vLLM's format, which carries none: then a
+        stream starting over at 0 is a restart)."""
+        if incarnation and incarnation in self.retired:
             self.skipped += 1
             return Action.SKIP
         if self.expected is None:
             self.resync_reason = self.resync_reason or "start"
             return Action.RESYNC
-        if incarnation != self.incarnation:
+        if incarnation and incarnation != self.incarnation:
             self.resync_reason = "incarnation"
+            return Action.RESYNC
+        if seq == 0 and self.expected > 0:
+            self.resync_reason = "restart"
             return Action.RESYNC
         if seq < self.expected:
             self.skipped += 1

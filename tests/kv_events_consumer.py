@@ -6,12 +6,12 @@ Subscribes to every topic, asks the replay socket for everything from sequence 0
 published before the subscription took effect is missed), then reads live batches, repairing any
 gap in the sequence numbers by replay, until batches 0..k hold EVENTS events; prints "subscribed" once
 the SUB socket is connected, then one JSON object:
-  {"batches": [{"seq", "topic", "incarnation", "events": [...]}], "replayed": [seqs from replay],
+  {"batches": [{"seq", "topic", "elements", "events": [...]}], "replayed": [seqs from replay],
    "live": [seqs from the live stream], "identical": bool}
 With --vllm the payloads are decoded by vLLM's own `vllm.distributed.kv_events.KVEventBatch` and
-`identical` says whether vLLM's encoder gives back the same bytes (without kvdepot's trailing
-incarnation element). With --curve the sockets are CURVE clients of the server key SERVER_PUB
-(client keys from KVDEPOT_TEST_CURVE_PUBLIC / _SECRET). Exits 3 after 30 s without completion.
+`identical` says whether vLLM's encoder gives back the same bytes. With --curve the sockets are
+CURVE clients of the server key SERVER_PUB (client keys from KVDEPOT_TEST_CURVE_PUBLIC / _SECRET).
+Exits 3 after 30 s without completion.
 """
 
 from __future__ import annotations
@@ -61,14 +61,13 @@ def main() -> int:
     def take(topic: bytes, seq: int, payload: bytes) -> None:
         nonlocal identical
         raw = raw_decoder.decode(payload)
-        incarnation = raw[3] if len(raw) > 3 else None
         if use_vllm:
             batch = decoder.decode(payload)
             events = msgspec.to_builtins(batch.events)
-            identical = identical and msgspec.msgpack.encode(batch) == msgspec.msgpack.encode(raw[:3])
+            identical = identical and msgspec.msgpack.encode(batch) == payload
         else:
             events = raw[1]
-        got[seq] = {"seq": seq, "topic": topic.decode(), "incarnation": incarnation, "events": events}
+        got[seq] = {"seq": seq, "topic": topic.decode(), "elements": len(raw), "events": events}
 
     def ask_replay(start: int) -> None:
         replay.send_multipart([b"", start.to_bytes(8, "big", signed=True)])

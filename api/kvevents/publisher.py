@@ -3,7 +3,7 @@
 Every batch the bus dispatcher hands over becomes one or more `KVEventBatch` messages (at most
 `max_batch_events` events each, one model per message, since the topic names it): frames
 (topic, 8-byte big-endian sequence number, msgpack batch), the sequence counting from 0 at each start
-as vLLM's `ZmqEventPublisher` does, the incarnation id as the batch's trailing element (wire.py).
+as vLLM's `ZmqEventPublisher` does (the incarnation id is in the inventory and heartbeats: wire.py).
 
 Sending never blocks the loop: an XPUB socket with XPUB_NODROP answers EAGAIN when a subscriber's
 queue (`sndhwm`) is full, and that batch is dropped for the live stream and counted; it stays in the
@@ -226,7 +226,7 @@ class KvEventPublisher:
                 self._models.pop(next(iter(self._models)))
             self._models[model] = None
         topic = self.settings.topic.replace("{host}", self.host).replace("{model}", model).encode()
-        batch = KVEventBatch(time.time(), events, data_parallel_rank=0, incarnation=self.incarnation)
+        batch = KVEventBatch(time.time(), events, data_parallel_rank=0)
         payload = encode_batch(batch)
         seq = self.next_seq
         self.next_seq += 1

@@ -6,11 +6,13 @@ from 0 at each start) and a msgpack `KVEventBatch`. vLLM's structs: the batch is
 (`[ts, events, data_parallel_rank]`), each event a map tagged `"type": "<class name>"`, defaults
 omitted. Field names and their order here are vLLM's, so the bytes match.
 
-kvdepot adds one element at the END of the batch array: the incarnation id (random, new at each
-start of the sidecar), so a consumer tells a restart (new incarnation, sequence from 0) from a gap.
-msgspec (vLLM's decoder) ignores trailing elements of an array-like struct; tests decode with
-vLLM's own classes to prove it. Block hashes are unsigned 64-bit integers, as vLLM publishes them by
-default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`).
+The batch is exactly vLLM's three elements: decoders that check the array's length (NVIDIA
+Dynamo's indexer) take it as they take vLLM's. The sidecar's incarnation id (random, new at each
+start) is not in the stream: it is in the inventory's header and in the sidecar's heartbeats to a
+directory, and the sequence starting over at 0 tells any consumer of a restart. (Sidecars before
+this appended the incarnation as a fourth element; msgspec decoders ignore it.) Block hashes
+are unsigned 64-bit integers, as vLLM publishes them by default
+(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`).
 
 Stateless; any thread.
 """
@@ -58,8 +60,6 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None
-    incarnation: str = ""
-    """kvdepot's trailing element (see the module docstring); "" = not sent."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -156,7 +156,7 @@ def _batches(events: int, layout: KVLayout, tokens_per_chunk: int) -> list[bytes
                     )
                 )
             made += 1
-        out.append(encode_batch(KVEventBatch(ts=time.time(), events=evs, incarnation="bench")))
+        out.append(encode_batch(KVEventBatch(ts=time.time(), events=evs)))
     return out
 
 

@@ -192,10 +192,11 @@ def test_dropped_batches_restarts_and_a_restarted_directory_all_converge(fleet: 
     assert d.metric('kvdepot_directory_gaps_repaired_total{by="replay"}') >= 1  # s1's gap
     assert d.metric('kvdepot_directory_gaps_repaired_total{by="inventory"}') >= 1  # s2's, too old
 
-    # s2 restarts: a new incarnation with an empty L1; its first batch shows it (or the subscription's
-    # reconnect does first: which of the two names the resync depends on timing)
+    # s2 restarts: a new incarnation with an empty L1; its first batch shows it (sequence 0 again),
+    # or its heartbeat's new incarnation, or the subscription's reconnect does first: which one
+    # names the resync depends on timing
     def restart_resyncs() -> float:
-        reasons = ("incarnation", "reconnect")
+        reasons = ("restart", "incarnation", "reconnect")
         return sum(d.metric(f'kvdepot_directory_resyncs_total{{reason="{r}"}}') for r in reasons)
 
     resyncs = restart_resyncs()

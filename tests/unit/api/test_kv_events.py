@@ -183,7 +183,8 @@ async def test_live_batches_then_replay_from_zero_ends_with_minus_one() -> None:
         assert live[0][0] == f"kv@{pub.host}@m".encode()
         batches = [decode_batch(f[2]) for f in live]
         assert [len(b.events) for b in batches] == [3, 1, 1]
-        assert {b.incarnation for b in batches} == {pub.incarnation}
+        # vLLM's three elements exactly (length-checking decoders, Dynamo's, take nothing more)
+        assert all(len(msgspec.msgpack.decode(f[2])) == 3 for f in live)
         assert type(batches[2].events[0]).__name__ == "AllBlocksCleared"
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(pub.replay_endpoint or "")
@@ -255,7 +256,7 @@ async def test_curve_with_an_allowed_client_key() -> None:
             bus.publish(ev)
         bus.flush()
         frames = await recv(socks[0])
-        assert decode_batch(frames[2]).incarnation == pub.incarnation
+        assert len(decode_batch(frames[2]).events) == 1
         await until(lambda: pub._zap is not None and pub._zap.refused >= 1, "a refusal")
         for refused in (socks[1], plain):
             with pytest.raises(zmq.Again):

@@ -131,7 +131,7 @@ def test_random_requests_score_exactly_the_prefix_each_instance_stored() -> None
                 for tier in tiers
                 for e in sidecar_events(layout, "m", toks[: held * chunk], salt, extras, tier=tier, lora=lora)
             ]
-            payload = encode_batch(KVEventBatch(ts=0.0, events=stored, incarnation="x"))  # type: ignore[arg-type]
+            payload = encode_batch(KVEventBatch(ts=0.0, events=stored))  # type: ignore[arg-type]
             inst = d.registry.get(name)
             assert inst is not None
             apply_batch(d.registry, inst, batch_decoder.decode(payload), d.lora)

@@ -64,3 +64,16 @@ def test_a_heartbeat_ahead_of_the_stream_asks_for_a_replay_after_the_grace() -> 
     assert t.published("i1", 12, 2.5, 2.0) is Action.SKIP
     assert t.published("i1", 12, 3.1, 2.0) is Action.REPLAY
     assert t.published("i9", 0, 4.0, 2.0) is Action.RESYNC  # restarted, no batch seen yet
+
+
+def test_in_vllms_format_a_stream_back_at_zero_is_a_restart() -> None:
+    t = StreamTracker()  # batches carry no incarnation: the inventory and heartbeats name it
+    assert t.on_batch(0) is Action.RESYNC
+    t.resynced("i1", -1)  # a fresh sidecar: nothing published yet
+    assert [t.on_batch(s) for s in (0, 1, 2)] == [Action.APPLY] * 3
+    assert t.on_batch(1) is Action.SKIP  # a duplicate
+    assert t.on_batch(0) is Action.RESYNC and t.resync_reason == "restart"
+    t.resynced("i2", 0)
+    assert t.on_batch(1) is Action.APPLY
+    assert t.published("i2", 1, 0.0, 1.0) is Action.SKIP
+    assert t.published("i3", 0, 0.0, 1.0) is Action.RESYNC  # its heartbeat names the new one

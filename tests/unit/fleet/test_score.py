@@ -61,7 +61,7 @@ def stored_events(
 def batch_of(events: list[Event], mode: str = "hashed") -> bytes:
     n = namer(mode)
     stored = [n.stored(e) for e in events]
-    return encode_batch(KVEventBatch(ts=time.time(), events=stored, incarnation="i1"))  # type: ignore[arg-type]
+    return encode_batch(KVEventBatch(ts=time.time(), events=stored))  # type: ignore[arg-type]
 
 
 def spec(name: str, *, mode: str = "hashed", shared: str | None = None, queue: int = 0) -> InstanceSpec:
@@ -120,9 +120,9 @@ def test_score_walks_the_longest_prefix_per_tier_best_first() -> None:
     # a removal cuts the prefix there; a clear forgets the instance
     n = namer()
     removed = [n.removed(e.key, L1_TIER) for e in stored_events(toks, "")[2:3]]  # type: ignore[arg-type]
-    feed(d, "a", encode_batch(KVEventBatch(ts=0.0, events=removed, incarnation="i1")))  # type: ignore[arg-type]
+    feed(d, "a", encode_batch(KVEventBatch(ts=0.0, events=removed)))  # type: ignore[arg-type]
     assert {s.id: s.prefix_tokens for s in d.scorer.score(MODEL, toks, None, None, now).instances}["a"] == 32
-    feed(d, "b", encode_batch(KVEventBatch(ts=0.0, events=[AllBlocksCleared()], incarnation="i1")))
+    feed(d, "b", encode_batch(KVEventBatch(ts=0.0, events=[AllBlocksCleared()])))
     assert {s.id: s.prefix_tokens for s in d.scorer.score(MODEL, toks, None, None, now).instances}["b"] == 0
     assert isinstance(removed[0], BlockRemoved)
 
