@@ -27,6 +27,8 @@ finish() {  # name: wait for a background job, show its output, stop on its fail
 
 # The e2e suite drives a real vLLM: its own environment (.venv-vllm; quick when already there).
 background setup_vllm tests/e2e/setup_vllm.sh
+# NVIDIA Dynamo's KV indexer, which an integration test feeds our KV events: its own environment.
+background setup_dynamo tests/integration/setup_dynamo.sh
 
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
@@ -76,6 +78,8 @@ echo "== layering"
 .venv/bin/python tests/check_layering.py
 echo "== setup_vllm"
 finish setup_vllm
+echo "== setup_dynamo"
+finish setup_dynamo
 if [ ${#need[@]} -gt 0 ]; then
   echo "== tools (${need[*]})"
   finish tools

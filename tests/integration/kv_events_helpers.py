@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.integration.tools import need_python
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = ROOT / "tests" / "kv_events_consumer.py"
@@ -20,12 +20,7 @@ VLLM_PYTHON = Path(os.environ.get("KVDEPOT_VLLM_PYTHON", str(ROOT / ".venv-vllm"
 
 def need_vllm_python() -> Path:
     """vLLM's python; a skip (bare pytest) or a failure (tests/run.sh) when its venv is missing."""
-    if not VLLM_PYTHON.exists():
-        why = f"no vLLM venv at {VLLM_PYTHON} (tests/e2e/setup_vllm.sh makes it)"
-        if os.environ.get("TESTS_NEED_TOOLS") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return VLLM_PYTHON
+    return need_python(VLLM_PYTHON, "tests/e2e/setup_vllm.sh")
 
 
 def consumer_cmd(

@@ -1,4 +1,5 @@
-"""Debian tools some integration tests drive (prometheus, promtool, chromium).
+"""Debian tools some integration tests drive (prometheus, promtool, chromium), and the venvs of
+other projects they run (vLLM's, Dynamo's: `need_python`).
 
 tests/run.sh installs them and sets TESTS_NEED_TOOLS=1: under it a missing tool fails the
 test, so the README's test command never passes by skipping. A bare `pytest` elsewhere skips.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,17 @@ def need_tool(name: str, package: str) -> str:
     if path is not None:
         return path
     why = f"{name} is not installed (tests/run.sh installs Debian's {package} package)"
+    if os.environ.get("TESTS_NEED_TOOLS") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def need_python(python: Path, made_by: str) -> Path:
+    """`python` (a venv's interpreter); a skip (bare pytest) or a failure (tests/run.sh, which
+    runs `made_by` first) when it is missing."""
+    if python.exists():
+        return python
+    why = f"no venv at {python} ({made_by} makes it)"
     if os.environ.get("TESTS_NEED_TOOLS") == "1":
         pytest.fail(why)
     pytest.skip(why)
