@@ -4,6 +4,7 @@ in a process of vLLM's venv: what the routers built on vLLM's format (llm-d, Dyn
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import time
@@ -100,7 +101,14 @@ def vllm_consumer(endpoint: str, replay: str, events: int) -> subprocess.Popen[s
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "subscribed"
+    # Read the first line from the descriptor itself: a buffered readline may also take the result
+    # line when it comes right after, and communicate() (which reads the descriptor) never sees it.
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(proc.stdout.fileno(), 1)
+        assert byte, "the consumer exited before subscribing"
+        line += byte
+    assert line.strip() == b"subscribed"
     return proc
 
 
