@@ -45,6 +45,7 @@ import zmq
 
 from app.bench.fuzz_watch import rss_mb, start_pinger, stop_pinger
 from app.bench.route import _free_port, _spawn
+from app.bench.sidecar import stop_process
 
 ADMIN = "fuzz-admin-token"
 _SEQ = struct.Struct(">q")
@@ -294,12 +295,7 @@ def _router(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], subpro
         attack["alive"] = proc.poll() is None and _get(port, "/health", 30) == 200
     finally:
         for peer in peers:  # a peer slow to stop is killed: the storm's figures are not lost
-            peer.terminate()
-            try:
-                peer.wait(10)
-            except subprocess.TimeoutExpired:
-                peer.kill()
-                peer.wait()
+            stop_process(peer)
     return attack | pings, proc, port
 
 

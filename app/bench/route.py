@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.bench.sidecar import stop_process
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=300, help="requests of each kind")
@@ -138,9 +140,4 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)

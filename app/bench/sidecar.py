@@ -129,3 +129,13 @@ def start_sidecar(
     if wait:
         sidecar.wait_ready()
     return sidecar
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
+    """SIGTERM `proc`, and SIGKILL it when it has not exited within `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

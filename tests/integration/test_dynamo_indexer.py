@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from app.bench.sidecar import stop_process
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, chunk_data, client, request_tokens
 from tests.integration.tools import need_python
@@ -70,12 +71,7 @@ def indexer(tmp_path: Path) -> Iterator[str]:
             time.sleep(0.1)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
         text = (tmp_path / "indexer.log").read_text()
         assert "Failed to decode" not in text, text[-2000:]  # every batch we published was taken
