@@ -15,6 +15,10 @@ COPY api ./api
 COPY engine ./engine
 COPY storage ./storage
 COPY gpu ./gpu
+COPY fleet ./fleet
+COPY httpkit ./httpkit
+# The benchmarks (`kvdepot bench ...`): a package of their own, which the sidecar never imports.
+COPY bench ./bench
 COPY connector ./connector
 # The same install step as the README (CPU torch wheel pinned in pyproject.toml): the sidecar and
 # the connector distribution it depends on (its wire protocol and layout arithmetic).

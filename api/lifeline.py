@@ -37,7 +37,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from api.complaints import Complaints
+from app.complaints import Complaints
 from kvdepot_connector.lifeline import (
     HEADER,
     MAX_FDS_PER_MESSAGE,

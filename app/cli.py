@@ -9,11 +9,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app import malloc
 from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    from app.settings import LoggingSettings
+
+BENCH_HELP = "benchmarks; each prints one JSON object"
 
 
 def _serve_parser(sub: Any) -> None:
@@ -33,11 +39,15 @@ def _directory_parser(sub: Any) -> None:
     dp.add_argument("--config", type=Path, help="TOML file with the directory's settings")
     dp.add_argument("--http-host", help="address to listen on (default 127.0.0.1)")
     dp.add_argument("--http-port", type=int, help="port (default 8090)")
+
+
 def _route_parser(sub: Any) -> None:
     rp = sub.add_parser(
         "route", help="cache-aware OpenAI-compatible router in front of engines (asks the directory)"
     )
-    rp.add_argument("--config", type=Path, help="TOML file: engines, directory_url, timeouts (see README)")
+    rp.add_argument(
+        "--config", type=Path, help="TOML file: engines, directory_url, timeouts (docs/fleet/router.md)"
+    )
     rp.add_argument(
         "--engine", action="append", metavar="URL[=SIDECAR_ID]",
         help="an engine's URL and the id of its sidecar in the directory; repeat per engine "
@@ -50,59 +60,10 @@ def _route_parser(sub: Any) -> None:
 
 
 def _bench_parser(sub: Any) -> None:
-    bp = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
-    bsub = bp.add_subparsers(dest="bench", required=True)
-    from app.bench import server as bench_server
+    bp = sub.add_parser("bench", help=BENCH_HELP)
+    from bench import add_commands  # the benchmarks' table (bench/__init__.py), only for `bench`
 
-    bench_server.add_arguments(bsub.add_parser("server", help="data-plane store/retrieve/lookup vs memcpy"))
-    from app.bench import l2 as bench_l2
-
-    bench_l2.add_arguments(bsub.add_parser("l2", help="write-behind and prefetch through an L2 adapter"))
-    from app.bench import fuzz as bench_fuzz
-
-    bench_fuzz.add_arguments(
-        bsub.add_parser("fuzz", help="hostile frames at a live sidecar while another client pings it")
-    )
-    from app.bench import ttft as bench_ttft
-
-    bench_ttft.add_arguments(
-        bsub.add_parser("ttft", help="time to first token, cold then warm, of an OpenAI server")
-    )
-    from app.bench import footprint as bench_footprint
-
-    bench_footprint.add_arguments(
-        bsub.add_parser("footprint", help="sidecar memory beyond its arena, idle and loaded; start-up time")
-    )
-    from app.bench import directory as bench_directory
-
-    bench_directory.add_arguments(
-        bsub.add_parser("directory", help="the directory's index: score, ingest, rebuild, memory")
-    )
-    from app.bench import route as bench_route
-
-    bench_route.add_arguments(
-        bsub.add_parser("route", help="what `kvdepot route` adds to a request, against the engine directly")
-    )
-    from app.bench import engine as bench_engine
-
-    bench_engine.add_arguments(
-        bsub.add_parser("engine", help="sustained load with cache workloads against an OpenAI server")
-    )
-    from app.bench import eviction as bench_eviction
-
-    bench_eviction.add_arguments(
-        bsub.add_parser("eviction", help="hit rate per L1 eviction policy and L2 admission, no model")
-    )
-    from app.bench import tracing as bench_tracing
-
-    bench_tracing.add_arguments(
-        bsub.add_parser("tracing", help="CPU a span costs (loop and process) against the SDK's own path")
-    )
-    from app.bench import events as bench_events
-
-    bench_events.add_arguments(
-        bsub.add_parser("events", help="the event bus's cost on store/lookup cycles; a flood never blocks")
-    )
+    add_commands(bp.add_subparsers(dest="bench", required=True))
 
 
 def build_parser(*, benches: bool = True) -> argparse.ArgumentParser:
@@ -116,7 +77,7 @@ def build_parser(*, benches: bool = True) -> argparse.ArgumentParser:
     if benches:
         _bench_parser(sub)
     else:
-        sub.add_parser("bench", help="benchmarks; each prints one JSON object", add_help=False)
+        sub.add_parser("bench", help=BENCH_HELP, add_help=False)
     from app import status_cli
 
     status_cli.add_arguments(sub.add_parser("status", help="a terminal summary of a running sidecar"))
@@ -124,7 +85,6 @@ def build_parser(*, benches: bool = True) -> argparse.ArgumentParser:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from app.logs import configure_logging
     from app.main import Service
     from app.settings_load import load_settings
 
@@ -140,31 +100,32 @@ def _run_serve(args: argparse.Namespace) -> int:
         },
         config_file=args.config,
     )
-    configure_logging(settings.logging)
-    malloc.tune()
-
-    async def main() -> int:
-        service = Service(settings)
-        service.build()
-        return await service.run()
-
-    import uvloop
-
-    # uvloop: a measurably shorter round trip on the data plane than the default loop.
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main())
+    return _run_service(settings.logging, lambda: Service(settings))
 
 
 def _run_directory(args: argparse.Namespace) -> int:
-    from app.directory import DirectoryService, load_directory_settings
-    from app.logs import configure_logging
+    from fleet.wiring.directory import DirectoryService, load_directory_settings
 
     settings = load_directory_settings({"host": args.http_host, "port": args.http_port}, args.config)
-    configure_logging(settings.logging)
+    return _run_service(settings.logging, lambda: DirectoryService(settings))
+
+
+class _Service(Protocol):
+    def build(self) -> None: ...
+
+    async def run(self) -> int: ...
+
+
+def _run_service(logging: LoggingSettings, make: Callable[[], _Service]) -> int:
+    """Logging configured, the allocator tuned, then the service made, built and run on a uvloop
+    event loop (a measurably shorter round trip on the data plane than the default loop)."""
+    from app.logs import configure_logging
+
+    configure_logging(logging)
     malloc.tune()
 
     async def main() -> int:
-        service = DirectoryService(settings)
+        service = make()
         service.build()
         return await service.run()
 
@@ -172,8 +133,10 @@ def _run_directory(args: argparse.Namespace) -> int:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main())
+
+
 def _run_route(args: argparse.Namespace) -> int:
-    from app.route import load_router_settings, parse_engine_flag, run_router
+    from fleet.wiring.route import load_router_settings, parse_engine_flag, run_router
 
     engines = None if not args.engine else [parse_engine_flag(e) for e in args.engine]
     settings = load_router_settings(
@@ -205,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             from app import status_cli
 
             return status_cli.run(args)
-        from app.bench import run_bench
+        from bench import run_bench
 
         return run_bench(args)
     except ConfigError as exc:

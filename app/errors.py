@@ -3,7 +3,7 @@
 Every error the core raises is a `KVDepotError` subclass with a stable string `code` and a
 `retryable` flag, both given in the class statement (`class NotFound(KVDepotError, code=...)`); a
 subclass that names neither keeps its base's. The core never raises transport errors: api/ maps
-these classes to HTTP statuses (api/http/errors.py) and to data-plane error codes
+these classes to HTTP statuses (httpkit/errors.py) and to data-plane error codes
 (api/dataplane/errors.py), each in one place. Nothing here imports anything else from the package.
 """
 

@@ -28,31 +28,29 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import OrderedDict
-from urllib.parse import urlsplit
 
 import blake3
 import httpx
 import structlog
 
 from app.kv_events import KvEvents
-from app.settings import RedisAdapterConfig, Settings
+from app.settings import Settings
 from engine.facade import CacheEngine
 from fleet.spec import InstanceSpec, NamespaceSpec, TierSpec
+from storage.config import AdapterConfigBase
 
 log = structlog.get_logger("kvdepot.fleet")
 
 _NAMESPACES_KEPT = 64
 
 
-def shared_fingerprint(config: RedisAdapterConfig) -> str:
-    """Which Redis a tier is: its nodes (host:port), database and key prefix, never credentials."""
-    rest = config.url.split("://", 1)[-1].rsplit("@", 1)[-1]  # user:password@ dropped first
-    hosts, _, path = rest.partition("/")
-    nodes = [node.lower() for node in hosts.split(",")]
-    db = path.split("?", 1)[0] or "0"
-    scheme = urlsplit(config.url).scheme
-    canonical = f"{scheme}|{','.join(sorted(nodes))}|{db}|{config.key_prefix}"
-    return blake3.blake3(canonical.encode()).hexdigest(length=8)
+def shared_fingerprint(config: AdapterConfigBase) -> str | None:
+    """Which shared backend a tier is (Redis: its nodes, database and key prefix; never
+    credentials: `config.shared_location()`), 8 bytes of hash; None for a tier of its own."""
+    location = config.shared_location()
+    if location is None:
+        return None
+    return blake3.blake3(location.encode()).hexdigest(length=8)
 
 
 class DirectoryMember:
@@ -83,19 +81,19 @@ class DirectoryMember:
                 while len(self._namespaces) > _NAMESPACES_KEPT:
                     self._namespaces.popitem(last=False)
             self._namespaces.move_to_end(key)
+        kv = self.settings.kv_events
         tiers = []
         if self.engine.l2 is not None:
             for tier in self.engine.l2.tiers.active():
-                config = tier.config
-                shared = shared_fingerprint(config) if isinstance(config, RedisAdapterConfig) else None
-                tiers.append(TierSpec(medium=tier.name.upper(), shared=shared))
-        kv = self.settings.kv_events
+                shared = shared_fingerprint(tier.config)
+                tiers.append(TierSpec(medium=kv.medium(tier.name), shared=shared))
         alloc = self.engine.cache.allocator
         pub = self.kv_events.publisher
         return InstanceSpec(
             id=self.id, url=self.url, events_endpoint=str(kv.endpoint),
             replay_endpoint=kv.replay_endpoint, namespaces=list(self._namespaces.values()),
             salt_mode=kv.salt, salt_key_id=self.key_id if kv.salt == "hashed" else None, tiers=tiers,
+            l1_medium=kv.medium("l1"),
             engine_url=self.settings.fleet.engine_url,
             l1_usage=min(1.0, alloc.used / alloc.capacity) if alloc.capacity else 0.0,
             queue_depth=self.engine.locked_requests(), incarnation=pub.incarnation,
@@ -113,7 +111,10 @@ class DirectoryMember:
         async with httpx.AsyncClient(timeout=f.directory_timeout_s) as client:
             while True:
                 try:
-                    body = self.spec().model_dump(mode="json")
+                    spec = self.spec()
+                    # l1_medium only when not the default: a directory from before it takes the rest
+                    left_out = {"l1_medium"} if spec.l1_medium == "CPU" else None
+                    body = spec.model_dump(mode="json", exclude=left_out)
                     resp = await client.post(target, json=body, headers=headers)
                     self.posts += 1
                     if resp.status_code >= 400:

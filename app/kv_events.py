@@ -40,7 +40,9 @@ def build_kv_events(
         return None
 
     layout_of = engine.engines.layout  # outlives the registration: removals come later
-    namer = BlockNamer(salt_mode=settings.salt, deployment_key=deployment_key, layout_of=layout_of)
+    namer = BlockNamer(
+        salt_mode=settings.salt, deployment_key=deployment_key, layout_of=layout_of, medium=settings.medium
+    )
     publisher = KvEventPublisher(settings, namer)
     publisher.bind()
     registry.register(KvEventsCollector(publisher))

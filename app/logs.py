@@ -83,3 +83,7 @@ def configure_logging(settings: LoggingSettings, stream: TextIO | None = None) -
         logging.getLogger(name).propagate = True
     # Access logs are the control plane's own middleware's job (with the request id).
     logging.getLogger("uvicorn.access").disabled = True
+    # An HTTP client's line per request (its whole URL: a tenant in a path, a token in a query)
+    # is no log line of ours: its failures reach our own lines as exceptions.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))

@@ -16,30 +16,28 @@ import gc
 import signal
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
-import uvicorn
 from pydantic import SecretStr
 
+from api.audit import AuditLog
 from api.dataplane.server import DataPlaneServer
-from api.http.app import create_app
-from api.http.audit import AuditLog
 from api.http.context import ControlContext
 from api.lifeline import LifelineServer
-from api.metrics import DataPlaneMetrics, PinCollector, build_registry
 from api.metrics_events import EventMetrics
-from api.metrics_workers import WorkerCollector
 from app import __version__
 from app.datadir import DataDirLock, admin_token_from_file
 from app.errors import ConfigError
+from app.executors import Executors
 from app.fleet_member import DirectoryMember
-from app.kv_events import KvEvents, build_kv_events
-from app.serving import QuietUvicorn, bind_listener, guarded_http
+from app.kv_events import KvEvents
+from app.planes import build_control_plane, build_data_plane, build_observers
+from app.serving import QuietUvicorn, bind_listener
 from app.settings import Settings
 from app.supervisor import Supervisor
-from app.tracing import Tracing, build_tracing
+from app.tracing import Tracing
 from app.wiring import (
     build_admin,
     build_cache,
@@ -54,25 +52,19 @@ from engine.events import EventBus, Subscriber
 from engine.facade import CacheEngine
 from engine.l1.arena import SealedArena, instance_id
 from engine.l1.domains import WriteDomains
+from engine.l1.fences import ReleaseFences
 from engine.l2.parts import L2Parts
 from engine.l2.reconcile import run_reconcile
 from engine.l2.store_queue import StoreQueue
-from engine.pins.service import PIN_FILE, PinService
 from engine.purge import PURGE_FILE, PurgeJobs
-from engine.status import StatusReader
 from engine.tenants.labels import LABEL_FILE, LabelRegistry
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
-from engine.workers import WorkerRegistry
-from gpu.presence import cuda_may_be_present
-from gpu.sealed import RegionLimits, SealedRegions
 from storage.auth import KEY_FILE, BlobKeys
-from storage.factory import build_adapter
+from storage.registry import build_adapter
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
-
-    from engine.transfers import KVTransfers
 
 log = structlog.get_logger("kvdepot")
 
@@ -97,6 +89,7 @@ class Service:
         self._started_at = time.monotonic()
         self._stop = asyncio.Event()
         self.arena: SealedArena | None = None
+        self.fences: ReleaseFences | None = None
         self.engine: CacheEngine | None = None
         self.dataplane: DataPlaneServer | None = None
         self.lifeline: LifelineServer | None = None
@@ -115,10 +108,7 @@ class Service:
         self.tracing: Tracing | None = None
         self.event_metrics: EventMetrics | None = None
         self._lock: DataDirLock | None = None
-        self._codec_executor: ThreadPoolExecutor | None = None
-        self._transfer_executor: ThreadPoolExecutor | None = None
-        self._scrub_executor: ThreadPoolExecutor | None = None
-        self._state_executor: ThreadPoolExecutor | None = None
+        self._executors: Executors | None = None
         self._key_id = ""
 
     # --- ServiceHealth -------------------------------------------------------------------------
@@ -166,130 +156,84 @@ class Service:
             raise
 
     def _build(self) -> None:
+        """The steps in order, each using what the ones before it built."""
         s = self.settings = with_admin_token(self.settings)
+        ex = self._executors = Executors()
         quota_file = s.data_dir / QUOTA_FILE
         ledger = TenantLedger(
             allowlist=s.tenants.allowlist, quotas=QuotaRegistry.load(quota_file),
             labels=LabelRegistry.load(s.data_dir / LABEL_FILE),
         )  # fmt: skip
+        domains = self._build_arena(ex)
+        keys = self._build_engine(ledger, domains, quota_file, ex)
+        assert self.engine is not None
+        obs = build_observers(s, self.engine, keys, self._span_exporter)
+        self.event_metrics, self.kv_events, self.tracing = obs.event_metrics, obs.kv_events, obs.tracing
+        self._key_id = keys.signer.key_id.hex()  # named to the directory, which hashes tenants alike
+        registry = obs.registry
+        assert self.arena is not None
+        audit = AuditLog()  # the control plane's mutations and the data plane's CLEARs
+        plane = build_data_plane(s, self.engine, registry=registry, audit=audit, executor=ex.transfer)
+        server = self.dataplane = plane.server
+        self.lifeline = build_lifeline(
+            s.data_dir, plane.regions, server.sessions, on_shared=server.prepare_transfers,
+            workers=server.workers, arena=self.arena, domains=domains,  # segments, not one memfd
+            fences=self.fences,
+        )  # fmt: skip
+        server.bind()
+        self.http_socket = bind_listener(s.http.host, s.http.port)
+        assert self.admin is not None
+        assert self.events is not None
+        control = build_control_plane(
+            s, self.engine, admin=self.admin, l2=self.l2, events=self.events,
+            inventory=None if self.kv_events is None else self.kv_events.inventory, registry=registry,
+            audit=audit, workers=plane.workers, health=self, executor=ex.state,
+        )  # fmt: skip
+        self.purge, self.pins, self.control = control.purge, control.pins, control.control
+        subscribe_events(self.events, self.event_subscribers())
+        self.http_server = control.http_server
+
+    def _build_arena(self, ex: Executors) -> WriteDomains:
+        """The L1 arena and its write domains."""
+        s = self.settings
         # A sealed memfd: nothing in /dev/shm to clean after a crash; clients get its descriptor.
         # Write domains: segments of one writer each (engine/l1/domains.py).
-        self.arena = SealedArena.create_sealed(
+        arena = self.arena = SealedArena.create_sealed(
             s.l1.size_bytes, instance_id(s.data_dir), populate=s.l1.populate,
             segment_bytes=min(s.l1.segment_mb << 20, s.l1.size_bytes // 16),
         )  # fmt: skip
-        # A segment an engine instance left is zeroed in this thread, off the event loop.
-        self._scrub_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-scrub")
-        domains = WriteDomains(
-            self.arena.size, self.arena.segment_bytes, zero=self.arena.zero,
-            reserve=int(bool(s.l2.adapters)), scrubber=self._scrub_executor,
-        )  # engines leave the sidecar a segment for its L2 loads
+        # Engines leave the sidecar a segment for its L2 loads (reserve).
+        return WriteDomains(
+            arena.size, arena.segment_bytes, zero=arena.zero, reserve=int(bool(s.l2.adapters)),
+            scrubber=ex.scrub,
+        )  # fmt: skip
+
+    def _build_engine(
+        self, ledger: TenantLedger, domains: WriteDomains, quota_file: Path, ex: Executors
+    ) -> BlobKeys:
+        """The event bus, L1, the L2 parts (no adapter yet), the facade and its administration;
+        the deployment's blob keys."""
+        s = self.settings
+        assert self.arena is not None
         store_queue = StoreQueue(s.l2.store_queue_depth)  # L1 lets go of queued chunks when full
         # One bus for every component: the cache carries it to the engine and the L2 parts.
         events = self.events = build_events(s.events)
         cache = build_cache(
             s.l1, self.arena.size, ledger, shedder=store_queue, events=events, domains=domains
         )
-        # Checksums over whole chunks and copies of loaded blobs into the arena run here.
-        self._codec_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-codec")
+        # A reader checks these words after its copy instead of waiting for its RELEASE's answer.
+        cache.fences = self.fences = ReleaseFences(self.arena.size, self.arena.segment_bytes)
         data_dir = s.data_dir
         keys = BlobKeys.from_settings([k.get_secret_value() for k in s.l2.auth_keys], data_dir / KEY_FILE)
         self.l2 = build_l2(
             s.l2, cache=cache, queue=store_queue, arena=self.arena,
             build=lambda config: build_adapter(config, data_dir, keys),
-            executor=self._codec_executor, drain_timeout_s=s.shutdown_timeout_s * 10, keys=keys,
+            executor=ex.codec, drain_timeout_s=s.shutdown_timeout_s * 10, keys=keys,
         )  # fmt: skip
-        self.engine = build_engine(
-            s.l1, arena=self.arena, cache=cache, l2=self.l2, data_plane=s.data_plane
-        )
-        # quotas.json writes (fsync) run here, one at a time.
-        self._state_executor = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-state")
+        self.engine = build_engine(s.l1, arena=self.arena, cache=cache, l2=self.l2, data_plane=s.data_plane)
         roots = s.l2.allowed_roots or [s.data_dir]
-        admin = self.admin = build_admin(self.engine, quota_file, self._state_executor, roots)
-        registry = build_registry(self.engine, s.tenants.metrics_top_n)
-        #: histograms from the bus (load latency, hit ratio, reuse distance, age at eviction)
-        self.event_metrics = (
-            EventMetrics(registry, chunk_size=s.l1.chunk_size, max_tracked=s.events.tracked_chunks)
-            if s.events.enabled
-            else None
-        )
-        # Tenants appear in KV events hashed with the deployment key (kv_events.salt=hashed).
-        self.kv_events = build_kv_events(s.kv_events, self.engine, keys.signer.key, registry)
-        self.tracing = build_tracing(
-            s.tracing, f"{socket.gethostname()}/{instance_id(s.data_dir)}", registry, self._span_exporter
-        )
-        self._key_id = keys.signer.key_id.hex()  # named to the directory, which hashes tenants alike
-        t = s.transfers  # engines' sealed regions: by (instance, name), bytes bounded
-        regions = SealedRegions(RegionLimits(
-            max_bytes=t.max_region_bytes, holder_bytes=t.max_region_bytes_per_instance,
-            total_bytes=t.max_region_bytes_total,
-        ))  # fmt: skip
-        f = s.fleet
-        workers = WorkerRegistry(
-            timeout_s=f.worker_timeout_s, heartbeat_s=f.heartbeat_s, dead_kept=f.dead_kept
-        )
-        registry.register(WorkerCollector(workers))
-        lifeline_path = (s.data_dir / "lifeline.sock").resolve()
-        # Waits on copy completion (and the making of the copies' machinery) run here.
-        self._transfer_executor = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-transfer")
-        # The sidecar's own copies need torch: built now where a GPU may be (its arena pinned
-        # before the first engine comes), else when an engine first shares its KV cache.
-        transfers = self._build_transfers(regions) if cuda_may_be_present() else None
-        audit = AuditLog()  # the control plane's mutations and the data plane's CLEARs
-        self.dataplane = DataPlaneServer(
-            self.engine,
-            audit=audit,
-            url=s.data_plane_url,
-            max_frame_bytes=s.data_plane.max_frame_bytes,
-            max_tokens=s.data_plane.max_tokens,
-            metrics=DataPlaneMetrics(registry),
-            transfers=transfers,
-            make_transfers=lambda: self._make_transfers(regions),
-            max_sessions=s.data_plane.max_sessions,
-            session_idle_s=s.data_plane.session_idle_s,
-            lifeline_path=str(lifeline_path),
-            workers=workers,
-        )
-        arena = self.arena
-        self.lifeline = build_lifeline(
-            s.data_dir, regions, self.dataplane.sessions, on_shared=self.dataplane.prepare_transfers,
-            workers=self.dataplane.workers, arena=arena, domains=domains,  # segments, not one memfd
-        )  # fmt: skip
-        self.dataplane.bind()
-        self.http_socket = bind_listener(s.http.host, s.http.port)
-        self.purge = PurgeJobs(
-            self.engine, None if self.l2 is None else self.l2.tiers, events,
-            path=s.data_dir / PURGE_FILE, executor=self._state_executor,
-        )  # fmt: skip
-        # Prefix pins: bound to L1 and the L2 tiers now; those saved before a restart hold again.
-        self.pins = PinService(
-            self.engine, s.pins, path=s.data_dir / PIN_FILE, executor=self._state_executor
-        )
-        self.pins.restore()
-        registry.register(PinCollector(self.pins))
-        self.control = ControlContext(
-            pins=self.pins,
-            audit=audit,
-            settings=s,
-            admin=admin,
-            status=StatusReader(self.engine, admin),
-            health=self,
-            registry=registry,
-            events=events,
-            inventory=None if self.kv_events is None else self.kv_events.inventory,
-            workers=workers,
-            purge=self.purge,
-        )
-        subscribe_events(events, self.event_subscribers())
-        config = uvicorn.Config(
-            create_app(self.control),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
-            http=guarded_http(s.http),  # header/body deadlines, connection cap (api/http/connections.py)
-        )
-        self.http_server = QuietUvicorn(config)
+        self.admin = build_admin(self.engine, quota_file, ex.state, roots)
+        return keys
 
     def event_subscribers(self) -> list[Subscriber]:
         """The event bus's subscribers, called once everything is built and before the bus runs
@@ -302,30 +246,6 @@ class Service:
         if self.tracing is not None:
             subscribers.append(self.tracing.subscriber)
         return subscribers
-
-    def _build_transfers(self, regions: SealedRegions) -> KVTransfers:
-        """The sidecar's own copies (engines that share their KV cache): CUDA where there is a GPU,
-        the CPU stub otherwise (opening the sealed regions clients share over their lifelines).
-        Imports torch; may run in the transfer executor (`_make_transfers`)."""
-        from engine.transfers import KVTransfers
-        from gpu.device import default_device
-        from gpu.transfer import TransferEngine
-
-        assert self.engine is not None
-        assert self._transfer_executor is not None
-        device = default_device(regions)
-        device.pin(self.engine.arena.tensor_all)
-        log.info("transfers_ready", device=device.kind)
-        return KVTransfers(
-            self.engine, TransferEngine(device, self._transfer_executor), self.settings.transfers,
-            regions=regions,
-        )
-
-    async def _make_transfers(self, regions: SealedRegions) -> KVTransfers:
-        """`_build_transfers` off the loop: importing torch takes seconds the data plane goes on."""
-        assert self._transfer_executor is not None
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._transfer_executor, self._build_transfers, regions)
 
     async def _start_l2(self) -> None:
         assert self.l2 is not None
@@ -347,29 +267,12 @@ class Service:
         self._stop.set()
 
     async def run(self) -> int:
-        if (
-            self.engine is None
-            or self.dataplane is None
-            or self.http_server is None
-            or self.http_socket is None
-        ):
+        if self.engine is None or self.dataplane is None or self.http_server is None:
+            raise RuntimeError("build() first")
+        if self.http_socket is None:
             raise RuntimeError("build() first")
         s = self.settings
-        try:
-            await self._start_l2()
-            if self.purge is not None:  # purges a restart interrupted go on (a tiny file, at start)
-                self.purge.resume(PurgeJobs.load(s.data_dir / PURGE_FILE))
-            if self.lifeline is not None:
-                try:
-                    self.lifeline.start()
-                except OSError as exc:
-                    raise ConfigError(
-                        f"data_dir: cannot listen on {self.lifeline.path}: {exc.strerror or exc}"
-                    ) from None
-        except BaseException:
-            await self._shutdown_l2(0)
-            self.close()
-            raise
+        await self._start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -377,33 +280,13 @@ class Service:
         # full passes, which otherwise stall the loop for tens of milliseconds now and then.
         gc.collect()
         gc.freeze()
-        if self.kv_events is not None:
-            self.kv_events.start()
-        if self.events is not None and self.events.enabled:
-            self.supervisor.start("events", self.events.run(), drain=False)
-        if self.tracing is not None:
-            self.supervisor.start("tracing-sweep", self.tracing.run_sweeper(), drain=False)
-        self.supervisor.start("dataplane", self.dataplane.serve())
-        self.supervisor.start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
-        self.supervisor.start("pin-sweeper", self.pins.run_sweeper(), drain=False)
-        self.supervisor.start("http", self.http_server.serve(sockets=[self.http_socket]))
-        if s.fleet.directory_url is not None and self.kv_events is not None:
-            member = DirectoryMember(s, self.engine, self.kv_events, self._key_id, self.http_port)
-            self.supervisor.start("directory-member", member.run(), drain=False)
-        if self.dataplane.workers is not None:
-            f = s.fleet
-            sweep_s = min(f.heartbeat_s, f.worker_timeout_s / 4)
-            self.supervisor.start("worker-watch", self.dataplane.workers.run(sweep_s), drain=False)
+        self._start_tasks()
         log.info(
-            "kvdepot_started",
-            version=__version__,
-            http=f"http://{s.http.host}:{self.http_port}",
-            data_plane=s.data_plane_url,
-            l1_bytes=self.engine.cache.allocator.capacity,
-            arena=self.engine.arena.name,
-            chunk_size=s.l1.chunk_size,
+            "kvdepot_started", version=__version__, http=f"http://{s.http.host}:{self.http_port}",
+            data_plane=s.data_plane_url, l1_bytes=self.engine.cache.allocator.capacity,
+            arena=self.engine.arena.name, chunk_size=s.l1.chunk_size,
             admin_token="set" if s.http.admin_token is not None else "none",
-        )
+        )  # fmt: skip
         try:
             await self._stop.wait()
         finally:
@@ -419,6 +302,50 @@ class Service:
             self.close()
             log.info("kvdepot_stopped", uptime_s=round(self.uptime_s(), 3))
         return 0
+
+    async def _start(self) -> None:
+        """The L2 adapters and their workers, the purges a restart interrupted, the lifeline's
+        listener; on failure what was built is closed."""
+        try:
+            await self._start_l2()
+            if self.purge is not None:  # purges a restart interrupted go on (a tiny file, at start)
+                self.purge.resume(PurgeJobs.load(self.settings.data_dir / PURGE_FILE))
+            if self.lifeline is not None:
+                try:
+                    self.lifeline.start()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"data_dir: cannot listen on {self.lifeline.path}: {exc.strerror or exc}"
+                    ) from None
+        except BaseException:
+            await self._shutdown_l2(0)
+            self.close()
+            raise
+
+    def _start_tasks(self) -> None:
+        """The background tasks, through the supervisor."""
+        s, start = self.settings, self.supervisor.start
+        assert self.engine is not None
+        assert self.dataplane is not None
+        assert self.http_server is not None
+        assert self.http_socket is not None
+        if self.kv_events is not None:
+            self.kv_events.start()
+        if self.events is not None and self.events.enabled:
+            start("events", self.events.run(), drain=False)
+        if self.tracing is not None:
+            start("tracing-sweep", self.tracing.run_sweeper(), drain=False)
+        start("dataplane", self.dataplane.serve())
+        start("lease-reaper", self.engine.run_reaper(s.l1.reap_interval_s), drain=False)
+        start("pin-sweeper", self.pins.run_sweeper(), drain=False)
+        start("http", self.http_server.serve(sockets=[self.http_socket]))
+        if s.fleet.directory_url is not None and self.kv_events is not None:
+            member = DirectoryMember(s, self.engine, self.kv_events, self._key_id, self.http_port)
+            start("directory-member", member.run(), drain=False)
+        if self.dataplane.workers is not None:
+            f = s.fleet
+            sweep_s = min(f.heartbeat_s, f.worker_timeout_s / 4)
+            start("worker-watch", self.dataplane.workers.run(sweep_s), drain=False)
 
     async def _shutdown_l2(self, drain_s: float) -> None:
         """Give write-behind up to `drain_s` to finish, then stop prefetches and close adapters."""
@@ -451,15 +378,14 @@ class Service:
         if self.http_socket is not None:
             self.http_socket.close()
             self.http_socket = None
-        for executor in (self._codec_executor, self._transfer_executor, self._scrub_executor):
-            if executor is not None:  # the scrubber's memset ends before the arena is unmapped
-                executor.shutdown(wait=True, cancel_futures=True)
-        self._codec_executor = self._transfer_executor = self._scrub_executor = None
-        if self._state_executor is not None:
-            self._state_executor.shutdown(wait=True)
-            self._state_executor = None
+        if self._executors is not None:  # the scrubber's memset ends before the arena is unmapped
+            self._executors.close()
+            self._executors = None
         if self.arena is not None:
             self.arena.close()
+        if self.fences is not None:
+            self.fences.close()
+            self.fences = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None

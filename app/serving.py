@@ -1,7 +1,7 @@
 """The HTTP listener of kvdepot's processes (`serve`, `directory`, `route`): the socket bound before
 anything starts (a taken port is one ConfigError line) and uvicorn without its own signal handling
 (each process owns SIGTERM/SIGINT and stops its server itself). The sidecar's and the directory's
-client connections are bounded by their `http` settings (api/http/connections.py: headers within
+client connections are bounded by their `http` settings (httpkit/connections.py: headers within
 `header_timeout_s`, what is left of an answered body within `body_timeout_s`, `max_connections`
 open at once); the router builds its own from its settings.
 
@@ -18,9 +18,9 @@ from collections.abc import Callable, Generator
 
 import uvicorn
 
-from api.http.connections import ConnectionLimits, GuardedH11Protocol
 from app.errors import ConfigError
 from app.settings import HttpSettings
+from httpkit.connections import ConnectionLimits, GuardedH11Protocol
 
 
 def _ignore(kind: str) -> None:

@@ -5,8 +5,9 @@ variables (`KVDEPOT_` prefix, `__` between nested names, e.g. `KVDEPOT_L1__SIZE_
 TOML file (`--config`), then the defaults below. Every field is documented and bounded; unknown keys
 are errors. Components receive only the part they need (`settings.l1`, `settings.http`, ...).
 
-A layer's config types live with that layer and are composed here: the L2 adapters' configs are
-storage/config.py (re-exported below for the wiring and the control plane).
+A layer's config types live with that layer and are composed here: `l2` is engine/l2/config.py,
+whose adapters are any of those storage/registry.py lists (`AdapterConfig`, re-exported below for
+the wiring and the control plane; each family's config is storage/<family>/config.py).
 
 State: the models only; immutable once built, safe from any thread. Building them from flags, the
 environment and the file, and the one-line description of what is invalid, is app/settings_load.py
@@ -17,10 +18,9 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -33,33 +33,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.kvevents.config import KvEventsSettings
 from api.tracing.config import TracingSettings
+from engine.l2.config import L2Settings
 from engine.pins.config import PinSettings
 from engine.transfer_limits import TransferLimits
-from storage.auth import parse_secret
-from storage.config import (
-    AdapterConfig,
-    AdapterName,
-    DiskAdapterConfig,
-    MockAdapterConfig,
-    RedisAdapterConfig,
-    SlabAdapterConfig,
-)
+from storage.registry import AdapterConfig
 
 __all__ = [
     "AdapterConfig",
-    "AdapterName",
     "DataPlaneSettings",
-    "DiskAdapterConfig",
     "EventSettings",
     "HttpSettings",
     "KvEventsSettings",
     "L1Settings",
     "L2Settings",
     "LoggingSettings",
-    "MockAdapterConfig",
-    "RedisAdapterConfig",
     "Settings",
-    "SlabAdapterConfig",
     "TenantSettings",
 ]
 
@@ -265,51 +253,6 @@ class L1Settings(BaseModel):
     def quarantine_cap(self) -> int:
         """`quarantine_max_bytes`, or 1/2 of L1 when unset."""
         return self.size_bytes // 2 if self.quarantine_max_bytes is None else self.quarantine_max_bytes
-
-
-def _usable_key(key: SecretStr) -> SecretStr:
-    parse_secret(key.get_secret_value())  # its ValueError says what is wrong, never the key
-    return key
-
-
-L2AuthKey = Annotated[SecretStr, AfterValidator(_usable_key)]
-"""An L2 auth key: masked wherever settings are shown."""
-
-
-class L2Settings(BaseModel):
-    """The slower tiers behind L1 and the controllers that feed them."""
-
-    model_config = _FROZEN
-
-    adapters: list[AdapterConfig] = Field(
-        default_factory=lambda: list[AdapterConfig]([DiskAdapterConfig()]),
-        max_length=16,
-        description="Adapters, in order.",
-    )
-    store_policy: Literal["all", "first", "seen_twice"] = Field(
-        "all", description="Which adapters a committed chunk is written to (seen_twice: only reused ones)."
-    )
-    store_queue_depth: int = Field(1024, ge=1, le=1 << 20, description="Pending write-behind chunks.")
-    store_concurrency: int = Field(4, ge=1, le=256, description="Concurrent write-behind batches.")
-    prefetch_deadline_ms: float = Field(
-        500.0, gt=0, le=60_000, description="What has not arrived from L2 by then is a miss."
-    )
-    prefetch_max_inflight: int = Field(64, ge=1, le=1 << 16, description="Chunks being loaded at once.")
-    fp8_values: bool = Field(False, description="Store V quantized to FP8 (e4m3) with scales; K exact.")
-    allowed_roots: list[Path] = Field(
-        default_factory=list,
-        max_length=64,
-        description="Directories a disk or slab adapter's paths must lie under (after symlinks and ..); "
-        "empty = the data dir.",
-    )
-    lz4: bool = Field(False, description="Compress blobs with lz4.")
-    auth_keys: list[L2AuthKey] = Field(
-        default_factory=list,
-        max_length=16,
-        description="Secrets (hex or base64, 16+ bytes) that sign and check blobs of adapters with "
-        "`authenticate`: the first signs, all verify (rotation). Empty: <data_dir>/l2.key, generated "
-        "at the first start. Sidecars sharing a Redis must share them.",
-    )
 
 
 class LoggingSettings(BaseModel):

@@ -9,7 +9,9 @@ benchmarks), never at import, never from the event loop's hot path.
 
 Primitives in call order:
   load_settings(overrides, config_file)   -> Settings; ConfigError with one line naming the setting
+    sourced_settings(cls, file, environment)  the subclass reading flags, (environment), the file
     _check_env_names(environ)             unknown KVDEPOT_ names are errors
+    settings_errors(file)                 what building raises, as ConfigError
     describe_validation_error(exc)        the one line: dotted name, what is wrong, the value shown
                                           (secrets masked by _shown)
   env_overrides_present()                 the KVDEPOT_ names in effect, for the start-up log line
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
@@ -30,7 +33,15 @@ from app.errors import ConfigError
 from app.redact import redact_text
 from app.settings import Settings
 
-__all__ = ["describe_validation_error", "env_overrides_present", "load_settings"]
+__all__ = [
+    "describe_validation_error",
+    "env_overrides_present",
+    "load_settings",
+    "settings_errors",
+    "sourced_settings",
+]
+
+S = TypeVar("S", bound=BaseSettings)
 
 
 def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:
@@ -49,11 +60,24 @@ def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path 
     for key, value in (overrides or {}).items():
         if value is not None:
             _deep_set(init, key, value)
+    sourced = sourced_settings(Settings, config_file, environment=True)
+    _check_env_names(os.environ)
+    with settings_errors(config_file):
+        built = sourced(**init)
+    # Hand out the plain class so nothing depends on the per-call subclass.
+    return Settings.model_construct(**dict(built))
+
+
+def sourced_settings(settings_cls: type[S], config_file: Path | None, *, environment: bool) -> type[S]:
+    """A subclass of `settings_cls` read from, highest precedence first: its init values, the
+    `KVDEPOT_` environment (when `environment`), the TOML file (when given), the defaults.
+
+    Raises ConfigError when `config_file` is given but is not a file.
+    """
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"config: file {config_file} does not exist")
-    _check_env_names(os.environ)
 
-    class _Sourced(Settings):
+    class Sourced(settings_cls):  # type: ignore[misc,valid-type]  # a class given at run time
         @classmethod
         def settings_customise_sources(
             cls,
@@ -63,19 +87,24 @@ def load_settings(overrides: Mapping[str, Any] | None = None, config_file: Path 
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            sources = [init_settings, env_settings] if environment else [init_settings]
             if config_file is not None:
                 sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
             return tuple(sources)
 
+    return cast("type[S]", Sourced)
+
+
+@contextmanager
+def settings_errors(config_file: Path | None) -> Iterator[None]:
+    """Turns what building settings raises into ConfigError with one line: a validation error
+    named by `describe_validation_error`, a TOML syntax error (a ValueError) by the file."""
     try:
-        built = _Sourced(**init)
+        yield
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
     except ValueError as exc:  # a TOML syntax error surfaces as ValueError (tomllib.TOMLDecodeError)
         raise ConfigError(f"config: {config_file}: {exc}") from None
-    # Hand out the plain class so nothing depends on the per-call subclass.
-    return Settings.model_construct(**dict(built))
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -34,6 +34,7 @@ from engine.l1.arena import SealedArena, SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.domains import WriteDomains
 from engine.l1.eviction import make_policy
+from engine.l1.fences import ReleaseFences
 from engine.l1.room import Shedder
 from engine.l2.layouts import codec_options
 from engine.l2.parts import L2Parts
@@ -54,6 +55,7 @@ def build_lifeline(
     offer: Callable[[], Sequence[tuple[str, int]]] | None = None,
     on_shared: Callable[[], None] | None = None, *, workers: WorkerWatch | None = None,
     arena: SealedArena | None = None, domains: WriteDomains | None = None,
+    fences: ReleaseFences | None = None,
 ) -> LifelineServer:  # fmt: skip
     """The lifeline server at `<data_dir>/lifeline.sock`. A client process connects it with the
     token its data-plane session's HELLO reply handed out (random, used once), and the lifeline
@@ -64,7 +66,8 @@ def build_lifeline(
     each lifeline's pid and heartbeats. With `arena` and `domains` (write domains), the offer is
     every segment read-only ("arena:<i>"), and each lifeline of an engine instance is granted
     ("write:<i>", read-write) the segments its instance writes: those it has at hello, and each new
-    one at once (before the STORE reply naming it)."""
+    one at once (before the STORE reply naming it). With `fences`, every lifeline is offered the
+    release-fence words read-only too ("fences": engine/l1/fences.py)."""
 
     def on_fds(line: Lifeline, shared: list[SharedRegion]) -> None:
         assert isinstance(line.holder, Session)
@@ -94,26 +97,41 @@ def build_lifeline(
             workers.beat(line.holder)
 
     sessions.on_instance_gone.append(regions.drop)
-    offered: Callable[[object], Sequence[tuple[str, int]]] | None = None
     if domains is not None and arena is not None:
-        segments = [(f"arena:{i}", arena.readonly_fd(i)) for i in range(arena.segments)]
-        offered = lambda _holder: segments  # noqa: E731
         sessions.on_instance_gone.append(domains.gone)
-    elif offer is not None:
-        offered = lambda _holder: offer()  # noqa: E731
     server = LifelineServer(
         data_dir / "lifeline.sock", authenticate=sessions.hold, on_fds=on_fds, on_closed=on_closed,
-        offer=offered, on_hello=on_hello, on_heartbeat=on_heartbeat,
+        offer=_offered(offer, arena, domains, fences), on_hello=on_hello, on_heartbeat=on_heartbeat,
     )  # fmt: skip
     if domains is not None and arena is not None:
-
-        def on_grant(instance: str, index: int) -> None:
-            for line in list(server.lines):
-                if isinstance(line.holder, Session) and line.holder.instance == instance:
-                    _grant(line, arena, [index])
-
-        domains.on_grant = on_grant
+        _grant_new_segments(server, arena, domains)
     return server
+
+
+def _offered(
+    offer: Callable[[], Sequence[tuple[str, int]]] | None, arena: SealedArena | None,
+    domains: WriteDomains | None, fences: ReleaseFences | None,
+) -> Callable[[object], Sequence[tuple[str, int]]] | None:  # fmt: skip
+    """What every lifeline is offered at hello: with write domains each segment read-only, else
+    what `offer()` names; and the release fences read-only, when there are some."""
+    extra = [] if fences is None else [("fences", fences.readonly_fd)]
+    if domains is not None and arena is not None:
+        segments = [(f"arena:{i}", arena.readonly_fd(i)) for i in range(arena.segments)] + extra
+        return lambda _holder: segments
+    if offer is not None:
+        return lambda _holder: [*offer(), *extra]
+    return None
+
+
+def _grant_new_segments(server: LifelineServer, arena: SealedArena, domains: WriteDomains) -> None:
+    """A segment that joins an instance's write domain is granted at once to each of its lifelines."""
+
+    def on_grant(instance: str, index: int) -> None:
+        for line in list(server.lines):
+            if isinstance(line.holder, Session) and line.holder.instance == instance:
+                _grant(line, arena, [index])
+
+    domains.on_grant = on_grant
 
 
 def _grant(line: Lifeline, arena: SealedArena, segments: Sequence[int]) -> None:

@@ -47,7 +47,6 @@ from engine.answers import (
     TenantLabel,
     TenantQuota,
     TierFigures,
-    redacted,
 )
 from engine.l2.enforce import enforce_quota
 from engine.l2.parts import L2Parts
@@ -56,8 +55,8 @@ from engine.tenants.labels import LabelRegistry
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import Quota, check_salt
 from engine.tenants.registry import QuotaRegistry
-from storage.config import AdapterConfig, DiskAdapterConfig, SlabAdapterConfig
-from storage.redis_fleet import FleetLedger
+from storage.base import FleetQuota
+from storage.config import AdapterConfigBase
 
 log = structlog.get_logger("kvdepot.admin")
 
@@ -164,24 +163,24 @@ class Administration:
     async def reconcile(self, name: str) -> ReconcileAnswer:
         """Reconcile one fleet-scope adapter's ledger now (Conflict for any other adapter)."""
         tier = self._l2().tiers.get(name)
-        fleet = getattr(tier.adapter, "fleet", None)
-        if not isinstance(fleet, FleetLedger):
+        fleet = tier.adapter.capabilities().fleet
+        if fleet is None:
             raise Conflict(f"L2 adapter {name!r} keeps no fleet ledger (scope fleet, Redis only)")
-        keys_per_s = getattr(tier.config, "scan_keys_per_s", 2000)
-        report = await fleet.reconcile(keys_per_s)
+        report = await fleet.reconcile()
         return ReconcileAnswer(
             adapter=name, keys_scanned=report.keys_scanned, tenants=report.tenants,
             released_bytes=report.released_bytes, adopted_bytes=report.adopted_bytes,
             ledger_fixed=report.ledger_fixed,
         )  # fmt: skip
 
-    def _fleets(self) -> list[tuple[str, FleetLedger]]:
+    def _fleets(self) -> list[tuple[str, FleetQuota]]:
+        """The active tiers with a fleet ledger (storage.base `fleet` capability)."""
         if self.l2 is None:
             return []
         out = []
         for tier in self.l2.tiers.active():
-            fleet = getattr(tier.adapter, "fleet", None)
-            if isinstance(fleet, FleetLedger):
+            fleet = tier.adapter.capabilities().fleet
+            if fleet is not None:
                 out.append((tier.name, fleet))
         return out
 
@@ -201,7 +200,7 @@ class Administration:
             store_queue_depth=self.l2.store.depth,
         )
 
-    async def add_adapter(self, config: AdapterConfig) -> AdapterAnswer:
+    async def add_adapter(self, config: AdapterConfigBase) -> AdapterAnswer:
         """Attach an adapter; ConfigError naming it when it may not or cannot start."""
         l2 = self._l2()
         self._check_paths(config)
@@ -214,13 +213,13 @@ class Administration:
             raise ConfigError(f"l2.adapters[{config.name}]: cannot start: {type(exc).__name__}") from None
         return adapter(tier)
 
-    def _check_paths(self, config: AdapterConfig) -> None:
-        """A disk adapter's directories, and a slab adapter's files or devices, must lie under an
-        allowed root once symlinks and `..` are resolved: the sidecar creates, writes and deletes
-        there."""
-        if self.allowed_roots is None or not isinstance(config, DiskAdapterConfig | SlabAdapterConfig):
+    def _check_paths(self, config: AdapterConfigBase) -> None:
+        """The adapter's local paths (a disk adapter's directories, a slab adapter's files or
+        devices: `config.local_paths()`) must lie under an allowed root once symlinks and `..` are
+        resolved: the sidecar creates, writes and deletes there."""
+        if self.allowed_roots is None:
             return
-        for path in config.paths:
+        for path in config.local_paths():
             resolved = path.resolve()
             if not any(resolved.is_relative_to(root) for root in self.allowed_roots):
                 roots = ", ".join(str(r) for r in self.allowed_roots)
@@ -269,7 +268,7 @@ def adapter(tier: Tier) -> AdapterAnswer:
         name=tier.name,
         type=a.kind,
         state="draining" if tier.draining else "active",
-        config=redacted(tier.config),
+        config=tier.config.redacted(),
         usage=a.usage(),
         health=a.health(),
         inflight=tier.inflight,

@@ -3,7 +3,8 @@
 A client's chunk becomes readable at COMMIT, which names only oids; the event says what the STORE
 knew: the chunk's tokens (uint32 little-endian), the hash of the chunk before it, its extra key,
 the request id and the LoRA adapter's name. `reserved` keeps that per reservation (only while the
-bus is enabled), `committed` publishes STORED (tier L1) and forgets it, `dropped` forgets it
+bus is enabled), `committed` publishes STORED (tier L1), forgets it and answers it (the chunk's
+write-behind announces the same origin), `dropped` forgets it
 (abort), `prune` forgets reservations that are gone otherwise (reaped, quarantined, their session
 gone), so what is kept is bounded by the live reservations.
 
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.events import L1_TIER, EventBus, Kind
+from engine.events import L1_TIER, ChunkOrigin, EventBus, Kind
 from engine.l1.lifecycle import L1Object
 
-_Pending = tuple[str, bytes, bytes, bytes, str]
-"""(request id, tokens, parent hash, extra key, lora name)."""
+_Pending = tuple[str, ChunkOrigin]
+"""(request id, what the STORE said of the chunk)."""
 
 
 class StoreAnnouncer:
@@ -40,23 +41,26 @@ class StoreAnnouncer:
         step = self._chunk_bytes
         self._pending[oid] = (
             request_id,
-            tokens[chunk * step : (chunk + 1) * step],
-            hashes[chunk - 1] if chunk else b"",
-            extras[chunk] if chunk < len(extras) else b"",
-            lora_name,
+            ChunkOrigin(
+                tokens[chunk * step : (chunk + 1) * step],
+                hashes[chunk - 1] if chunk else b"",
+                extras[chunk] if chunk < len(extras) else b"",
+                lora_name,
+            ),
         )
 
-    def committed(self, obj: L1Object) -> str:
-        """Publish STORED for `obj`; answer the request id its STORE named ("" unknown)."""
+    def committed(self, obj: L1Object) -> tuple[str, ChunkOrigin | None]:
+        """Publish STORED for `obj`; answer the request id its STORE named ("" unknown) and what the
+        event said of the chunk (None: nothing known)."""
         pending = self._pending.pop(obj.oid, None)
         if pending is None or not obj.visible:
-            return ""
-        request_id, tokens, parent, extra, lora = pending
+            return "", None
+        request_id, origin = pending
         self.events.emit(
-            Kind.STORED, tier=L1_TIER, key=obj.key, op="commit", request_id=request_id, tokens=tokens,
-            parent=parent, extra=extra, lora_name=lora,
+            Kind.STORED, tier=L1_TIER, key=obj.key, op="commit", request_id=request_id, tokens=origin.tokens,
+            parent=origin.parent, extra=origin.extra, lora_name=origin.lora_name,
         )  # fmt: skip
-        return request_id
+        return request_id, origin
 
     def dropped(self, oid: int) -> None:
         self._pending.pop(oid, None)

@@ -4,7 +4,7 @@ Frozen, slotted dataclasses, no behaviour; FastAPI builds the OpenAPI schemas of
 from them (api/http declares them as response models). Counters the engine keeps as dataclasses
 (`StoreCounters`, `PrefetchCounters`, an adapter's `AdapterStats`, `Usage`, `Health`) appear as
 copies taken when the answer is built. Secrets never appear: an adapter's config is the redacted
-one (`redacted`: a Redis URL's credentials are `***`, app/redact.py).
+one (its `redacted()`, storage/config.py: a Redis URL's credentials are `***`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.redact import redact_url
 from engine.l2.prefetch import PrefetchCounters
 from engine.l2.store_queue import StoreCounters
 from engine.tenants.quota import Quota
 from storage.base import AdapterStats, Health, Usage
-from storage.config import AdapterConfig, RedisAdapterConfig
+from storage.registry import AdapterConfig
 
 StorePolicy = Literal["all", "first", "seen_twice"]
 
@@ -43,7 +42,7 @@ class TierFigures:
 class FleetFigures:
     """One tenant in a shared Redis adapter of fleet scope, as every sidecar on it sees it: the
     fleet l2_bytes quota (null: none; then each sidecar's own applies), the bytes and blobs its
-    ledger in Redis holds (storage/redis_fleet.py)."""
+    ledger in Redis holds (storage/redis/fleet.py)."""
 
     limit_bytes: int | None
     bytes: int
@@ -213,13 +212,3 @@ class L1Status:
     quarantined_objects: int = 0
     quarantine_max_bytes: int = 0
     """What one engine instance may hold quarantined before its reservations are refused."""
-
-
-# --- secrets ---------------------------------------------------------------------------------------
-
-
-def redacted(config: AdapterConfig) -> AdapterConfig:
-    """The adapter config as the control plane shows it: without secrets."""
-    if isinstance(config, RedisAdapterConfig):
-        return config.model_copy(update={"url": redact_url(config.url)})
-    return config

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.keys import ObjectKey
 
@@ -66,6 +67,40 @@ class Kind(enum.IntEnum):
     """An operation ended: `op`, `span`, `reason` = "ok" or the error code, `detail` = chunks."""
 
 
+class ChunkOrigin(NamedTuple):
+    """What a STORED event says of a chunk's content, whatever the tier: its tokens (uint32
+    little-endian, the wire format), the chunk hash of the chunk before it (b"" for the first), its
+    extra key (b"" when its KV depends on tokens alone), the LoRA adapter's name when known. (A
+    named tuple: one is made per reserved chunk on the store path, where a frozen dataclass's
+    construction costs several times more.)"""
+
+    tokens: bytes = b""
+    parent: bytes = b""
+    extra: bytes = b""
+    lora_name: str = ""
+
+    def fields(self) -> dict[str, object]:
+        """The Event fields it fills (for `EventBus.emit`)."""
+        return {
+            "tokens": self.tokens, "parent": self.parent, "extra": self.extra, "lora_name": self.lora_name,
+        }  # fmt: skip
+
+
+def chain_origins(
+    tokens: bytes, hashes: Sequence[bytes], extras: Sequence[bytes], chunk_bytes: int, first: int
+) -> Callable[[int], ChunkOrigin]:
+    """The origin of chunk `first + j` of a request's chain, for j = 0, 1, ... (built on demand)."""
+
+    def origin(j: int) -> ChunkOrigin:
+        i = first + j
+        return ChunkOrigin(
+            tokens[i * chunk_bytes : (i + 1) * chunk_bytes], hashes[i - 1] if i else b"",
+            extras[i] if i < len(extras) else b"",
+        )  # fmt: skip
+
+    return origin
+
+
 @dataclass(slots=True)
 class Event:
     """One record, handed to every subscriber: treat it as immutable. (Not `frozen`: a frozen
@@ -83,13 +118,14 @@ class Event:
     reason: str = ""
     detail: int = 0
     tokens: bytes = b""
-    """STORED in L1 from a store: the chunk's tokens (uint32 little-endian, the wire format)."""
+    """STORED: the chunk's tokens (uint32 little-endian, the wire format; a `ChunkOrigin`'s fields,
+    these four), when the emitter knew them: a commit, a write-behind, a load for a lookup."""
     parent: bytes = b""
-    """STORED in L1 from a store: the chunk hash of the chunk before it (b"" for the first chunk)."""
+    """STORED: the chunk hash of the chunk before it (b"" for the first chunk, or unknown)."""
     extra: bytes = b""
-    """STORED in L1 from a store: the chunk's extra key (b"" when its KV depends on tokens alone)."""
+    """STORED: the chunk's extra key (b"" when its KV depends on tokens alone)."""
     lora_name: str = ""
-    """STORED in L1 from a store: the LoRA adapter's name when the client said it."""
+    """STORED: the LoRA adapter's name when the client said it."""
     trace: str = ""
     """START of a data-plane operation: the W3C `traceparent` the client sent with it (b"" none)."""
     total: int = 0

@@ -21,6 +21,7 @@ Primitives in data-plane call order:
                                                        NotOwner (nothing done) for a reservation of
                                                        another instance (abort likewise)
   free_lookup_locks / end_request / clear
+Reclaiming (the work is engine/reclaim.py's; the facade keeps these names):
   suspect_holder(session)                           a client session is silent past its timeout
                                                        (engine/workers.py): the requests it took part
                                                        in lose their locks (its late RELEASE of them
@@ -46,43 +47,32 @@ instance. The generation check: RELEASE is valid only when every object the read
 without oids is valid only while the request still held its locks. Nothing is remembered of
 expired requests, so no history can overflow.
 
-Admission: a store by a tenant without an L1 limit reserves at most `max_request_share` of L1
-(at least one chunk); the chunks beyond are refused as no_space.
-
-Tenants: a store by a tenant with an L1 limit holds (read-locks) the chunks of that store
-which are present already, until it returns, so the reservations of the same store never evict
-them to make room within the quota: a chain is never cut by its own continuation. L2 usage is in
-the same ledger, one tier per adapter name (engine/l2/tiers.py), and `l2_bytes` is enforced at
-write-behind (engine/l2/store.py).
+Admission and tenants (which chunks of a STORE are reserved, the request's share of L1, a
+tenant's chain held while its own store runs): engine/admission.py. L2 usage is in the same
+ledger, one tier per adapter name (engine/l2/tiers.py), and `l2_bytes` is enforced at write-behind
+(engine/l2/store.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import structlog
-
 from app.errors import InvalidInput, LeaseExpired, NotFound, NotOwner
+from engine.admission import StoreAdmission
 from engine.announce import StoreAnnouncer
-from engine.events import L1_TIER, EventBus, Kind
+from engine.events import L1_TIER, EventBus, Kind, chain_origins
 from engine.keys import KVLayout, ObjectKey, TokenHasher
 from engine.l1.arena import SharedArena
-from engine.l1.cache import L1Cache, Refusal
+from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
 from engine.l2.parts import L2Parts
+from engine.reclaim import Reclaimer
 from engine.registry import MAX_ID_LEN, EngineRegistry
-from engine.requests import RequestId, RequestState, RequestTable
-from engine.results import EngineCounters, Extent, LookupResult, Registration, SlotStatus, StoreSlot
+from engine.requests import RequestState, RequestTable
+from engine.results import EngineCounters, Extent, LookupResult, Registration, StoreSlot
 from engine.tenants.ledger import TenantLedger
-from engine.tenants.quota import L1
-
-log = structlog.get_logger("kvdepot.engine")
-
-#: requests remembered per suspect session for its late RELEASEs (beyond: the generation check)
-MAX_FENCED = 4096
 
 
 class CacheEngine:
@@ -114,19 +104,24 @@ class CacheEngine:
         self.chunk_size = chunk_size
         self.hasher = TokenHasher(chunk_size)
         self.read_lease_s = read_lease_s
-        self.counters = EngineCounters()
+        self.counters = counters = EngineCounters()
         #: requests clients would not cache, by reason (protocol.Uncacheable)
         self.uncacheable: dict[str, int] = {}
         self._clock = clock
-        self.max_request_share = max_request_share
         self.engines = EngineRegistry(
             chunk_size=chunk_size, capacity=cache.allocator.capacity, max_total=max_registrations,
             max_per_instance=max_registrations_per_instance, idle_s=registration_idle_s,
         )  # fmt: skip
         self._requests = RequestTable(cache, read_lease_s)
-        #: holder -> its requests whose locks went when it was suspect (a late RELEASE: invalid)
-        self._fenced: dict[int, set[RequestId]] = {}
         self.l2 = l2
+        self._admission = StoreAdmission(
+            cache=cache, events=self.events, announcer=self._announcer, counters=counters,
+            chunk_size=chunk_size, max_request_share=max_request_share, l2=l2,
+        )  # fmt: skip
+        self.reclaim = Reclaimer(
+            cache=cache, requests=self._requests, engines=self.engines, announcer=self._announcer,
+            counters=counters, clock=clock,
+        )  # fmt: skip
 
     # --- registration --------------------------------------------------------------------------
 
@@ -165,7 +160,7 @@ class CacheEngine:
         state = self._requests.lookup(rid, found, now)
         if holder:
             state.holders.add(holder)
-            self._unfence(holder, rid)
+            self.reclaim.unfence(holder, rid)
         locked = state.objects
         if locked:
             self._requests.keep(rid, state)
@@ -178,7 +173,11 @@ class CacheEngine:
             if hit < n and l2.tiers.active():
                 self._requests.keep(rid, state)
                 missing = [ObjectKey(ns, salt, h) for h in hashes[hit:]]
-                state.prefetch = l2.prefetch.start(reg, missing, partial(self._attach, state), request_id)
+                origins = None
+                if self.events.enabled:
+                    origins = chain_origins(tokens, hashes, extras, self.chunk_size * 4, hit)
+                attach = partial(self._attach, state)
+                state.prefetch = l2.prefetch.start(reg, missing, attach, request_id, origins)
                 pending = n - hit
         c = self.counters
         c.lookups += 1
@@ -246,10 +245,15 @@ class CacheEngine:
             )
         if holder:
             entry.holders.add(holder)
-            self._unfence(holder, rid)
+            self.reclaim.unfence(holder, rid)
         self.counters.retrieves += 1
         self.counters.retrieved_chunks += num_chunks
         return [Extent(o.offset, o.size, o.oid) for o in entry.objects[first_chunk:end]]
+
+    def fence_words(self, extents: Sequence[Extent]) -> list[tuple[int, int]]:
+        """The release-fence words of the segments `extents` span (engine/l1/fences.py), or []."""
+        fences = self.cache.fences
+        return [] if fences is None else fences.snapshot((e.offset, e.size) for e in extents)
 
     def release(self, engine_id: int, request_id: str, oids: Sequence[int] = (), *, holder: int = 0) -> bool:
         """Drop the request's read locks after it copied. True only when the copy is safe: every
@@ -257,10 +261,7 @@ class CacheEngine:
         held its locks. False: discard the copy; always for a request whose locks were dropped
         because `holder` went suspect."""
         self.registration(engine_id)
-        fenced = self._fenced.get(holder)
-        if fenced is not None and (engine_id, request_id) in fenced:
-            fenced.discard((engine_id, request_id))
-            self.counters.suspect_releases += 1
+        if self.reclaim.fenced(holder, (engine_id, request_id)):
             return False  # its locks went already; a newer state of the request is not its to drop
         alive = self.cache.alive
         valid = all(alive(oid) for oid in oids)  # before unlocking: a last unlock may free them
@@ -302,68 +303,10 @@ class CacheEngine:
         if not 0 <= first_chunk <= n:
             raise InvalidInput(f"first_chunk {first_chunk} outside 0..{n}")
         hashes = self._hashes(tokens, extras)
-        now = self._clock()
-        cache = self.cache
-        size = reg.chunk_bytes
-        charge = cache.allocator.aligned(size)
-        slots: list[StoreSlot] = []
-        refused: SlotStatus | None = None
-        c = self.counters
-        c.store_requests += 1
-        seen = self.l2 is not None and self.l2.store.policy == "seen_twice"
-        announce = self._announcer if self.events.enabled else None
-        # A tenant with an L1 limit: a lowered limit is met now, and the chunks of this store that
-        # are present are held until it returns (see the module docstring).
-        limited = self.tenants.limit(salt, L1) is not None
-        share = None if limited else max(int(self.max_request_share * cache.allocator.capacity), 1)
-        taken = 0
-        held: list[L1Object] = []
-        if limited:
-            cache.fit_quota(salt)
-        try:
-            for i in range(first_chunk, n):
-                key = ObjectKey(reg.namespace, salt, hashes[i])
-                if seen:
-                    assert self.l2 is not None
-                    self.l2.store.note_seen(key, (engine_id, request_id))
-                present = cache.peek(key)
-                if present is not None:
-                    if limited and present.visible:
-                        cache.lock(present, now)
-                        held.append(present)
-                    slots.append(StoreSlot(i, SlotStatus.EXISTS))
-                    c.existing_chunks += 1
-                    continue
-                if refused is None and share is not None and taken and taken + charge > share:
-                    refused = SlotStatus.NO_SPACE  # one request may not take more than its share
-                elif refused is None:
-                    generated = 0 < prompt_tokens < (i + 1) * self.chunk_size
-                    got = cache.try_reserve(
-                        key, size, now, owner=reg.instance, holder=holder, generated=generated
-                    )
-                    if isinstance(got, L1Object):
-                        slots.append(StoreSlot(i, SlotStatus.RESERVED, got.oid, got.offset, got.size))
-                        if announce is not None:
-                            announce.reserved(
-                                got.oid, request_id, tokens, i, hashes=hashes, extras=extras,
-                                lora_name=lora_name,
-                            )  # fmt: skip
-                        c.stored_chunks += 1
-                        taken += charge
-                        continue
-                    refused = SlotStatus.QUOTA if got is Refusal.QUOTA else SlotStatus.NO_SPACE
-                elif refused is SlotStatus.QUOTA:
-                    self.tenants.note_refusal(salt, L1)  # the first one was counted by the cache
-                # Later chunks of a chain are useless without this one: refuse them too, explicitly.
-                slots.append(StoreSlot(i, refused))
-                if refused is SlotStatus.QUOTA:
-                    c.quota_chunks += 1
-                else:
-                    c.no_space_chunks += 1
-        finally:
-            for obj in held:
-                cache.unlock(obj)
-        return slots
+        return self._admission.reserve(
+            reg, (engine_id, request_id), tokens, hashes, salt=salt, chunks=range(first_chunk, n),
+            now=self._clock(), holder=holder, extras=extras, prompt_tokens=prompt_tokens, lora_name=lora_name,
+        )  # fmt: skip
 
     def commit(self, engine_id: int, oids: list[int], holder: int = 0) -> list[bool]:
         """Make reserved chunks ready. Per oid: True, or False when its lease had expired (or it is
@@ -381,11 +324,11 @@ class CacheEngine:
                 out.append(False)
                 continue
             out.append(True)
-            request_id = self._announcer.committed(obj) if self.events.enabled else ""
+            request_id, origin = self._announcer.committed(obj) if self.events.enabled else ("", None)
             if obj.generated:
                 self.counters.decode_chunks_stored += 1
             if store is not None and obj.visible:
-                store.submit(obj, reg, request_id)
+                store.submit(obj, reg, request_id, origin)
         if not all(out):
             self.cache.writer_done(holder, oids)
         return out
@@ -413,50 +356,27 @@ class CacheEngine:
             if owner is not None and owner != reg.instance:
                 raise NotOwner(f"reservation {oid} belongs to another engine instance")
 
-    # --- clients that are gone ------------------------------------------------------------------
+    # --- clients that are gone, expired leases (engine/reclaim.py) ------------------------------
 
     def suspect_holder(self, holder: int) -> tuple[int, int]:
-        """The client session `holder` went silent (engine/workers.py): it may be stalled, not
-        dead. Nothing it holds may block others: the requests it took part in lose their read
-        locks (a late RELEASE of them by it is answered invalid) and its write reservations are
-        quarantined (fencing: their memory is not reused, their commit refused) until its lifeline
-        closes or it commits or aborts them late. Returns (requests, reservations)."""
-        rids = self._requests.release_holder(holder)
-        if rids:
-            fenced = self._fenced.setdefault(holder, set())
-            fenced.update(rids[: max(MAX_FENCED - len(fenced), 0)])
-        n = self.cache.fence_holder(holder)
-        c = self.counters
-        c.suspect_locks += len(rids)
-        c.suspect_reservations += n
-        return len(rids), n
-
-    def _unfence(self, holder: int, rid: RequestId) -> None:
-        """`holder` works on `rid` again (a new lookup or retrieve): its next RELEASE is current."""
-        fenced = self._fenced.get(holder)
-        if fenced is not None:
-            fenced.discard(rid)
+        """The client session `holder` went silent: fenced. Returns (requests, reservations)."""
+        return self.reclaim.suspect(holder)
 
     def end_holder(self, holder: int) -> int:
-        """The client session `holder` is gone (its lifeline closed: the process cannot write any
-        more): its write reservations are dropped at once. Returns how many."""
-        self._fenced.pop(holder, None)
-        n = self.cache.release_holder(holder)
-        if n and self._announcer:
-            self._announcer.prune(self._reserved)
-        self.counters.gone_reservations += n
-        return n
+        """The client session `holder` is gone: its reservations go. Returns how many."""
+        return self.reclaim.end_holder(holder)
 
     def end_instance(self, instance: str) -> int:
-        """The last session of `instance` is gone: its requests' read locks and its registrations
-        (with their KV planes, through `engines.on_drop`) go at once. Returns the requests."""
-        ids = set(self.engines.drop_instance(instance))
-        n = self._requests.release_engines(ids) if ids else 0
-        c = self.counters
-        c.instances_gone += 1
-        c.gone_locks += n
-        log.info("instance_gone", engines=len(ids), requests=n)
-        return n
+        """The last session of `instance` is gone: its requests and registrations go."""
+        return self.reclaim.end_instance(instance)
+
+    def reap(self) -> tuple[int, int]:
+        """Reclaim expired write reservations and read locks. Returns (reservations, requests)."""
+        return self.reclaim.reap()
+
+    async def run_reaper(self, interval_s: float) -> None:
+        """Reap every `interval_s`; a pass that fails is logged and counted, the next one runs."""
+        await self.reclaim.run_reaper(interval_s)
 
     # --- maintenance ---------------------------------------------------------------------------
 
@@ -468,29 +388,6 @@ class CacheEngine:
             self.events.emit(Kind.CLEARED, tier=L1_TIER, op="clear", detail=n)
             return n
         return self.cache.clear(lambda o: o.key.salt == salt, reason="purged")
-
-    def reap(self) -> tuple[int, int]:
-        """Reclaim expired write reservations and read locks. Returns (reservations, requests)."""
-        now = self._clock()
-        reservations = self.cache.reap(now)
-        if reservations and self._announcer:
-            self._announcer.prune(self._reserved)
-        expired = self._requests.reap(now)
-        self.counters.expired_locks += expired
-        return reservations, expired
-
-    async def run_reaper(self, interval_s: float) -> None:
-        """Reap every `interval_s`; a pass that fails is logged and counted, the next one runs."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                self.reap()
-            except Exception:
-                self.counters.reaper_errors += 1
-                log.exception("lease_reaper_pass_failed", errors=self.counters.reaper_errors)
-
-    def _reserved(self, oid: int) -> bool:
-        return self.cache.owner_of(oid) is not None
 
     def locked_requests(self) -> int:
         """Requests holding read locks now (for /status)."""

@@ -2,9 +2,10 @@
 tiers (clear), as background jobs whose progress the control plane reads.
 
 Role: `purge(salt)` deletes the tenant's objects in L1 (CacheEngine.clear(salt): REMOVED "purged"
-per chunk), then, adapter by adapter, its blobs: a disk, slab or mock adapter lists them from its
-index (every blob it holds), a Redis adapter SCANs its prefix on every node (what any sidecar wrote,
-before or after a restart) at most its `scan_keys_per_s` keys a second, and deletes them in batches.
+per chunk), then, adapter by adapter, its blobs: an adapter with a `scan` capability (storage/base.py)
+lists every blob its backend holds (Redis: a SCAN of its prefix on every node, what any sidecar
+wrote, before or after a restart, at most its `scan_keys_per_s` keys a second), any other its
+`held_keys()` (disk, slab, mock: every blob it holds); they are deleted in batches.
 Each blob deleted announces REMOVED (tier = the adapter): through the adapter's holdings hook for
 the blobs it held ("deleted"), "purged" for the others. `clear(tiers)` does the same for every chunk
 of the tiers named (`l1`: CacheEngine.clear(), CLEARED for L1; an adapter: all its blobs, then
@@ -50,8 +51,7 @@ from engine.l2.store import StoreController
 from engine.l2.tiers import L2Tiers, Tier
 from engine.tenants.quota import L1, check_salt
 from engine.tenants.registry import write_atomically
-from storage.base import Status
-from storage.redis_fleet import key_salt, scan_blobs
+from storage.base import Status, key_salt
 
 log = structlog.get_logger("kvdepot.purge")
 
@@ -309,15 +309,14 @@ class PurgeJobs:
                         progress.failed += 1
 
     async def _keys(self, tier: Tier) -> AsyncIterator[list[str]]:
+        """Every key the tier's backend holds (its `scan` capability: Redis, whoever wrote them),
+        else what the adapter holds."""
         adapter = tier.adapter
-        if adapter.kind == "redis":  # imported here: redis-py loads only with a Redis tier
-            from storage.redis_adapter import RedisAdapter
-
-            if isinstance(adapter, RedisAdapter):
-                rate = adapter.config.scan_keys_per_s
-                async for batch in scan_blobs(adapter.router, adapter.config.key_prefix, rate):
-                    yield batch
-                return
+        scan = adapter.capabilities().scan
+        if scan is not None:
+            async for batch in scan.scan_keys():
+                yield batch
+            return
         keys = adapter.held_keys()
         for start in range(0, len(keys), BATCH):
             yield keys[start : start + BATCH]

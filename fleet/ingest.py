@@ -41,7 +41,7 @@ import msgspec
 
 from fleet.index import ChunkIndex
 from fleet.match import Matchers
-from fleet.registry import L1_MEDIUM, Instance, InstanceRegistry
+from fleet.registry import Instance, InstanceRegistry
 from kvdepot_connector.protocol import encode_tokens
 
 
@@ -188,7 +188,7 @@ class InventoryReader:
                     continue
                 if line.medium != medium:
                     medium = line.medium
-                    pending = self._pending.setdefault(medium or L1_MEDIUM, [])
+                    pending = self._pending.setdefault(medium or self.inst.spec.l1_medium, [])
                 shape = (line.block_size, len(hashes))
                 step = self._steps.get(shape)
                 if step is None:
@@ -280,6 +280,7 @@ def apply_batch(
     room: int | None = None
     """Chunks the instance may still add (asked on its first store)."""
     learning: list[tuple[StoredTokens, int]] = []
+    l1 = inst.spec.l1_medium
     events = batch.events
     last_clear = _last_clear(events)
     if last_clear >= 0:  # what came before it is cleared with it: one pass over the index per batch
@@ -289,7 +290,7 @@ def apply_batch(
     for ev in events:
         kind = type(ev)
         if kind is Stored or kind is Removed or kind is StoredTokens:
-            medium = ev.medium or L1_MEDIUM  # type: ignore[union-attr]
+            medium = ev.medium or l1  # type: ignore[union-attr]
             bit = holders.get(medium)
             if bit is None:
                 bit = registry.holder_bit(inst, medium)
@@ -304,7 +305,7 @@ def apply_batch(
                     registry.capped += len(heads) - max(room, 0)
                     heads = heads[: max(room, 0)]
                 room -= index.add_many(bit, heads)
-                if ev.lora_name and medium == L1_MEDIUM:
+                if ev.lora_name and medium == l1:
                     lora.learn_raw(ev.lora_name, ev.extra_keys)
                 if matchers is not None and isinstance(ev, StoredTokens) and ev.token_ids and len(heads) == 1:
                     learning.append((ev, heads[0]))

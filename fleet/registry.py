@@ -33,8 +33,6 @@ from fleet.index import ChunkIndex
 from fleet.spec import InstanceSpec
 from fleet.stream import StreamTracker
 
-L1_MEDIUM = "CPU"
-
 
 class Tier(enum.Enum):
     L1 = "l1"
@@ -66,7 +64,7 @@ class Instance:
         return self.spec.id
 
     def tier_of(self, medium: str) -> Tier:
-        if medium == L1_MEDIUM:
+        if medium == self.spec.l1_medium:
             return Tier.L1
         return Tier.SHARED_L2 if medium in self.shared else Tier.LOCAL_L2
 

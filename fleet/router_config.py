@@ -1,6 +1,6 @@
 """The router's settings (`kvdepot route`): engines, the directory, timeouts, limits.
 
-Role: one frozen object built once at start-up by app/route.py from a TOML file and flags; every
+Role: one frozen object built once at start-up by fleet/wiring/route.py from a TOML file and flags; every
 field documented and bounded, unknown keys refused. The router is its own process: these settings
 are not part of the sidecar's `Settings` (and take no `KVDEPOT_` environment variables).
 
@@ -142,10 +142,11 @@ class RouterSettings(BaseModel):
 
     @model_validator(mode="after")
     def _distinct(self) -> RouterSettings:
-        urls = [e.url for e in self.engines]
-        if len(set(urls)) != len(urls):
-            raise ValueError("engines: the same url is listed twice")
-        ids = [e.sidecar_id for e in self.engines if e.sidecar_id is not None]
-        if len(set(ids)) != len(ids):
-            raise ValueError("engines: the same sidecar_id is listed twice")
+        _listed_once("url", [e.url for e in self.engines])
+        _listed_once("sidecar_id", [e.sidecar_id for e in self.engines if e.sidecar_id is not None])
         return self
+
+
+def _listed_once(name: str, values: list[str]) -> None:
+    if len(set(values)) != len(values):
+        raise ValueError(f"engines: the same {name} is listed twice")

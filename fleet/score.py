@@ -74,6 +74,20 @@ class InstanceMatches:
 
 
 @dataclass(slots=True)
+class _Query:
+    """One score request: its packed token ids, tenant salt and LoRA extra keys, the index's
+    chunk masks, and the key chains hashed for it so far ((layout, chunk size, tenant, extra) ->
+    holder runs), shared by its instances."""
+
+    model: str
+    data: bytes
+    salt: str
+    extras: list[bytes]
+    masks: dict[int, int]
+    runs: dict[tuple[str, int, str, bytes], list[tuple[int, int]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Scores:
     chunk_size: int
     instances: list[InstanceScore] = field(default_factory=list)
@@ -116,65 +130,77 @@ class Scorer:
         now: float,
     ) -> Scores:  # fmt: skip
         self.requests += 1
-        salt = salt or ""
-        if len(token_ids) > self.config.max_tokens * (4 if isinstance(token_ids, bytes) else 1):
-            raise InvalidInput(f"at most {self.config.max_tokens} token ids are scored")
-        try:
-            data = encode_tokens(token_ids)
-        except (OverflowError, TypeError) as exc:
-            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+        data = self._encode(token_ids, "scored")
+        extras: list[bytes] = self.lora.extras(lora_name) if lora_name else [b""]
+        query = _Query(model, data, salt or "", extras, self.registry.index.masks)
         n_tokens = max(len(data) // 4, 1)
-        extras: list[bytes] = [b""]
-        if lora_name:
-            extras = self.lora.extras(lora_name)
-        masks = self.registry.index.masks
         holder_masks = self._holder_masks()
-        keys_cache: dict[tuple[str, int, str, bytes], list[tuple[int, int]]] = {}
         out: list[InstanceScore] = []
         chunk_size = 0
-        w = self.config.weights
-        w_l1, w_local, w_shared = w.l1, w.local_l2, w.shared_l2
-        load_l1, load_queue = self.config.load_weight_l1, self.config.load_weight_queue
         for inst in self.registry.live(now):
             ns = self._namespace(inst, model)
             if ns is None:
                 continue
-            size = ns.chunk_size
-            chunk_size = chunk_size or size
+            chunk_size = chunk_size or ns.chunk_size
             best = (0, 0, 0)
-            if self._tenant_ok(inst, salt):
-                tenant = self.namer.tenant(salt, inst.spec.salt_mode)
-                l1, local, shared = holder_masks[inst.id]
-                for extra in extras:
-                    ck = (ns.layout_fp, size, tenant, extra)
-                    runs = keys_cache.get(ck)
-                    if runs is None:
-                        seed = seed_of(model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
-                        runs = keys_cache[ck] = _runs(masks, iter_first_blocks(data, size, seed, extra))
-                    found = _walk(runs, l1, local, shared)
-                    if found[0] > best[0]:
-                        best = found
-            chunks, in_l1, in_local = best
-            t_l1, t_local, t_shared = in_l1 * size, in_local * size, (chunks - in_l1 - in_local) * size
-            value = (w_l1 * t_l1 + w_local * t_local + w_shared * t_shared) / n_tokens
-            spec = inst.spec
-            q = spec.queue_depth
-            value -= load_l1 * spec.l1_usage
-            value -= load_queue * q / (q + 8)
-            out.append(
-                InstanceScore(
-                    id=spec.id,
-                    url=spec.url,
-                    engine_url=spec.engine_url,
-                    prefix_tokens=chunks * size,
-                    tiers={_L1: t_l1, _LOCAL: t_local, _SHARED: t_shared},
-                    score=round(value, 6),
-                    queue_depth=q,
-                    l1_usage=spec.l1_usage,
-                )
-            )
+            if self._tenant_ok(inst, query.salt):
+                best = self._longest_prefix(inst, ns, query, holder_masks[inst.id])
+            out.append(self._instance_score(inst, ns.chunk_size, best, n_tokens))
         out.sort(key=_rank)
         return Scores(chunk_size=chunk_size, instances=out)
+
+    def _encode(self, token_ids: Sequence[int] | bytes, verb: str) -> bytes:
+        """The request's token ids as packed uint32 (bytes already are); InvalidInput past
+        `max_tokens` or for an id that is not one."""
+        if len(token_ids) > self.config.max_tokens * (4 if isinstance(token_ids, bytes) else 1):
+            raise InvalidInput(f"at most {self.config.max_tokens} token ids are {verb}")
+        try:
+            return encode_tokens(token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+
+    def _longest_prefix(
+        self, inst: Instance, ns: NamespaceSpec, query: _Query, holders: tuple[int, int, int]
+    ) -> tuple[int, int, int]:
+        """The instance's servable prefix, the longest over the request's extra keys: (chunks, of
+        them best held in L1, in local L2); each key chain hashed once per request."""
+        size = ns.chunk_size
+        tenant = self.namer.tenant(query.salt, inst.spec.salt_mode)
+        l1, local, shared = holders
+        best = (0, 0, 0)
+        for extra in query.extras:
+            ck = (ns.layout_fp, size, tenant, extra)
+            runs = query.runs.get(ck)
+            if runs is None:
+                seed = seed_of(query.model, bytes.fromhex(ns.layout_fp), 0, 0, tenant)
+                runs = query.runs[ck] = _runs(query.masks, iter_first_blocks(query.data, size, seed, extra))
+            found = _walk(runs, l1, local, shared)
+            if found[0] > best[0]:
+                best = found
+        return best
+
+    def _instance_score(
+        self, inst: Instance, size: int, best: tuple[int, int, int], n_tokens: int
+    ) -> InstanceScore:
+        """The weighted share of the request's tokens the prefix covers, less the load penalties."""
+        w = self.config.weights
+        chunks, in_l1, in_local = best
+        t_l1, t_local, t_shared = in_l1 * size, in_local * size, (chunks - in_l1 - in_local) * size
+        value = (w.l1 * t_l1 + w.local_l2 * t_local + w.shared_l2 * t_shared) / n_tokens
+        spec = inst.spec
+        q = spec.queue_depth
+        value -= self.config.load_weight_l1 * spec.l1_usage
+        value -= self.config.load_weight_queue * q / (q + 8)
+        return InstanceScore(
+            id=spec.id,
+            url=spec.url,
+            engine_url=spec.engine_url,
+            prefix_tokens=chunks * size,
+            tiers={_L1: t_l1, _LOCAL: t_local, _SHARED: t_shared},
+            score=round(value, 6),
+            queue_depth=q,
+            l1_usage=spec.l1_usage,
+        )
 
     def match(
         self, model: str, token_ids: Sequence[int], salt: str | None, lora_name: str | None, now: float,
@@ -186,12 +212,7 @@ class Scorer:
         if self.matchers is None:
             raise NotFound("the non-prefix matcher is off (directory.match = false)")
         salt = salt or ""
-        if len(token_ids) > self.config.max_tokens:
-            raise InvalidInput(f"at most {self.config.max_tokens} token ids are matched")
-        try:
-            data = encode_tokens(token_ids)
-        except (OverflowError, TypeError) as exc:
-            raise InvalidInput(f"token ids must be integers in 0..2**32-1: {exc}") from None
+        data = self._encode(token_ids, "matched")
         masks = self.registry.index.masks
         holder_masks = self._holder_masks()
         found: dict[tuple[int, str, str], list[tuple[int, int]]] = {}

@@ -96,6 +96,10 @@ class InstanceSpec(BaseModel):
         None, description="id of the deployment key hashing tenants (salt_mode=hashed)"
     )
     tiers: list[TierSpec] = Field(default_factory=list, max_length=32)
+    l1_medium: str = Field(
+        "CPU", min_length=1, max_length=64, pattern=r"^[A-Z0-9_.-]+$",
+        description="the medium its events give L1 (kv_events.medium_names; an event without one is L1's)",
+    )  # fmt: skip
     engine_url: HttpUrl | None = Field(None, description="the engine this sidecar serves, for routers")
     l1_usage: float = Field(0.0, ge=0.0, le=1.0, description="fraction of L1 in use")
     queue_depth: int = Field(0, ge=0, le=1 << 30, description="requests in flight on the data plane")

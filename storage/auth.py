@@ -12,7 +12,7 @@ the number of keys.
 Derivation: each secret gives, through BLAKE3's key derivation mode, a 32-byte MAC key and a
 key id under distinct contexts; the secret itself never keys a hash.
 
-State: immutable once built; safe from any thread. The MAC itself is computed by storage/codec.py
+State: immutable once built; safe from any thread. The MAC itself is computed by storage/codec/__init__.py
 (`mac_hasher`), which binds the header's fields into it.
 
 Primitives in call order:

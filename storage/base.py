@@ -1,5 +1,7 @@
-"""The L2 adapter interface and the small values it returns. Imports nothing else from storage/
-but the codec's EncodedBlob.
+"""The L2 boundary: the adapter interface, the capabilities an adapter may have, and the small
+values they return. The engine uses adapters through this module only (and storage/config.py for
+their configs); which adapter types exist is storage/registry.py. Imports nothing else from
+storage/ but the codec's EncodedBlob and BlobCheck (and, for the checker, BlobKeys).
 
 Every adapter is driven from the one event loop. Its batch operations take string keys (serialized
 ObjectKeys) and answer with exactly one result per key, in order: never None, never a shorter list,
@@ -27,10 +29,18 @@ Primitives in call order:
                            whose result is not OK may hold garbage: the caller discards it. When
                            load_into returns (or is cancelled), nothing writes into the outs any more.
                            Bounded: no blob of a key is longer than blob_header.header_size(key) + len(out)
-                           (storage/codec.py), so nothing past that is ever read: a longer value is
+                           (storage/codec/__init__.py), so nothing past that is ever read: a longer value is
                            refused unread (`LoadResult.too_long` from the subclass), counted in
                            `stats.integrity_failures`, deleted (not from a `shared` adapter),
-                           and answered MISS
+                           and answered MISS.
+                           `check` (a codec.BlobCheck, optional): the caller's check of each blob.
+                           An adapter that reads in threads of its own may run it there, right
+                           after the read (no hop back to the loop and into another executor):
+                           then an OK result says `checked` (its payload passed and lies in out,
+                           decoded when it was not raw), and a failed check is a MISS carrying the
+                           IntegrityError in `failed_check`, for the caller to count, log and
+                           delete as if its own check had failed. An adapter that does not run it
+                           answers as without it (`checked` False): the caller checks
   delete(keys)             OK = removed, MISS = was not there, ERROR
   usage() / health()       cheap snapshots for /status and metrics
   set_capacity(bytes)      runtime resize; shrinking evicts (least recently used first)
@@ -50,16 +60,40 @@ tenant equal the bytes of the blobs the adapter holds per tenant, at all times (
 adapter wrote and has not seen deleted).
 
 `stats` (counters) and `latency` (a tiny histogram per operation) are read by the metrics exporter.
+
+Every adapter also says `shared`: whether other sidecars use its blobs (Redis). A blob failing its
+check in a shared adapter is a miss, never deleted by this sidecar (it may be a fleet-mate's).
+
+Capabilities: what an adapter may have beyond the operations above, asked for with
+`capabilities()`; a field is None where the adapter lacks it, and the engine then does without:
+  pins    Pinnable: eviction here skips the keys prefix pins hold (`bind_pins`, engine/pins/); None:
+          pins on this tier are refused (its backend evicts by a policy of its own)
+  fleet   FleetQuota: tenants' usage and l2_bytes quotas kept in the shared backend itself, one
+          figure and one limit for every sidecar on it (Redis, scope "fleet"): the write-behind
+          reserves a blob's bytes before writing it and commits them after, quotas are written
+          there, the ledger is reconciled with the backend every `reconcile_interval_s`; None: the
+          tier's figures and limits are this sidecar's own ledger's
+  scan    KeyScan: every blob key the backend holds, whoever wrote it, at the adapter's bounded
+          rate (a purge, a clear); None: `held_keys()` is all the adapter holds
+What a config says of itself (secrets redacted, local paths, the shared location) is
+storage/config.py. A builder (storage/registry.py) gets a `BuildContext` (below) besides the config.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+from urllib.parse import unquote
 
-from storage.codec import EncodedBlob
+from app.errors import IntegrityError
+from storage.codec import BlobCheck, EncodedBlob
+
+if TYPE_CHECKING:
+    from storage.auth import BlobKeys
+    from storage.health import LatencyRecorder
 
 
 class Status(enum.Enum):
@@ -92,13 +126,17 @@ MISS = OpResult(Status.MISS)
 @dataclass(frozen=True, slots=True)
 class LoadResult:
     """The outcome of one key of a load. `data` is set only when status is OK: the whole blob, or,
-    when `in_place` (load_into only), the blob's header while its payload lies in the caller's out."""
+    when `in_place` (load_into only), the blob's header while its payload lies in the caller's out.
+    `checked` (load_into with a check only): the adapter ran the caller's check and it passed;
+    `failed_check`: it ran it and the blob failed (a MISS)."""
 
     status: Status
     data: bytes | memoryview | None = None
     message: str = ""
     in_place: bool = False
     oversized: bool = False
+    checked: bool = False
+    failed_check: IntegrityError | None = None
 
     @property
     def ok(self) -> bool:
@@ -109,9 +147,14 @@ class LoadResult:
         return cls(Status.OK, data)
 
     @classmethod
-    def placed(cls, header: bytes | memoryview) -> LoadResult:
+    def placed(cls, header: bytes | memoryview, *, checked: bool = False) -> LoadResult:
         """OK for load_into: the payload is in the caller's out, `header` is the blob's header."""
-        return cls(Status.OK, header, in_place=True)
+        return cls(Status.OK, header, in_place=True, checked=checked)
+
+    @classmethod
+    def check_failed(cls, exc: IntegrityError) -> LoadResult:
+        """load_into: the caller's check, run by the adapter, refused the blob: a miss."""
+        return cls(Status.MISS, None, str(exc), failed_check=exc)
 
     @classmethod
     def error(cls, message: str) -> LoadResult:
@@ -126,6 +169,16 @@ class LoadResult:
 LOAD_MISS = LoadResult(Status.MISS)
 
 HealthState = Literal["ok", "degraded", "down"]
+
+
+def key_salt(key: str) -> str | None:
+    """The cache_salt of a serialized chunk key (engine/keys.py ObjectKey), None when `key` is not
+    one (storage does not import the engine: the `s=` field, percent-quoted)."""
+    parts = key.split("/")
+    if len(parts) != 7 or not parts[0].startswith("kvd") or not parts[5].startswith("s="):
+        return None
+    return unquote(parts[5][2:])
+
 
 SaltOf = Callable[[str], str]
 """The tenant (cache_salt) a key belongs to; given by the owner, since keys are opaque here."""
@@ -172,44 +225,6 @@ class AdapterStats:
     evicted_bytes: int = 0
 
 
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-
-
-@dataclass(slots=True)
-class Histogram:
-    """Per-bucket counts (not cumulative); the last slot counts what exceeds every bound."""
-
-    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    count: int = 0
-    sum_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        index = len(self.bounds)
-        for i, bound in enumerate(self.bounds):
-            if seconds <= bound:
-                index = i
-                break
-        self.counts[index] += 1
-        self.count += 1
-        self.sum_s += seconds
-
-
-@dataclass(slots=True)
-class LatencyRecorder:
-    """One histogram per operation kind ("store", "load", ...), created on first use."""
-
-    ops: dict[str, Histogram] = field(default_factory=dict)
-
-    def observe(self, op: str, seconds: float) -> None:
-        hist = self.ops.get(op)
-        if hist is None:
-            hist = self.ops[op] = Histogram()
-        hist.observe(seconds)
-
-
 class L2Adapter(Protocol):
     """One L2 tier. See the module docstring for the contract of each operation."""
 
@@ -218,7 +233,12 @@ class L2Adapter(Protocol):
 
     @property
     def kind(self) -> str:
-        """The adapter kind: disk, slab, redis or mock."""
+        """The adapter's type in the registry (storage/registry.py): disk, slab, redis, mock, ..."""
+        ...
+
+    @property
+    def shared(self) -> bool:
+        """Whether other sidecars use the same blobs (module docstring)."""
         ...
 
     @property
@@ -235,7 +255,9 @@ class L2Adapter(Protocol):
 
     async def load(self, keys: Sequence[str]) -> list[LoadResult]: ...
 
-    async def load_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[LoadResult]: ...
+    async def load_into(
+        self, keys: Sequence[str], outs: Sequence[memoryview], check: BlobCheck | None = None
+    ) -> list[LoadResult]: ...
 
     async def delete(self, keys: Sequence[str]) -> list[OpResult]: ...
 
@@ -260,4 +282,103 @@ class L2Adapter(Protocol):
         seen go; keys Redis expired are still listed), least recently used first."""
         ...
 
+    def capabilities(self) -> Capabilities:
+        """What the adapter has beyond the operations (module docstring); None where it lacks it."""
+        ...
+
     async def close(self) -> None: ...
+
+
+# --- capabilities --------------------------------------------------------------------------------
+
+
+class Pinnable(Protocol):
+    def bind_pins(self, kept: Kept | None) -> None:
+        """Eviction (for capacity or a tenant's quota) never chooses a key `kept` says a pin holds;
+        None: no pins."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A fleet ledger's answer to a reservation of a blob's bytes."""
+
+    ok: bool
+    used: int
+    """The tenant's fleet bytes after (ok) or before (refused) the reservation."""
+    limit: int | None
+
+
+@dataclass(slots=True)
+class ReconcileReport:
+    """What a fleet ledger's reconcile found and repaired."""
+
+    keys_scanned: int = 0
+    tenants: int = 0
+    released_bytes: int = 0
+    adopted_bytes: int = 0
+    ledger_fixed: int = 0
+    """Tenants whose `used` differed from the sum of their sizes (hand edits)."""
+    per_salt: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """What the scan found per tenant: (bytes, blobs)."""
+
+
+class FleetQuota(Protocol):
+    """Tenants' usage and quotas kept in a shared backend (storage/redis/fleet.py). Every call may
+    raise app.errors.BackendError when the backend does not answer."""
+
+    @property
+    def reconcile_interval_s(self) -> float | None:
+        """How often the owner reconciles the ledger (`reconcile`); None: only when asked."""
+        ...
+
+    async def reserve(self, salt: str, key: str, size: int, fallback_limit: int | None) -> Reservation:
+        """Reserve `size` bytes for blob `key` of `salt` unless that takes the tenant over its fleet
+        quota (`fallback_limit`, this sidecar's, when it has none there)."""
+        ...
+
+    async def reserve_many(self, items: list[tuple[str, str, int, int | None]]) -> list[Reservation | None]:
+        """`reserve` of each (salt, key, size, fallback_limit) in order; None where it failed."""
+        ...
+
+    async def commit(self, salt: str, keys: list[str]) -> None:
+        """The writes of `keys` returned: their reservations are no longer in flight."""
+        ...
+
+    async def usage(self, salt: str) -> tuple[int, int, int | None]:
+        """The tenant's fleet (bytes, blobs, limit)."""
+        ...
+
+    async def set_quota(self, salt: str, l2_bytes: int | None) -> None: ...
+
+    async def drop_quota(self, salt: str) -> None: ...
+
+    async def reconcile(self) -> ReconcileReport:
+        """Make the ledger what the backend holds."""
+        ...
+
+
+class KeyScan(Protocol):
+    def scan_keys(self) -> AsyncIterator[list[str]]:
+        """Every blob key the backend holds (serialized keys; whoever wrote them), in batches, at
+        the adapter's bounded rate. BackendError when the backend does not answer."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an adapter has beyond the L2Adapter operations; None: it lacks it."""
+
+    pins: Pinnable | None = None
+    fleet: FleetQuota | None = None
+    scan: KeyScan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BuildContext:
+    """What a builder (storage/registry.py) may use besides the config: the data directory (the
+    default home of a local tier's files) and the deployment's keys (the fleet ledger seals
+    quotas with them)."""
+
+    data_dir: Path
+    keys: BlobKeys | None = None

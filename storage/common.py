@@ -5,10 +5,12 @@ State (event loop only): the adapter's counters, latency histograms, health trac
 `_held` (storage/holdings.py): what the adapter holds, key -> (its value, size), which the subclass
 keeps its index in, so that every change is reported to the owner's accounting hook. Usage is read
 from `_held` and the capacity, the same for every adapter. Subclasses implement `_store`,
-`_contains`, `_load`, `_delete` (batch in, one result per key out), and optionally `_load_into`
-(default: `_load`, every blob returned whole), `_evict_salt` (default: the tenant's oldest entries
-are forgotten, for a backend that keeps nothing but `_held`), `_capacity_changed` (default: nothing
-but the reported figure changes), `_start` and `_close`.
+`_contains`, `_load`, `_delete` (batch in, one result per key out; `_forget_each` pops a delete's
+keys from `_held`), and optionally `_load_into` (default: `_load`, every blob returned whole),
+`_load_checked` (load_into with the caller's check, run in the adapter's reading threads;
+default: `_load_into`, the check left to the caller), `_evict_salt` (default: the tenant's oldest
+entries are forgotten, for a backend that keeps nothing but `_held`), `_capacity_changed`
+(default: nothing but the reported figure changes), `_start` and `_close`.
 
 Primitives in call order:
   start()                       runs `_start` once (the first operation calls it when nobody did)
@@ -22,6 +24,7 @@ Primitives in call order:
   set_capacity(bytes)           runtime resize: the capacity, then `_capacity_changed`
   bind_accounting(salt_of, hook) / unbind_accounting()
                                 the owner's per-tenant accounting (storage.base), on `_held`
+  capabilities()                (storage.base) `pins` where `honours_pins`; a subclass adds its own
   bind_pins(kept)               (adapters whose `honours_pins` is True) which keys pins hold:
                                 never chosen by eviction for capacity or quota
   evict_salt(salt, nbytes)      inside the OpGate, timed as "evict": the subclass's `_evict_salt`;
@@ -50,19 +53,21 @@ import structlog
 
 from app.errors import BackendError
 from storage.base import (
+    MISS,
+    OK,
     AdapterStats,
+    Capabilities,
     Health,
     HoldingsHook,
     Kept,
-    LatencyRecorder,
     LoadResult,
     OpResult,
     SaltOf,
     Status,
     Usage,
 )
-from storage.codec import EncodedBlob
-from storage.health import HealthTracker
+from storage.codec import BlobCheck, EncodedBlob
+from storage.health import HealthTracker, LatencyRecorder
 from storage.holdings import Holdings
 from storage.inflight import CLOSED_MESSAGE, GateClosed, OpGate
 
@@ -154,6 +159,10 @@ class AdapterCore(ABC, Generic[V]):
     def unbind_accounting(self) -> None:
         self._held.unbind()
 
+    def capabilities(self) -> Capabilities:
+        """Pins where `honours_pins`; a subclass with more says so (storage.base)."""
+        return Capabilities(pins=self if self.honours_pins else None)
+
     def bind_pins(self, kept: Kept | None) -> None:
         """Keys `kept` says a pin holds are never evicted (None: no pins). Only where `honours_pins`."""
         if not self.honours_pins:
@@ -219,7 +228,9 @@ class AdapterCore(ABC, Generic[V]):
                 self._stats.misses += 1
         return results
 
-    async def load_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[LoadResult]:
+    async def load_into(
+        self, keys: Sequence[str], outs: Sequence[memoryview], check: BlobCheck | None = None
+    ) -> list[LoadResult]:
         """See storage.base. Raises ValueError (a caller's bug) when keys and outs differ in number
         or an out is read-only."""
         keys = list(keys)
@@ -227,7 +238,7 @@ class AdapterCore(ABC, Generic[V]):
         if len(views) != len(keys):
             raise ValueError(f"load_into got {len(keys)} keys and {len(views)} outputs")
         results = await self._batch(
-            "load", len(keys), lambda: self._load_bounded(keys, views), LoadResult.error
+            "load", len(keys), lambda: self._load_bounded(keys, views, check), LoadResult.error
         )
         for result, out in zip(results, views, strict=True):
             if result.status is Status.OK and result.data is not None:
@@ -281,10 +292,16 @@ class AdapterCore(ABC, Generic[V]):
         self._latency.observe(op, time.perf_counter() - started)
         return results
 
-    async def _load_bounded(self, keys: list[str], outs: list[memoryview]) -> list[LoadResult]:
-        """`_load_into`, then values longer than any blob for their out (refused unread) counted
-        as integrity failures, deleted (best effort; never from a shared tier) and answered MISS."""
-        results = await self._load_into(keys, outs)
+    async def _load_bounded(
+        self, keys: list[str], outs: list[memoryview], check: BlobCheck | None
+    ) -> list[LoadResult]:
+        """`_load_into` (`_load_checked` with a check), then values longer than any blob for their
+        out (refused unread) counted as integrity failures, deleted (best effort; never from a
+        shared tier) and answered MISS."""
+        if check is None:
+            results = await self._load_into(keys, outs)
+        else:
+            results = await self._load_checked(keys, outs, check)
         oversized = [i for i, result in enumerate(results) if result.oversized]
         if not oversized:
             return results
@@ -300,6 +317,20 @@ class AdapterCore(ABC, Generic[V]):
         for i in oversized:
             results[i] = LoadResult(Status.MISS)
         return results
+
+    def _forget_each(self, keys: list[str]) -> tuple[list[OpResult], list[V]]:
+        """Pop each key from `_held`: OK or MISS per key, and the values popped (what the subclass
+        then removes from its backend)."""
+        results: list[OpResult] = []
+        popped: list[V] = []
+        for key in keys:
+            held = self._held.pop(key)
+            if held is None:
+                results.append(MISS)
+            else:
+                popped.append(held.value)
+                results.append(OK)
+        return results, popped
 
     def _backend_down(self, message: str) -> None:
         """The backend failed under a batch that still answers per key: health turns "down"."""
@@ -330,6 +361,14 @@ class AdapterCore(ABC, Generic[V]):
         """Default: nothing is read in place; every blob comes back whole for decode_into."""
         del outs
         return await self._load(keys)
+
+    async def _load_checked(
+        self, keys: list[str], outs: list[memoryview], check: BlobCheck
+    ) -> list[LoadResult]:
+        """load_into with the caller's check (storage.base). Default: the check is the caller's
+        (results unchecked); an adapter that reads in threads of its own runs it there."""
+        del check
+        return await self._load_into(keys, outs)
 
     @abstractmethod
     async def _delete(self, keys: list[str]) -> list[OpResult]: ...

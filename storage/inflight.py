@@ -2,7 +2,7 @@
 hand a caller's buffers back while an executor thread may still use them.
 
 State: OpGate keeps the set of tasks running through it and whether it is closed (event loop
-only). settled and gather_all keep nothing.
+only); ExecutorJobs the executor jobs running. settled and gather_all keep nothing.
 
 Primitives in call order:
   OpGate.run(coro)          the coroutine as a task, or GateClosed once the gate closed (also for
@@ -11,6 +11,9 @@ Primitives in call order:
   settled(job, interrupt)   await an executor job; a cancellation goes through only once the job
                             is done with the caller's memory
   gather_all(aws)           asyncio.gather that leaves nothing running when it raises
+  Placed(header)            what an executor read into a caller's out answers (disk, slab)
+  ExecutorJobs(executor)    .submit(fn, *args) ... await .wait(limit_s): an adapter's executor
+                            jobs, kept until done so that its close can wait for them
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import structlog
@@ -29,6 +33,13 @@ T = TypeVar("T")
 
 CLOSE_WAIT_S = 5.0
 CLOSED_MESSAGE = "adapter closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """An executor read put the blob's payload into the caller's out; `header` is its header."""
+
+    header: bytes
 
 
 async def settled(job: concurrent.futures.Future[T], interrupt: Callable[[], None] | None = None) -> T:
@@ -59,6 +70,31 @@ async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return cast(list[T], results)
+
+
+class ExecutorJobs:
+    """The jobs one adapter gave its executor, kept until each is done, so that its close can wait
+    for them (a descriptor or buffer a job uses must outlive it). Submitted from the event loop; a
+    job leaves the set from its thread when it ends."""
+
+    def __init__(self, executor: concurrent.futures.Executor) -> None:
+        self._executor = executor
+        self._running: set[concurrent.futures.Future[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        job = self._executor.submit(fn, *args)
+        self._running.add(job)
+        job.add_done_callback(self._running.discard)
+        return job
+
+    async def wait(self, limit_s: float | None = None) -> None:
+        """Until the jobs running now are done, or `limit_s` seconds passed (they run on)."""
+        running = [asyncio.wrap_future(job) for job in list(self._running)]
+        if running:
+            await asyncio.wait(running, timeout=limit_s)
 
 
 class GateClosed(Exception):

@@ -24,7 +24,10 @@ from engine.l1.lifecycle import L1Object
 from engine.l2.store_queue import StoreQueue
 from engine.tenants.ledger import TenantLedger
 from kvdepot_connector.protocol import encode_tokens
+from storage.auth import BlobKeys
 from storage.base import L2Adapter
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
 
 
 @dataclass
@@ -52,6 +55,12 @@ def key(n: int, salt: str = "") -> ObjectKey:
 
 def tokens(n: int, start: int = 0) -> bytes:
     return encode_tokens(list(range(start, start + n)))
+
+
+def seq(n_chunks: int, which: int, chunk_size: int = 16) -> bytes:
+    """`n_chunks` chunks of token sequence `which`: sequences of one `which` share their prefixes,
+    those of different ones (under 10^4 tokens) share nothing."""
+    return tokens(n_chunks * chunk_size, start=which * 10_000)
 
 
 @contextmanager
@@ -110,15 +119,23 @@ def admin(eng: CacheEngine) -> Administration:
     return build_admin(eng)
 
 
+def build_mock(config: AdapterConfig) -> L2Adapter:
+    """The in-memory mock adapter of a `MockAdapterConfig` (what l2_engine builds by default)."""
+    assert isinstance(config, MockAdapterConfig)
+    return MockAdapter(config)
+
+
 @asynccontextmanager
 async def l2_engine(
-    capacity: int, adapters: Sequence[AdapterConfig], build: Callable[[AdapterConfig], L2Adapter],
+    capacity: int, adapters: Sequence[AdapterConfig],
+    build: Callable[[AdapterConfig], L2Adapter] = build_mock,
     *, chunk_size: int = 16, store_policy: StorePolicy = "all", store_workers: int = 1,
-    ledger: TenantLedger | None = None, events: EventBus | None = None,
+    ledger: TenantLedger | None = None, events: EventBus | None = None, keys: BlobKeys | None = None,
 ) -> AsyncIterator[tuple[CacheEngine, FakeClock]]:  # fmt: skip
     """An engine whose L1 writes go behind to `adapters` (built by `build`, started, accounted in
     the engine's tenant ledger, a fresh one unless given), with `store_workers` write-behind workers
-    running; `engine.l2.store.wait_idle` tells when what was committed has been written."""
+    running; `engine.l2.store.wait_idle` tells when what was committed has been written. `keys`:
+    the deployment's blob keys (tiers with `authenticate` sign and check with them)."""
     clock = FakeClock()
     executor = ThreadPoolExecutor(1, thread_name_prefix="test-codec")
     l1 = l1_settings(chunk_size=chunk_size)
@@ -127,7 +144,9 @@ async def l2_engine(
         queue = StoreQueue(l2.store_queue_depth)
         ledger = ledger if ledger is not None else TenantLedger()
         cache = build_cache(l1, a.size, ledger, shedder=queue, events=events)
-        parts = build_l2(l2, cache=cache, queue=queue, arena=a, build=build, executor=executor, clock=clock)
+        parts = build_l2(
+            l2, cache=cache, queue=queue, arena=a, build=build, executor=executor, clock=clock, keys=keys
+        )
         eng = build_engine(l1, arena=a, cache=cache, l2=parts, clock=clock)
         store, prefetch, tiers = parts.store, parts.prefetch, parts.tiers
         loop = asyncio.get_running_loop()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the environment and runs every gate: ruff, mypy --strict, import layering, pytest.
+# Sets up the environment and runs every gate: ruff, mypy --strict, import layering, the
+# documentation site's mkdocs build --strict, pytest.
 # Extra arguments go to one pytest run over what they name (e.g. tests/run.sh -k allocator);
 # without any, the unit suite runs beside the installs, then the integration and e2e suites side
 # by side.
@@ -73,9 +74,13 @@ export TESTS_NEED_TOOLS=1  # (no KVDEPOT_ prefix: the sidecar refuses unknown KV
 echo "== ruff"
 .venv/bin/ruff check .
 echo "== mypy --strict"
-.venv/bin/mypy app api engine storage gpu fleet connector/kvdepot_connector
+.venv/bin/mypy app api engine storage gpu fleet httpkit bench connector/kvdepot_connector
 echo "== layering"
 .venv/bin/python tests/check_layering.py
+echo "== mkdocs build --strict"
+# The documentation site, built into a temporary directory: a broken link or anchor between its
+# pages fails (mkdocs.yml's validation settings, made fatal by --strict).
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$logs/site"
 echo "== setup_vllm"
 finish setup_vllm
 echo "== setup_dynamo"
@@ -92,10 +97,10 @@ if [ $# -eq 0 ]; then
   # The e2e suite (real vLLM engines: mostly CPU) runs beside the integration suite (real sidecars
   # and Redis: mostly waiting on them); they share no state (Redis keys under their own prefixes,
   # free ports, their own temporary directories). Its output follows the integration suite's.
-  background e2e .venv/bin/python -m pytest -p no:cacheprovider tests/e2e
+  background e2e .venv/bin/python -m pytest -p no:cacheprovider --durations=15 tests/e2e
   echo "== pytest: integration (the e2e suite runs beside it)"
   integration_rc=0
-  .venv/bin/python -m pytest tests/integration || integration_rc=$?
+  .venv/bin/python -m pytest --durations=25 tests/integration || integration_rc=$?
   echo "== pytest: e2e"
   e2e_rc=0
   wait "$(cat "$logs/e2e.pid")" || e2e_rc=$?

@@ -2,7 +2,7 @@
 
 Role: what `DataPlaneServer` answers to CLEAR (api/dataplane/server.py). CLEAR of every tenant is
 refused (`unauthorized`: it is an administrator's act); a tenant's clear is recorded in the audit
-log (api/http/audit.py) as the control plane's mutations are, with the tenant's L1 bytes before
+log (api/audit.py) as the control plane's mutations are, with the tenant's L1 bytes before
 and after, and the caller named by a digest of its engine instance nonce (never the nonce).
 
 State: none (the engine and the audit log it is given). Runs on the event loop.
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from api.http.audit import AuditLog, fingerprint
-from api.http.errors import http_status
+from api.audit import AuditLog, fingerprint
 from app.errors import KVDepotError, Unauthorized
 from engine.facade import CacheEngine
 from engine.tenants.quota import DEFAULT_TENANT, L1
+from httpkit.errors import http_status
 from kvdepot_connector import protocol as p
 
 

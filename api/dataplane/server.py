@@ -2,23 +2,22 @@
 on the sidecar's event loop.
 
 State: the transport (api/dataplane/transport.py: the ZMQ ROUTER socket, its reader and the tasks
-sending deferred replies) and the sessions (api/dataplane/sessions.py: routing id -> session,
-made by HELLO). Cache state lives in the engine facade; handlers are short
-synchronous calls into it, run inline in arrival order, so a COMMIT's reply is sent only after the
-objects are visible and the next LOOKUP from anyone sees them.
+sending deferred replies) and the sessions (api/dataplane/sessions.py: routing id -> session, made
+by HELLO). Cache state lives in the engine facade; handlers are short synchronous calls into it,
+run inline in arrival order, so a COMMIT's reply is sent only after the objects are visible and
+the next LOOKUP from anyone sees them.
 
-Every frame is decoded against the protocol's tagged union with bounds on every field; anything
-that fails (garbage, unknown op, wrong types, absurd sizes) gets an ErrorReply and changes nothing.
-Every error reply is made in one place, `_error`: the error's class gives its wire code
-(api/dataplane/errors.py) and the error counter counts it. An unexpected exception in a handler is
-logged and answered with code `internal`; the loop goes on. A handler that has to wait returns an
-awaitable, answered later (by the transport, from a task); its latency is observed and its log
-context bound until it is done.
+Every frame is decoded against the protocol's tagged union with bounds on every field; anything that
+fails (garbage, unknown op, wrong types, absurd sizes) gets an ErrorReply and changes nothing; it is
+made in one place, `_error`: the error's class gives its wire code (api/dataplane/errors.py) and
+the error counter counts it. An unexpected exception in a handler is logged and answered with code
+`internal`; the loop goes on. A handler that has to wait returns an awaitable, answered later (by
+the transport, from a task); its latency is observed and its log context bound until it is done.
 
 Identity: every connection says HELLO first (anything else before it: `hello_required`); its
 session names the engine instance it acts for. A message naming an engine id of another instance
-is refused with `not_owner` before its handler runs; reservations are checked by the facade.
-CLEAR of every tenant is refused (`unauthorized`: it is an administrator's act; api/dataplane/clear.py).
+is refused with `not_owner` before its handler runs; reservations are checked by the facade. CLEAR
+of every tenant is refused (`unauthorized`: an administrator's act; api/dataplane/clear.py).
 The HELLO reply hands the session its lifeline token (api/dataplane/sessions.py): a session whose
 lifeline closed is gone, and takes its reservations with it (`engine.end_holder`); the last session
 of an instance takes the instance's read locks and registrations (`engine.end_instance`). Until its
@@ -29,8 +28,7 @@ expires (checked on every frame), its instance with it when it was the instance'
 
 The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS) are answered by
 `copies` (api/dataplane/copies.py: the transfers given built, or made when first needed, so that a
-sidecar no engine asks to copy never imports torch); `prepare_transfers` starts making them early
-(an engine shared memory over its lifeline).
+sidecar no engine asks to copy never imports torch); `prepare_transfers` starts making them early.
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task), both the
 transport's, `handle(frame, peer) -> reply bytes` (what the transport calls for each frame; also
@@ -46,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
+from api.audit import AuditLog
 from api.dataplane.clear import clear_tenant
 from api.dataplane.copies import SidecarCopies
 from api.dataplane.errors import wire_code
 from api.dataplane.sessions import Session, SessionTable
 from api.dataplane.transport import RouterTransport
 from api.dataplane.workers import WorkerWatch
-from api.http.audit import AuditLog
 from api.lifeline import HANDSHAKE_TIMEOUT_S
 from api.metrics import DataPlaneMetrics
 from app import __version__
@@ -100,11 +98,9 @@ class DataPlaneServer:
         workers: WorkerRegistry | None = None,
         audit: AuditLog | None = None,
     ) -> None:
-        """`workers`: the worker registry every HELLO registers into (its `heartbeat_s` is what
-        the HELLO reply asks clients for); None: no registry, no heartbeats asked. `audit`: where
-        a CLEAR (a tenant's purge) is recorded, as the control plane's mutations are.
-        `handshake_s`: a session not held by its lifeline this long after its HELLO expires (none
-        do without a `lifeline_path`)."""
+        """`workers`: the worker registry every HELLO registers into (its `heartbeat_s` is what the
+        HELLO reply asks clients for; None: no heartbeats asked). `audit`: where a CLEAR is recorded.
+        `handshake_s`: a session not held by its lifeline this long after its HELLO expires."""
         self.engine = engine
         self.audit = audit
         #: START/END around every operation and ERROR for every error reply go to the engine's bus
@@ -127,7 +123,11 @@ class DataPlaneServer:
             url=url, max_frame_bytes=max_frame_bytes, handle=self.handle,
             malformed=lambda: self._error(-1, "malformed", ProtocolError("expected exactly one frame")),
         )  # fmt: skip
-        self._handlers: dict[type, Callable[[Any, Session], p.Reply | Awaitable[p.Reply]]] = {
+        self._handlers = self._handler_table()
+
+    def _handler_table(self) -> dict[type, Callable[[Any, Session], p.Reply | Awaitable[p.Reply]]]:
+        """Each message type and the method that answers it."""
+        return {
             p.Register: self._register,
             p.Lookup: self._lookup,
             p.QueryPrefetch: self._query_prefetch,
@@ -334,7 +334,8 @@ class DataPlaneServer:
 
     def _retrieve(self, m: p.Retrieve, s: Session) -> p.Reply:
         extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks, holder=s.id)
-        return p.RetrieveReply(id=m.id, extents=[p.Extent(e.offset, e.size, e.oid) for e in extents])
+        fences = [p.Fence(i, word) for i, word in self.engine.fence_words(extents)]
+        return p.RetrieveReply(id=m.id, extents=[p.Extent(*e) for e in extents], fences=fences)
 
     def _release(self, m: p.Release, s: Session) -> p.Reply:
         valid = self.engine.release(m.engine_id, m.request_id, m.oids, holder=s.id)

@@ -31,6 +31,7 @@ import structlog
 import zmq
 
 from app.errors import ConfigError
+from app.tasks import TaskSet
 
 log = structlog.get_logger("kvdepot.dataplane")
 
@@ -60,7 +61,7 @@ class RouterTransport:
         self._sock: zmq.Socket[bytes] | None = None
         self._closing = False
         self._done: asyncio.Future[None] | None = None
-        self._deferred: set[asyncio.Task[None]] = set()
+        self._deferred = TaskSet("dataplane-deferred-replies")
         self.running = False
 
     @property
@@ -162,9 +163,7 @@ class RouterTransport:
                 # arrived meanwhile would wait for the next one. Drain now.
                 self._on_readable()
 
-        task = asyncio.get_running_loop().create_task(send_later(), name="dataplane-deferred-reply")
-        self._deferred.add(task)
-        task.add_done_callback(self._deferred.discard)
+        self._deferred.spawn(send_later(), name="dataplane-deferred-reply")
 
     def stop(self) -> None:
         """Stop accepting: `serve` returns."""

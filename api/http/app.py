@@ -11,14 +11,15 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.http.audit import AuditCollector, AuditMiddleware
+from api.audit import AuditCollector
+from api.http.audit import AuditMiddleware
 from api.http.context import ControlContext
 from api.http.deps import token_ok
-from api.http.docs import install_docs
-from api.http.errors import install_error_handlers
-from api.http.guard import RequestGuard
 from api.http.routes import ROUTERS
 from app import __version__
+from httpkit.docs import install_docs
+from httpkit.errors import install_error_handlers
+from httpkit.guard import RequestGuard
 
 log = structlog.get_logger("kvdepot.http")
 

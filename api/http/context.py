@@ -7,7 +7,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
-from api.http.audit import AuditLog
+from api.audit import AuditLog
 from api.kvevents.inventory import Inventory
 from app.settings import Settings
 from engine.admin import Administration
@@ -49,4 +49,4 @@ class ControlContext:
     pins: PinService | None = None
     """Prefix pins (engine/pins/)."""
     audit: AuditLog = field(default_factory=AuditLog)
-    """The recent mutating calls (api/http/audit.py): GET /audit."""
+    """The recent mutating calls (api/audit.py): GET /audit."""

@@ -1,17 +1,27 @@
 """FastAPI dependencies, as `Annotated` aliases: the context, the admin-token guard, and whether a
-request holds the token (for answers that show tenants only to the token's holder)."""
+request holds the token (for answers that show tenants only to the token's holder); and
+`available`, a part of the context that this sidecar's settings may leave out, or NotFound."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.http.context import ControlContext
-from api.http.guard import bearer_ok
-from app.errors import Unauthorized
+from app.errors import NotFound, Unauthorized
 from app.settings import HttpSettings
+from httpkit.guard import admin_ok
+
+T = TypeVar("T")
+
+
+def available(part: T | None, what: str) -> T:
+    """`part` of the context; NotFound when this sidecar runs without it (`what`: plural)."""
+    if part is None:
+        raise NotFound(f"{what} are not available in this sidecar")
+    return part
 
 
 def get_ctx(request: Request) -> ControlContext:
@@ -26,8 +36,7 @@ _bearer = HTTPBearer(auto_error=False)
 
 def token_ok(http: HttpSettings, authorization: str | None) -> bool:
     """Whether an `Authorization` header value carries the admin token (always, when none is set)."""
-    token = http.admin_token
-    return token is None or bearer_ok(authorization, token.get_secret_value())
+    return admin_ok(http.admin_token, authorization)
 
 
 def is_admin(ctx: Ctx, request: Request) -> bool:

@@ -16,6 +16,9 @@ key: routers sharing the deployment can match tenants without learning the salt)
 `omit` (tenants merge in the hashes too). The tenant string also appears in `extra_keys`, like
 vLLM's own cache_salt entry.
 
+Each event names its tier as `medium` (`medium`: CPU for L1 and the adapter's name upper-cased for
+an L2 tier unless `kv_events.medium_names` says otherwise).
+
 State: a layout cache (fingerprint -> block and chunk size, learnt from registrations) and a seed
 cache, both bounded. Event loop only.
 """
@@ -41,13 +44,19 @@ LayoutOf = Callable[[bytes], "KVLayout | None"]
 
 
 def medium_of(tier: str) -> str:
-    """`CPU` for L1, the adapter's name upper-cased for an L2 tier."""
+    """The default medium of a tier: `CPU` for L1, the adapter's name upper-cased for an L2 tier
+    (`kv_events.medium_names` changes it: KvEventsSettings.medium)."""
     return MEDIUM_CPU if tier == L1_TIER else tier.upper()
 
 
 class BlockNamer:
-    def __init__(self, *, salt_mode: SaltMode, deployment_key: bytes, layout_of: LayoutOf) -> None:
+    def __init__(
+        self, *, salt_mode: SaltMode, deployment_key: bytes, layout_of: LayoutOf,
+        medium: Callable[[str], str] = medium_of,
+    ) -> None:  # fmt: skip
         self.salt_mode = salt_mode
+        #: tier name (engine/events.py: L1_TIER or the adapter's) -> the `medium` its events carry
+        self.medium = medium
         self._salt_key = blake3.blake3(b"kvdepot/kv-events/salt\0" + deployment_key).digest()
         self._layout_of = layout_of
         self._layouts: dict[bytes, tuple[int, int]] = {}
@@ -116,7 +125,7 @@ class BlockNamer:
         extra_keys: list[tuple[Any, ...] | None] | None = [tuple(entry)] * blocks if entry else None
         return BlockStored(
             block_hashes=hashes, parent_block_hash=parent_hash, token_ids=token_ids,
-            block_size=block_size, lora_id=None, medium=medium_of(ev.tier),
+            block_size=block_size, lora_id=None, medium=self.medium(ev.tier),
             lora_name=lora_name or None, extra_keys=extra_keys,
         )  # fmt: skip
 
@@ -126,4 +135,4 @@ class BlockNamer:
             self.unknown_layout += 1
             return None
         hashes = self.block_hashes(key, key.chunk_hash, sizes[1])
-        return BlockRemoved(block_hashes=hashes, medium=medium_of(tier))
+        return BlockRemoved(block_hashes=hashes, medium=self.medium(tier))

@@ -5,11 +5,18 @@ explicitly, loopback unless told otherwise."""
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from api.kvevents.wire import MEDIUM_CPU
+
 _Z85_KEY = 40
+
+TierKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+"""`l1` or an L2 adapter's name (its name may be one not configured yet: adapters come at runtime)."""
+Medium = Annotated[str, Field(pattern=r"^[A-Z0-9_.-]{1,64}$")]
+"""A `medium` as events carry it: upper case, as vLLM's (GPU, CPU) and NVIDIA Dynamo's (DISK)."""
 
 
 def endpoint_host(endpoint: str) -> str | None:
@@ -88,6 +95,21 @@ class KvEventsSettings(BaseModel):
         "refused (counted). Filters that are a prefix of kv@<host>@ (\"\" included) are always applied.",
     )  # fmt: skip
 
+    medium_names: dict[TierKey, Medium] = Field(
+        default_factory=dict, max_length=64,
+        description="The `medium` each tier's events and inventory name: `l1` or an L2 adapter's name "
+        "-> a name. Unnamed: L1 is CPU (vLLM's name for blocks offloaded to host memory), an L2 tier "
+        "its adapter's name upper-cased. NVIDIA Dynamo's router scores GPU (or no medium) by "
+        "default, keeps CPU and DISK as tiers of their own and drops any other name: {l1 = \"GPU\"} "
+        "makes L1 count where it scores. Names must differ (a consumer tells tiers apart by them).",
+    )  # fmt: skip
+
+    def medium(self, tier: str) -> str:
+        """The medium of `tier` (`l1`/`L1`, or an adapter's name)."""
+        if tier.lower() == "l1":
+            return self.medium_names.get("l1", MEDIUM_CPU)
+        return self.medium_names.get(tier, tier.upper())
+
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
     def _check_endpoint(cls, endpoint: str | None) -> str | None:
@@ -114,6 +136,13 @@ class KvEventsSettings(BaseModel):
                     "loopback) reads every tenant's token ids; use ipc:// (0600), set CURVE keys "
                     "(kv_events.curve_secret_key), or set kv_events.allow_plaintext_tcp=true"
                 )
+        named = list(self.medium_names.values())
+        if len(set(named)) != len(named):
+            raise ValueError(
+                "kv_events.medium_names: two tiers have one name (consumers could not tell them apart)"
+            )
+        if "L1" in self.medium_names:
+            raise ValueError("kv_events.medium_names: name the memory tier `l1`")
         if self.replay_endpoint is not None and self.endpoint is None:
             raise ValueError("replay_endpoint needs endpoint")
         if (self.curve_secret_key is None) != (self.curve_public_key is None):

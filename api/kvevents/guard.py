@@ -10,7 +10,7 @@ applies, how often a refused request is logged, and how an ipc endpoint is bound
   connected peer sent until that peer leaves, so a peer past REFUSED_PER_PEER refused filters is
   disconnected: peers.py.) The socket's RCVHWM is small, so one connection cannot queue in libzmq
   much more than the publisher reads meanwhile.
-- `Complaints` (api/complaints.py, re-exported here): counts every refusal and logs one line per
+- `Complaints` (app/complaints.py, re-exported here): counts every refusal and logs one line per
   `interval_s` at most, naming how many refusals it stands for (a flood of bad requests costs a
   counter, not a log line each).
 - `bind_private(sock, endpoint)`: an ipc socket file created 0600 (under a umask, then chmod), so
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import zmq
 
-from api.complaints import Complaints
+from app.complaints import Complaints
 from app.errors import ConfigError
 
 __all__ = ["Complaints", "SubscriptionFilter", "bind_private", "ipc_path"]

@@ -27,7 +27,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 
-from api.kvevents.blocks import SCHEME, BlockNamer, medium_of
+from api.kvevents.blocks import SCHEME, BlockNamer
 from api.kvevents.publisher import KvEventPublisher
 from engine.events import L1_TIER
 from engine.facade import CacheEngine
@@ -63,7 +63,7 @@ class Inventory:
             for tier in l2.tiers.active():
                 tiers.append((tier.name, _parsed(tier.adapter.held_keys())))
         for tier_name, keys in tiers:
-            medium = medium_of(tier_name)
+            medium = self.namer.medium(tier_name)
             page: list[bytes] = []
             for key in keys:
                 sizes = self.namer.sizes(key.namespace.layout_fp)

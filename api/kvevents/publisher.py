@@ -61,6 +61,7 @@ from api.kvevents.guard import (
 )  # fmt: skip
 from api.kvevents.peers import PeerDropper
 from api.kvevents.wire import END_SEQ, AllBlocksCleared, KVEvent, KVEventBatch, encode_batch, seq_bytes
+from app.tasks import TaskSet
 from engine.events import Event, Kind
 
 log = structlog.get_logger("kvdepot.kv_events")
@@ -100,7 +101,7 @@ class KvEventPublisher:
         self.peers: PeerDropper | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._zap: ZapHandler | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("kv-events-replay")
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- sockets --------------------------------------------------------------------------------
@@ -171,8 +172,7 @@ class KvEventPublisher:
         self._drain_replay()
 
     def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
                 if self._loop is not None and not self._loop.is_closed():
@@ -336,9 +336,7 @@ class KvEventPublisher:
             start = int.from_bytes(frames[2], "big", signed=True)
             entries = self._from(start)
             self.replays += 1
-            task = asyncio.get_running_loop().create_task(self._serve_replay(frames[0], entries))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._serve_replay(frames[0], entries))
         self._again("replay", self._drain_replay)
 
     def _from(self, start: int) -> list[tuple[int, bytes, bytes]]:

@@ -5,7 +5,9 @@ matched by id; copies between tensors and the arena run in a thread. Same operat
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import zmq
@@ -15,7 +17,10 @@ from kvdepot_connector import calls
 from kvdepot_connector import protocol as p
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.session import ClientBase, StoreOutcome
+from kvdepot_connector.outcomes import StoreOutcome
+from kvdepot_connector.session import ClientBase
+
+log = logging.getLogger("kvdepot_connector")
 
 
 class AsyncKVDepotClient(ClientBase):
@@ -108,13 +113,35 @@ class AsyncKVDepotClient(ClientBase):
         reply = await self._call(calls.retrieve(request_id, first_chunk, len(outs)))
         try:
             await asyncio.to_thread(self._session.copy_out, reply, outs)
-        finally:
-            valid = await self.release(request_id, self._session.oids(reply))
-        return valid
+        except BaseException:
+            await self.release(request_id, self._session.oids(reply))
+            raise
+        return await self.release(request_id, self._session.oids(reply), fences=reply.fences)
 
-    async def release(self, request_id: str, oids: Sequence[int] = ()) -> bool:
+    async def release(
+        self, request_id: str, oids: Sequence[int] = (), *, fences: Sequence[p.Fence] = ()
+    ) -> bool:
         """As `KVDepotClient.release`."""
+        if fences and self._session.unmoved(fences):
+            await self._post(calls.release(request_id, oids), "RELEASE")
+            self.released_unasked += 1
+            return True
         return await self._call(calls.release(request_id, oids))
+
+    async def _post(self, call: Call[Any], op: str) -> None:
+        """Send `call` without waiting for its reply; an error reply is counted and logged."""
+        sock = self._socket()
+        msg = self._session.message(call)
+        fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
+
+        def done(f: asyncio.Future[p.Reply]) -> None:
+            if not f.cancelled() and isinstance(f.result(), p.ErrorReply):
+                self.posted_errors += 1
+                log.warning("kvdepot: %s sent without waiting failed: %s", op, f.result())
+
+        fut.add_done_callback(done)
+        self._pending[msg.id] = fut
+        await sock.send(p.encode(msg))
 
     async def store(
         self,

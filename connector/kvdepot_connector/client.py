@@ -22,9 +22,11 @@ give the same nonce; a client given none has a random one of its own.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import zmq
@@ -34,11 +36,17 @@ from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
+from kvdepot_connector.outcomes import Locked, StoreOutcome
 from kvdepot_connector.protocol import encode_tokens
-from kvdepot_connector.session import ClientBase, Locked, StoreOutcome
+from kvdepot_connector.session import ClientBase
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
 
+
+log = logging.getLogger("kvdepot_connector")
+
+#: requests sent without waiting whose replies are remembered (to count the errors among them)
+MAX_POSTED = 4096
 
 #: a first RegisterKVCache waits for the sidecar to set up its copy engine
 REGISTER_KV_CACHE_TIMEOUT_S = 30.0
@@ -52,6 +60,8 @@ class KVDepotClient(ClientBase):
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._lock = threading.RLock()
+        #: ids of requests sent without waiting for their reply (a RELEASE whose fences held)
+        self._posted: dict[int, str] = {}
 
     # --- connection ----------------------------------------------------------------------------
 
@@ -87,7 +97,24 @@ class KVDepotClient(ClientBase):
             reply = p.reply_decoder.decode(sock.recv())
             if reply.id == msg.id:
                 return reply
-            # A late reply to an earlier request that timed out: skip it.
+            # A reply to a request sent without waiting, or a late one to a request that timed out.
+            self._late(reply)
+
+    def _late(self, reply: p.Reply) -> None:
+        """A reply nobody waits for: an error answering a request sent without waiting is counted
+        and logged (its locks expire with their lease), anything else is skipped."""
+        op = self._posted.pop(reply.id, None)
+        if op is not None and isinstance(reply, p.ErrorReply):
+            self.posted_errors += 1
+            log.warning("kvdepot: %s sent without waiting failed: %s", op, reply.message)
+
+    def _post(self, call: Call[Any], op: str) -> None:
+        """Send `call` without waiting for its reply (read, and skipped, by a later call)."""
+        msg = self._session.message(call)
+        self._socket().send(p.encode(msg), copy=False)
+        if len(self._posted) >= MAX_POSTED:  # replies that never came: the oldest is forgotten
+            self._posted.pop(next(iter(self._posted)))
+        self._posted[msg.id] = op
 
     def _handshake(self) -> None:
         for step in self._session.handshake():
@@ -166,14 +193,21 @@ class KVDepotClient(ClientBase):
             reply = self._call(calls.retrieve(request_id, first_chunk, len(outs)))
             try:
                 self._session.copy_out(reply, outs)
-            finally:
-                valid = self.release(request_id, self._session.oids(reply))
-            return valid
+            except BaseException:
+                self.release(request_id, self._session.oids(reply))
+                raise
+            return self.release(request_id, self._session.oids(reply), fences=reply.fences)
 
-    def release(self, request_id: str, oids: Sequence[int] = ()) -> bool:
+    def release(self, request_id: str, oids: Sequence[int] = (), *, fences: Sequence[p.Fence] = ()) -> bool:
         """Drop the request's locks. True only when copies from the objects `oids` (or, without
-        oids, from the request's locks) are valid."""
-        return self._call(calls.release(request_id, oids))
+        oids, from the request's locks) are valid. With the `fences` their RETRIEVE named, called
+        after the copies: when no fence moved, True without waiting for the sidecar's answer."""
+        with self._lock:
+            if fences and self._session.unmoved(fences):
+                self._post(calls.release(request_id, oids), "RELEASE")
+                self.released_unasked += 1
+                return True
+            return self._call(calls.release(request_id, oids))
 
     def locked(self, request_id: str, *, first_chunk: int, num_chunks: int) -> Locked:
         """Arena views (uint8) of the request's locked chunks `first_chunk..` and their object

@@ -321,8 +321,17 @@ class Extent(msgspec.Struct, array_like=True, frozen=True):
     oid: int = 0
 
 
+class Fence(msgspec.Struct, array_like=True, frozen=True):
+    """An arena segment's release-fence word as the RETRIEVE found it (kvdepot_connector.fences)."""
+
+    segment: int
+    word: int
+
+
 class RetrieveReply(Msg, tag="retrieve_reply"):
     extents: list[Extent]
+    #: the fence words of the segments the extents span; empty: the RELEASE's answer decides
+    fences: list[Fence] = msgspec.field(default_factory=list)
 
 
 class ReleaseReply(Msg, tag="release_reply"):

@@ -16,7 +16,8 @@ descriptors (kvdepot_connector.shm), never by name: every segment read-only, and
 the segments the sidecar grants this engine instance (write domains). Before copying into a slot
 in a segment not yet granted, the client reads the grant the sidecar sent before its STORE reply;
 after each commit it takes the grants already waiting (segments granted ahead of their first
-write) and maps them in the arena mapping's thread, off the next store's path (`map_ahead`).
+write) and maps them in the arena mapping's thread, off the next store's path (`map_ahead`); the
+grant handling is kvdepot_connector.grants.
 It is how the sidecar knows the client is alive: when it closes (the process died, or `close()`),
 the sidecar drops the session's reservations and, with the last session of the engine instance,
 the instance's read locks and registrations. When the HELLO reply asks for heartbeats
@@ -44,38 +45,17 @@ import itertools
 import os
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kvdepot_connector import grants
 from kvdepot_connector import protocol as p
 from kvdepot_connector.calls import Call, T, check_reply
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
+from kvdepot_connector.fences import Fences
 from kvdepot_connector.lifeline import Heartbeats, LifelineClient, LifelineError
+from kvdepot_connector.outcomes import Locked, StoreOutcome
 from kvdepot_connector.shm import ArenaMapping
-
-
-@dataclass(frozen=True, slots=True)
-class StoreOutcome:
-    stored: int
-    existing: int
-    no_space: int
-    quota: int
-    expired: int
-
-    @property
-    def complete(self) -> bool:
-        """Every requested chunk is now in L1 (stored now or already there)."""
-        return self.no_space == 0 and self.quota == 0 and self.expired == 0
-
-
-@dataclass(frozen=True, slots=True)
-class Locked:
-    """Arena views (uint8) of a request's read-locked chunks and their object ids: copy out of the
-    views, then `release(request_id, oids)`; its answer says whether the copies are valid."""
-
-    views: list[torch.Tensor]
-    oids: list[int]
 
 
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
@@ -109,6 +89,7 @@ class Session:
         self.engine_id = 0
         self.chunk_bytes = layout.chunk_bytes
         self.arena: ArenaMapping | None = None
+        self.fences: Fences | None = None
         self.lifeline: LifelineClient | None = None
         self.heartbeats: Heartbeats | None = None
         self.timeout_s = timeout_s
@@ -155,6 +136,7 @@ class Session:
             self.heartbeats = None
 
     def close_arena(self) -> None:
+        self._map_fences(None)
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -163,7 +145,11 @@ class Session:
 
     def hello(self) -> Call[None]:
         build = lambda i, _: p.Hello(  # noqa: E731
-            id=i, version=p.PROTOCOL_VERSION, client=self.name, instance=self.instance, role=self.role,
+            id=i,
+            version=p.PROTOCOL_VERSION,
+            client=self.name,
+            instance=self.instance,
+            role=self.role,
             rank=self.rank,
         )
         return Call(build, lambda r: self._accept_hello(check_reply(r, p.HelloReply)), registered=False)
@@ -182,6 +168,7 @@ class Session:
         """Map the arena from the descriptors the lifeline brought (never by name), unless the
         same arena is mapped already; the descriptors themselves are closed either way."""
         received = self.lifeline.received if self.lifeline is not None else {}
+        fences = received.pop("fences", None)
         fd = received.pop("arena", None)
         segments = sorted((int(k.split(":")[1]), v) for k, v in received.items() if k.startswith("arena:"))
         for k, _ in segments:
@@ -189,7 +176,8 @@ class Session:
         fds = [v for _, v in segments]
         try:
             if self.arena is not None and (self.arena.name, self.arena.size) == (
-                reply.arena_name, reply.arena_size
+                reply.arena_name,
+                reply.arena_size,
             ):
                 return
             self.close_arena()
@@ -205,52 +193,33 @@ class Session:
         finally:
             for f in fds if fd is None else [*fds, fd]:
                 os.close(f)
+            self._map_fences(fences)  # after close_arena, which unmaps the old ones
         self._take_grants()
 
-    def _take_grants(self, wait_for: int | None = None, *, soon: bool = False) -> None:
-        """Map the segments granted so far read-write (frames already waiting are read; with
-        `wait_for`, frames are read until that segment's grant came, and it is mapped here and
-        now; `soon`: the others are mapped in the arena mapping's thread)."""
-        line, arena = self.lifeline, self.arena
-        if line is None or arena is None or not arena.segment:
-            return
-        try:
-            line.poll()
-            if wait_for is not None and f"write:{wait_for}" not in line.granted:
-                fd = line.wait_granted(f"write:{wait_for}")
-                if fd is not None:
-                    line.granted[f"write:{wait_for}"] = fd
-        except LifelineError as exc:
-            raise SidecarUnavailable(f"lifeline: {exc}") from None
-        for name in [n for n in line.granted if n.startswith("write:")]:
-            fd = line.granted.pop(name)
-            index = int(name.split(":")[1])
-            if soon and index != wait_for:
-                arena.grant_soon(index, fd)
-                continue
+    def _map_fences(self, fd: int | None) -> None:
+        """Map the release fences the lifeline brought (closing `fd`); none: every RELEASE asks."""
+        if self.fences is not None:
+            self.fences.close()
+            self.fences = None
+        if fd is not None:
             try:
-                arena.grant(index, fd)
-            except (OSError, ValueError) as exc:
-                raise SidecarUnavailable(f"cannot map a granted segment: {exc}") from None
+                self.fences = Fences.open(fd) if self.map_arena else None
+            except (OSError, ValueError):
+                self.fences = None  # the RELEASEs ask the sidecar, as without fences
             finally:
                 os.close(fd)
 
+    def unmoved(self, fences: Sequence[p.Fence]) -> bool:
+        """The copies made since the RETRIEVE that named `fences` are valid, without asking."""
+        return self.fences is not None and self.engine_id != 0 and self.fences.unmoved(fences)
+
+    def _take_grants(self, wait_for: int | None = None, *, soon: bool = False) -> None:
+        grants.take(self.lifeline, self.arena, wait_for, soon=soon)
+
     def _writable(self, offset: int, size: int) -> ArenaMapping:
-        """The arena, once this process may write `[offset, offset+size)` (the grant read)."""
+        """The arena, once this process may write `[offset, offset+size)` (kvdepot_connector.grants)."""
         arena = self._mapped()
-        if not arena.writable(offset, size):
-            last = arena.segment_of(offset + max(size, 1) - 1)
-            for index in range(arena.segment_of(offset), last + 1):  # a chunk may span segments
-                if arena.writable(index * arena.segment, 1):
-                    continue
-                try:
-                    if arena.settle(index):  # granted ahead: being mapped in the mapping's thread
-                        continue
-                except (OSError, ValueError) as exc:
-                    raise SidecarUnavailable(f"cannot map a granted segment: {exc}") from None
-                self._take_grants(index)
-            if not arena.writable(offset, size):
-                raise SidecarError("refused", f"no write grant for the extent at {offset}", False)
+        grants.writable(self.lifeline, arena, offset, size)
         return arena
 
     def _connect_lifeline(self, reply: p.HelloReply) -> None:
@@ -328,7 +297,9 @@ class Session:
 
     def locked(self, reply: p.RetrieveReply) -> Locked:
         return Locked(
-            [self.region(ext.offset, ext.size) for ext in reply.extents], [ext.oid for ext in reply.extents]
+            [self.region(ext.offset, ext.size) for ext in reply.extents],
+            [ext.oid for ext in reply.extents],
+            reply.fences,
         )
 
     @staticmethod
@@ -397,6 +368,9 @@ class ClientBase:
             model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance,
             timeout_s=timeout_s, role=role, rank=rank,
         )  # fmt: skip
+        #: RELEASEs answered valid by the fences, without waiting; errors among their late replies
+        self.released_unasked = 0
+        self.posted_errors = 0
         self._open_transport()
 
     def _open_transport(self) -> None:

@@ -54,8 +54,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvdepot.l1.arena")
 
 PREFIX = "kvdepot-"
-#: segments of one arena at most (one lifeline frame carries their descriptors)
-MAX_SEGMENTS = 64
+#: segments of one arena at most (one lifeline frame carries their descriptors and the release
+#: fences': 64 at most)
+MAX_SEGMENTS = 63
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
 

@@ -1,22 +1,22 @@
 """L1Cache: the objects in the arena, their lifecycles, leases, eviction and tenant quotas.
 
-State (owned by the event loop, no locks): key -> object for everything not terminal, oid ->
-object for every live object and for write reservations (oids are random, 62 bits, drawn in
-batches by engine/l1/oids.py, never reused while their object lives; each reservation records the
-engine instance that owns it), the allocator, the eviction policy, counters, the tenant ledger it
-reports every object's memory into (charged from reservation until freed; engine/tenants), and
-the room maker (engine/l1/room.py, holding the `Shedder` given at construction: the write-behind
-queue, engine/l2/store_queue.py).
+State (owned by the event loop, no locks): key -> object for everything not terminal (two indexes,
+engine/l1/index.py), oid -> object for every live object and for write reservations (oids are
+random, 62 bits, drawn in batches by engine/l1/oids.py, never reused while their object lives;
+each reservation records the engine instance that owns it), the allocator, the eviction policy,
+counters, the tenant ledger it reports every object's memory into (charged from reservation until
+freed; engine/tenants), and the room maker (engine/l1/room.py, holding the `Shedder` given at
+construction: the write-behind queue, engine/l2/store_queue.py).
 Only this package changes an L1Object; the L2 controllers go through the primitives below.
 
 Primitives in call order:
   find(key)                      visible object or None (an access for the eviction policy)
   find_chain(ns, salt, hashes)   the visible objects of a chain of chunk hashes, up to the first
-                                 missing one (an access for the policy); no key is built (a second index:
-                                 (namespace, salt) -> chunk hash -> object, kept with the first)
+                                 missing one (an access for the policy); no key is built
   alive(oid)                     the object is still the same committed object (bytes unchanged)
   try_reserve(key, size, now[, temporary, owner])
                                  -> object in WRITE_RESERVED, or Refusal.QUOTA / Refusal.NO_SPACE
+                                 (engine/l1/results.py, with the counters)
   busy_for_io(obj)               context: threads write into the reservation, never reap it
   owner_of(oid)                  the owner of a live reservation, or None
   commit(oid, now)               -> READY (LeaseExpired if the reservation was reclaimed)
@@ -30,33 +30,21 @@ Primitives in call order:
                                  cleared and purged all the same); a temporary object (prefetched
                                  from L2) of such a key is committed as an ordinary one
   evict(...) / delete(obj) / clear(...)
-  fence_holder(holder)           a client session is suspect: its reservations are quarantined
-  release_holder(holder)         a client session is gone: its reservations and quarantine go
-  writer_done(holder, oids)      its late COMMIT/ABORT: those of its quarantined objects go
-  reap(now)                      reclaims expired write reservations: a client's are quarantined
-                                 (read locks: the facade)
+  fence_holder / reap / writer_done / release_holder
+                                 stalled or gone writers (engine/l1/fencing.py; read locks: the facade)
 
-Fencing: a client's write reservation (`holder` set at STORE) whose lease expires is QUARANTINED,
-not freed: its writer may be stalled, not dead, and would go on copying into whatever the extent
-became. Its key is free at once (a new reservation of it gets other memory) and COMMIT of it is
-refused (lease expired); the memory is freed when the holder is known gone (`release_holder`,
-when its lifeline closes). Quarantined bytes are counted per instance and in total
-(engine/l1/quarantine.py); a client reservation that would take its instance's quarantined and
-in-flight bytes past `quarantine_max_bytes`, or everyone's past `quarantine_total_max_bytes`, is
-refused (no_space, counted): a store never reserves more than its instance may still quarantine,
-and stalled writers never hold more than the total. The sidecar's own reservations (prefetch, its
-own copies) are not counted, refused only while their instance holds `quarantine_max_bytes`
-quarantined, and aborted at expiry as ever.
+Fencing (engine/l1/fencing.py): a client's write reservation whose lease expires, or whose session
+went suspect, is quarantined, not freed (its writer may be stalled) until its holder is gone or done
+with it. A client reservation taking its instance's quarantined and in-flight bytes past
+`quarantine_max_bytes`, or everyone's past `quarantine_total_max_bytes`, is refused (no_space).
 
-Events: a committed object that leaves is published as REMOVED (tier L1) on the bus given at
-construction: "evicted" (room, quotas), "deleted" (delete, last reader or pin of a doomed or
-temporary object), or the reason `delete`/`clear` are given; a reservation that never became
-visible announces nothing.
+Events: a committed object that leaves is published as REMOVED (tier L1) on `events`: "evicted"
+(room, quotas), "deleted" (delete, last reader or pin of a doomed or temporary object), or the
+reason `delete`/`clear` are given; a reservation that never became visible announces nothing.
 
-Write domains (engine/l1/domains.py; `domains` given at construction, for an arena of segments):
-a client's reservation (`holder` set) is placed in its engine instance's segments, the sidecar's
-own in the sidecar's; `domains.freed` hears of every extent freed. Without domains the arena is one
-space, as before.
+Write domains (engine/l1/domains.py; `domains`, for an arena of segments): a client's reservation
+(`holder` set) goes in its engine instance's segments, the sidecar's own in the sidecar's;
+`domains.freed` hears of every extent freed, after `fences` (engine/l1/fences.py) moved its words.
 
 Room is made on reserve by the `RoomMaker` (engine/l1/room.py), which shares the allocator,
 policy, ledger and counters: first within the tenant's L1 quota (its own ready objects in policy order, then
@@ -67,9 +55,7 @@ of any tenant in policy order, then queued chunks of any tenant; else NO_SPACE).
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from app.errors import LeaseExpired, NotFound
 from engine.events import L1_TIER, EventBus, Kind
@@ -77,36 +63,18 @@ from engine.keys import Namespace, ObjectKey
 from engine.l1.allocator import ExtentAllocator
 from engine.l1.domains import SIDECAR, WriteDomains
 from engine.l1.eviction import EvictionPolicy
+from engine.l1.fences import ReleaseFences
+from engine.l1.fencing import Fencing
+from engine.l1.index import KeyIndex
 from engine.l1.lifecycle import Event, L1Object, ObjectState
 from engine.l1.oids import OidSource
 from engine.l1.quarantine import Quarantine
+from engine.l1.results import L1Counters, Refusal
 from engine.l1.room import RoomMaker, Shedder
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1
 
-
-class Refusal(enum.Enum):
-    """Why `try_reserve` made no reservation."""
-
-    NO_SPACE = "no_space"
-    QUOTA = "quota"
-
-
-@dataclass(slots=True)
-class L1Counters:
-    reserved: int = 0
-    committed: int = 0
-    aborted: int = 0
-    evicted: int = 0
-    evicted_bytes: int = 0
-    deleted: int = 0
-    no_space: int = 0
-    quota_refused: int = 0
-    quota_evicted: int = 0
-    expired_reservations: int = 0
-    quarantined: int = 0
-    quarantine_freed: int = 0
-    quarantine_refused: int = 0
+__all__ = ["L1Cache", "L1Counters", "Refusal"]  # the cache's types (engine/l1/results.py) with it
 
 
 class L1Cache:
@@ -128,16 +96,14 @@ class L1Cache:
         self.allocator = allocator
         #: who may write which segment (None: the arena is one segment anyone writes)
         self.domains = domains
-        #: REMOVED (tier L1) is published here when a committed object leaves (events disabled: none)
         self.events = events if events is not None else EventBus(enabled=False)
         self.policy = policy
+        self.fences: ReleaseFences | None = None  # words a reader checks after its copy; None: it asks
         #: usage per tenant; without one given, a ledger without quotas (everyone shares freely)
         self.ledger = ledger if ledger is not None else TenantLedger()
         self.write_lease_s = write_lease_s
         self.counters = L1Counters()
-        self._objects: dict[ObjectKey, L1Object] = {}
-        #: the same objects as `_objects`, by (namespace, salt), then chunk hash: for `find_chain`
-        self._chains: dict[tuple[Namespace, str], dict[bytes, L1Object]] = {}
+        self._index = KeyIndex()
         self._reservations: dict[int, L1Object] = {}
         self._by_oid: dict[int, L1Object] = {}
         self._oids = OidSource()
@@ -151,22 +117,27 @@ class L1Cache:
             capacity // 2 if quarantine_max_bytes is None else quarantine_max_bytes,
             capacity * 3 // 4 if quarantine_total_max_bytes is None else quarantine_total_max_bytes,
         )
+        self._fencing = Fencing(
+            self.quarantine, self._reservations, counters=self.counters, ledger=self.ledger,
+            aligned=allocator.aligned, abort=self.abort, forget=self._index.forget,
+            free=self._free_quarantined,
+        )  # fmt: skip
 
     # --- queries -------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._index)
 
     def objects(self) -> Iterator[L1Object]:
         """Every live object (a snapshot): for whole-cache checks."""
-        return iter(list(self._objects.values()))
+        return iter(list(self._index.values()))
 
     def peek(self, key: ObjectKey) -> L1Object | None:
         """The object under `key` in any live state, without telling the eviction policy."""
-        return self._objects.get(key)
+        return self._index.get(key)
 
     def find(self, key: ObjectKey, now: float) -> L1Object | None:
-        obj = self._objects.get(key)
+        obj = self._index.get(key)
         if obj is None or not obj.visible or obj.doomed:
             return None
         obj.last_access = now
@@ -175,7 +146,7 @@ class L1Cache:
 
     def find_chain(self, ns: Namespace, salt: str, hashes: Sequence[bytes], now: float) -> list[L1Object]:
         """What `find` gives for the keys (ns, salt, hashes[i]), i = 0.. up to the first None."""
-        chain = self._chains.get((ns, salt))
+        chain = self._index.chain(ns, salt)
         found: list[L1Object] = []
         if chain is None:
             return found
@@ -202,7 +173,7 @@ class L1Cache:
         counts = {
             s.value: 0 for s in (ObjectState.WRITE_RESERVED, ObjectState.READY, ObjectState.READ_LOCKED)
         }
-        for obj in self._objects.values():
+        for obj in self._index.values():
             counts[obj.state.value] += 1
         return counts
 
@@ -219,7 +190,7 @@ class L1Cache:
         `overflow`: for a write of the sidecar's (an L2 load), the engine instance whose write domain
         takes it when the sidecar's own segments have no room (its request asked for it: it counts
         as that engine's write)."""
-        if key in self._objects:
+        if key in self._index:
             raise ValueError("reserve of a key that is present")
         salt = key.salt
         charge = self.allocator.aligned(size)
@@ -247,8 +218,7 @@ class L1Cache:
         )  # fmt: skip
         obj.apply(Event.RESERVE)
         obj.lease_deadline = now + self.write_lease_s
-        self._objects[key] = obj
-        self._chains.setdefault((key.namespace, salt), {})[key.chunk_hash] = obj
+        self._index.add(obj)
         self._reservations[oid] = obj
         self._by_oid[oid] = obj
         ledger.charge(salt, L1, charge)
@@ -358,7 +328,7 @@ class L1Cache:
     def clear(self, predicate: Callable[[L1Object], bool] | None = None, reason: str = "deleted") -> int:
         """Delete every object (`predicate`: those it accepts); `reason` as for `delete`."""
         n = 0
-        for obj in list(self._objects.values()):
+        for obj in list(self._index.values()):
             if predicate is None or predicate(obj):
                 self.delete(obj, reason)
                 n += 1
@@ -379,75 +349,26 @@ class L1Cache:
         policy, for room or for quota; `delete` and `clear` remove them all the same."""
         self._room.kept = kept
 
-    def release_holder(self, holder: int) -> int:
-        """The client session `holder` is gone (its lifeline closed: it writes no more): its
-        reservations are dropped and its quarantined memory freed. Returns the reservations."""
-        mine = [o for o in self._reservations.values() if o.holder == holder]
-        for obj in mine:
-            self.abort(obj)
-        self._unquarantine(self.quarantine.take(holder))
-        return len(mine)
-
-    def writer_done(self, holder: int, oids: Iterable[int]) -> int:
-        """The client session `holder` committed or aborted `oids` after their lease expired: it
-        copies into them no more (a client commits once its copies are done), so those it holds
-        quarantined are freed now instead of when its lifeline closes. The extents stay in the
-        writer's own write domain (engine/l1/domains.py). Returns how many."""
-        return self._unquarantine(self.quarantine.take(holder, oids)) if holder else 0
-
-    def _unquarantine(self, objects: list[L1Object]) -> int:
-        for obj in objects:
-            obj.apply(Event.FREE)
-            self.counters.quarantine_freed += 1
-            self._by_oid.pop(obj.oid, None)
-            self._free(obj.offset)
-        return len(objects)
+    # --- fencing (engine/l1/fencing.py) --------------------------------------------------------
 
     def fence_holder(self, holder: int) -> int:
-        """The client session `holder` is suspect (silent: stalled or dying): its reservations
-        are quarantined now, as if their lease expired (see the module docstring: their commit is
-        refused, their memory kept until `release_holder`). Returns how many."""
-        mine = [o for o in self._reservations.values() if o.holder == holder and not o.io_busy]
-        for obj in mine:
-            self._fence(obj)
-        return len(mine)
+        """The client session `holder` is suspect: its reservations are quarantined. How many."""
+        return self._fencing.fence_holder(holder)
 
     def reap(self, now: float) -> int:
-        """Reclaim write reservations whose lease expired: those a client writes into are
-        quarantined (their writer may still be copying), the sidecar's own are aborted. Returns
-        how many."""
-        expired = [o for o in self._reservations.values() if o.lease_deadline <= now and not o.io_busy]
-        for obj in expired:
-            if obj.holder:
-                self._fence(obj)
-            else:
-                self.abort(obj)
-        self.counters.expired_reservations += len(expired)
-        return len(expired)
+        """Expired write reservations: a client's quarantined, the sidecar's aborted. How many."""
+        return self._fencing.reap(now)
 
-    def _fence(self, obj: L1Object) -> None:
-        """Quarantine a client's expired reservation: its key is free for others at once, it
-        can no longer be committed, and its memory stays allocated (never reused, so late bytes
-        of a stalled writer land nowhere else) until `release_holder(obj.holder)`."""
-        del self._reservations[obj.oid]
-        obj.apply(Event.QUARANTINE)
-        self._forget(obj)
-        charge = self.allocator.aligned(obj.size)
-        self.ledger.credit(obj.key.salt, L1, charge)  # the tenant holds no chunk there any more
-        self.quarantine.add(obj, charge)
-        self.counters.quarantined += 1
+    def writer_done(self, holder: int, oids: Iterable[int]) -> int:
+        """`holder`'s late COMMIT/ABORT of `oids`: those it holds quarantined are freed. How many."""
+        return self._fencing.writer_done(holder, oids)
+
+    def release_holder(self, holder: int) -> int:
+        """The client session `holder` is gone: its reservations and quarantine go. Returns the
+        reservations."""
+        return self._fencing.release_holder(holder)
 
     # --- internals -----------------------------------------------------------------------------
-
-    def _forget(self, obj: L1Object) -> None:
-        """`obj` is no longer what its key names (both indexes)."""
-        key = obj.key
-        if self._objects.get(key) is obj:
-            del self._objects[key]
-            chain = self._chains[key.namespace, key.salt]
-            del chain[key.chunk_hash]
-            if not chain:
-                del self._chains[key.namespace, key.salt]
 
     def _removed(self, obj: L1Object, reason: str) -> None:
         events = self.events
@@ -459,14 +380,21 @@ class L1Cache:
         self._release(obj)
 
     def _release(self, obj: L1Object) -> None:
-        self._forget(obj)
+        self._index.forget(obj)
         self._by_oid.pop(obj.oid, None)
         self.policy.on_remove(obj)
         self._free(obj.offset)
         self.ledger.credit(obj.key.salt, L1, self.allocator.aligned(obj.size))
 
+    def _free_quarantined(self, obj: L1Object) -> None:
+        self._by_oid.pop(obj.oid, None)
+        self._free(obj.offset)
+
     def _free(self, offset: int) -> None:
+        size = self.allocator.size_of(offset)
+        if self.fences is not None:
+            self.fences.bump_extent(offset, size)
         domains = self.domains
         if domains is not None:
-            domains.freed(offset, self.allocator.size_of(offset))
+            domains.freed(offset, size)
         self.allocator.free(offset)

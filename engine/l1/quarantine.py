@@ -3,7 +3,7 @@ is known gone or done with it, and the budget that bounds it.
 
 Role: fencing. A writer stalled past its write lease (a GC pause, SIGSTOP, an overloaded worker)
 keeps copying at the offsets it was given; a generation check cannot stop those late bytes, so
-the extent must not be reused while the writer may live. L1Cache (engine/l1/cache.py) moves such a
+the extent must not be reused while the writer may live. The fencing (engine/l1/fencing.py) moves such a
 reservation to QUARANTINED and hands it here; it frees the memory when the holder session is gone
 (its lifeline closed), or, object by object, when the holder itself commits or aborts it late
 (it copies into it no more).
@@ -20,7 +20,7 @@ is nil (a cap below one chunk still lets a chunk through). Reservations the side
 holds `max_bytes` quarantined.
 
 State: holder session -> its quarantined objects (with their aligned bytes), quarantined bytes and
-bytes in flight per engine instance, totals. Owned by the event loop (through L1Cache only).
+bytes in flight per engine instance, totals. Owned by the event loop (through L1Cache and its fencing only).
 
 Primitives in call order: `refuses(instance, nbytes)`, `reserved(instance, nbytes)`, then
 `settled(instance, nbytes)` (committed or aborted) or `add(obj, nbytes)` (quarantined), and

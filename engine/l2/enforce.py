@@ -2,8 +2,9 @@
 blobs in each tier are evicted down to the new limit then, not at its next write there (a tenant
 that stopped writing would otherwise stay over its limit indefinitely).
 
-A local tier is judged by the ledger this sidecar keeps (`tiers.ledger`); a fleet-scope tier (a
-Redis adapter with a `fleet` ledger, storage/redis_fleet.py) by what that ledger says fleet-wide.
+A local tier is judged by the ledger this sidecar keeps (`tiers.ledger`); a tier with a fleet
+ledger (the adapter's `fleet` capability, storage/base.py: a fleet-scope Redis) by what that ledger
+says fleet-wide.
 A tier that does not answer is left as it is and logged: the tenant's next write there meets the
 limit (engine/l2/store.py). Stateless; event loop.
 """
@@ -14,7 +15,6 @@ import structlog
 
 from app.errors import BackendError
 from engine.l2.tiers import L2Tiers
-from storage.redis_fleet import FleetLedger
 
 log = structlog.get_logger("kvdepot.l2")
 
@@ -25,9 +25,9 @@ async def enforce_quota(tiers: L2Tiers, salt: str) -> int:
     ledger = tiers.ledger
     evicted = 0
     for tier in tiers.active():
-        fleet = getattr(tier.adapter, "fleet", None)
+        fleet = tier.adapter.capabilities().fleet
         try:
-            if isinstance(fleet, FleetLedger):
+            if fleet is not None:
                 used, _, limit = await fleet.usage(salt)
             else:
                 limit = None if ledger is None else ledger.limit(salt, tier.name)

@@ -12,7 +12,8 @@ from typing import get_args
 
 from engine.results import Registration
 from kvdepot_connector.layout import kv_run_elems
-from storage import blob_header, codec
+from storage import codec
+from storage.codec import blob_header
 
 _CODEC_DTYPES: frozenset[str] = frozenset(get_args(blob_header.ValueDtype))
 

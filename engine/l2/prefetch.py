@@ -4,7 +4,7 @@ State: one `Prefetch` handle per request in flight (its task, how many chunks it
 are loaded, a done event; the request's state keeps it), the chunks being loaded (a future each,
 shared by every prefetch that wants them), a semaphore bounding chunk loads across all requests,
 counters. Owned by the event loop; adapters read into the arena from their own threads, blob
-checks and decodes run in the codec executor.
+checks and decodes run there (disk) or in the codec executor.
 
 One prefetch, in order:
   1. locate: ask the active tiers, in order, which of the missing chunks they hold; the run is the
@@ -15,7 +15,9 @@ One prefetch, in order:
   3. load straight into the reservations (adapter.load_into: a raw blob's payload lands in L1,
      checked there by codec.verify_in_place; any other blob is decoded into it by
      codec.decode_into: key, layout, checksum, and for a tier with `authenticate` the MAC with the
-     deployment's keys), at most `max_inflight` chunks at once over all requests
+     deployment's keys), at most `max_inflight` chunks at once over all requests. The check goes
+     to the adapter with the load (a codec.BlobCheck): an adapter that reads in threads of its own
+     (disk) runs it in the thread that read the blob; for any other the codec executor runs it
   4. in chunk order, commit each loaded chunk and hand it to the request (`attach`), which
      read-locks it; the first failure (miss, error, integrity) ends the run
 At the deadline whatever has not been attached is a miss: the request's hit is the prefix attached
@@ -31,14 +33,14 @@ Events: START/END "l2.prefetch" (request_id) around the whole prefetch (tier "",
 chunks handed to the request) and around each adapter's part of it (tier = the adapter: from asking
 it which chunks it holds to its last load, END detail = chunks loaded from it),
 START/END "l2.load" (tier = the adapter) around each load, STORED (tier L1, op "l2.load",
-reason = the tier it came from) when a loaded chunk is committed, REMOVED "corrupt" for a blob that
+reason = the tier it came from, the chunk's tokens, parent and extra key from the lookup's chain)
+when a loaded chunk is committed, REMOVED "corrupt" for a blob that
 failed its check and is deleted, ERROR "l2.load" for a load that failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -48,7 +50,7 @@ from typing import Any
 import structlog
 
 from app.errors import AuthenticationError, IntegrityError, LeaseExpired, UnknownKey
-from engine.events import L1_TIER, EventBus, Kind
+from engine.events import L1_TIER, ChunkOrigin, EventBus, Kind
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache, Refusal
@@ -60,6 +62,7 @@ from engine.tenants.quota import L1
 from storage import codec
 from storage.auth import BlobKeys
 from storage.base import LoadResult
+from storage.inflight import settled
 
 log = structlog.get_logger("kvdepot.l2.prefetch")
 
@@ -139,11 +142,13 @@ class PrefetchController:
         self._unknown_logged: set[tuple[str, str]] = set()  # (tier, key id) said once
 
     def start(
-        self, reg: Registration, keys: list[ObjectKey], attach: Attach, request_id: str = ""
-    ) -> Prefetch:
-        """Bring `keys` (a lookup's misses, in chain order) from L2 for `request_id`."""
+        self, reg: Registration, keys: list[ObjectKey], attach: Attach, request_id: str = "",
+        origins: Callable[[int], ChunkOrigin] | None = None,
+    ) -> Prefetch:  # fmt: skip
+        """Bring `keys` (a lookup's misses, in chain order) from L2 for `request_id`; `origins(j)`:
+        what the STORED event of keys[j] says of the chunk (tokens, parent, ...)."""
         p = Prefetch(trying=len(keys))
-        run = self._run(p, reg, keys, attach, _Spans(self.events, request_id))
+        run = self._run(p, reg, keys, attach, _Spans(self.events, request_id), origins=origins)
         p.task = asyncio.get_running_loop().create_task(run, name="prefetch")
         self._running.add(p.task)
         p.task.add_done_callback(self._on_done)
@@ -164,8 +169,9 @@ class PrefetchController:
     # --- one prefetch --------------------------------------------------------------------------
 
     async def _run(
-        self, p: Prefetch, reg: Registration, keys: list[ObjectKey], attach: Attach, spans: _Spans
-    ) -> None:
+        self, p: Prefetch, reg: Registration, keys: list[ObjectKey], attach: Attach, spans: _Spans, *,
+        origins: Callable[[int], ChunkOrigin] | None,
+    ) -> None:  # fmt: skip
         slots: list[_Slot] = []
         served: dict[str, int] = {}  # chunks handed to the request, by the tier that served them
         outcome = "ok"
@@ -181,9 +187,9 @@ class PrefetchController:
                         spans.loading(slot.tier.name)
                         slot.task = asyncio.get_running_loop().create_task(self._load(slot, reg, spans))
                 spans.located()
-                for slot in slots:
+                for j, slot in enumerate(slots):
                     late_l1 = slot.ready is not None  # in L1 by the time it was reserved
-                    obj = await self._arrive(slot)
+                    obj = await self._arrive(slot, origins(j) if origins is not None else None)
                     if obj is None:
                         break
                     if not attach(obj):
@@ -211,8 +217,8 @@ class PrefetchController:
             finally:
                 spans.close(outcome, p.loaded)
 
-    async def _arrive(self, slot: _Slot) -> L1Object | None:
-        """The slot's chunk, ready in L1 (committed if we loaded it), or None."""
+    async def _arrive(self, slot: _Slot, origin: ChunkOrigin | None) -> L1Object | None:
+        """The slot's chunk, ready in L1 (committed if we loaded it, announced with `origin`), or None."""
         if slot.ready is not None:
             return slot.ready if slot.ready.visible else None
         if slot.waiting is not None:
@@ -230,7 +236,10 @@ class PrefetchController:
             slot.obj = None
         self._resolve(slot.key, obj)
         if self.events.enabled:
-            self.events.emit(Kind.STORED, tier=L1_TIER, key=obj.key, op="l2.load", reason=slot.tier.name)
+            self.events.emit(
+                Kind.STORED, tier=L1_TIER, key=obj.key, op="l2.load", reason=slot.tier.name,
+                **(origin.fields() if origin is not None else {}),
+            )  # fmt: skip
         self.counters.chunks_loaded += 1
         self.counters.bytes_loaded += obj.size
         slot.ready = obj
@@ -311,13 +320,20 @@ class PrefetchController:
                 events = self.events
                 span = events.start("l2.load", tier=slot.tier.name) if events.enabled else 0
                 got: LoadResult | None = None
+                # The MAC with the deployment's keys where the tier authenticates, else the checksum.
+                check = codec.BlobCheck(
+                    reg.namespace.layout_fp, self._keys if slot.tier.config.authenticate else None
+                )
                 with slot.tier.use():
                     try:
-                        result = got = (await slot.tier.adapter.load_into([slot.name], [out]))[0]
+                        result = got = (await slot.tier.adapter.load_into([slot.name], [out], check))[0]
                     finally:
                         if span:
                             status = "cancelled" if got is None else got.status.value
                             events.end(span, "l2.load", tier=slot.tier.name, reason=status)
+                if result.failed_check is not None:  # the check, run in the adapter's thread
+                    self._failed_check(slot, result.failed_check)
+                    return False
                 if not result.ok or result.data is None:
                     if result.status.value == "error":
                         self.counters.load_errors += 1
@@ -325,22 +341,13 @@ class PrefetchController:
                     return False
                 if not _reserved(obj):
                     return False
-                check = codec.verify_in_place if result.in_place else codec.decode_into
-                keys = self._keys if slot.tier.config.authenticate else None
-                fut = asyncio.get_running_loop().run_in_executor(
-                    self._executor, check, result.data, slot.name, reg.namespace.layout_fp, out, keys
-                )
+                if result.checked:
+                    return True
+                job = self._executor.submit(check, slot.name, result.data, out, result.in_place)
                 try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    # The check or copy may be running in a thread: let it finish before the
-                    # reservation can be aborted and its memory handed to someone else.
-                    while not fut.done():
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await asyncio.wait([fut])
-                    if not fut.cancelled():
-                        fut.exception()  # retrieved: nobody waits for the outcome any more
-                    raise
+                    # Cancelled, it waits until the thread is done with the reservation, before
+                    # that can be aborted and its memory handed to someone else.
+                    await settled(job)
                 except IntegrityError as exc:
                     self._failed_check(slot, exc)
                     return False

@@ -1,9 +1,10 @@
-"""The periodic reconcile of every fleet-scope Redis adapter's tenant ledger (storage/redis_fleet.py).
+"""The periodic reconcile of every adapter's fleet ledger (its `fleet` capability, storage/base.py:
+a fleet-scope Redis adapter's tenant ledger, storage/redis/fleet.py).
 
-Role: one supervised loop for all adapters, those attached at run time included: each fleet-scope
-adapter with a `reconcile_interval_s` is reconciled that often (first one interval after it was
-seen), one adapter at a time, the scan bounded by its `scan_keys_per_s`. A failed round (Redis
-down) is logged and tried again at the next interval; it never ends the loop.
+Role: one supervised loop for all adapters, those attached at run time included: each fleet ledger
+with a `reconcile_interval_s` is reconciled that often (first one interval after it was seen), one
+adapter at a time, its scan bounded by the adapter's own rate (Redis: `scan_keys_per_s`). A failed
+round (Redis down) is logged and tried again at the next interval; it never ends the loop.
 
 State: when each adapter is due (by adapter identity, forgotten once it is detached). Event loop.
 
@@ -18,8 +19,6 @@ import time
 import structlog
 
 from engine.l2.tiers import L2Tiers
-from storage.config import RedisAdapterConfig
-from storage.redis_fleet import FleetLedger
 
 log = structlog.get_logger("kvdepot.l2.reconcile")
 
@@ -29,22 +28,20 @@ async def reconcile_due(tiers: L2Tiers, due: dict[int, float], now: float) -> in
     seen: set[int] = set()
     done = 0
     for tier in tiers.active():
-        fleet = getattr(tier.adapter, "fleet", None)
-        config = tier.config
-        if not isinstance(fleet, FleetLedger) or not isinstance(config, RedisAdapterConfig):
-            continue
-        if config.reconcile_interval_s is None:
+        fleet = tier.adapter.capabilities().fleet
+        interval = None if fleet is None else fleet.reconcile_interval_s
+        if fleet is None or interval is None:
             continue
         ident = id(tier.adapter)
         seen.add(ident)
         if ident not in due:
-            due[ident] = now + config.reconcile_interval_s
+            due[ident] = now + interval
             continue
         if now < due[ident]:
             continue
-        due[ident] = now + config.reconcile_interval_s
+        due[ident] = now + interval
         try:
-            report = await fleet.reconcile(config.scan_keys_per_s)
+            report = await fleet.reconcile()
         except Exception as exc:
             log.warning("l2_reconcile_failed", adapter=tier.name, error=f"{type(exc).__name__}: {exc}")
             continue

@@ -3,7 +3,8 @@
 State: the bounded FIFO of pending chunks (engine/l2/store_queue.py, built first and given to L1
 as its shedder), each pinned in L1 (`cache.pin`: not evicted or reused before it is written), a
 bounded record of how often each chunk was seen (for the `seen_twice` policy), the bytes being
-written per (tenant, tier), counters (shared with the queue). Owned by the event loop; encoding
+written per (tenant, tier) (engine/l2/store_quota.py), counters (shared with the queue). Owned by
+the event loop; encoding
 (a checksum over the whole chunk, optional FP8/lz4, and the MAC when a target tier authenticates:
 one blob, signed with the deployment's first key, serves every tier) runs in the codec executor,
 adapter I/O in the adapters.
@@ -27,8 +28,9 @@ chunks, END's detail = its chunks written) around each batch written to a tier, 
 in the batch, then per chunk STORED (tier = the adapter) or ERROR (op "l2.store").
 
 Tenant quotas in L2 (`l2_bytes`, a limit per adapter; the ledger is `tiers.ledger`, into which
-each adapter reports what it holds). Before a blob of tenant s is written to tier t, with L the
-limit of (s, t), H what s holds there and P the bytes of s being written there by other batches:
+each adapter reports what it holds; engine/l2/store_quota.py applies them). Before a blob of
+tenant s is written to tier t, with L the limit of (s, t), H what s holds there and P the bytes of
+s being written there by other batches:
 - H + P + size <= L: written.
 - otherwise s's own least recently used blobs in that adapter are evicted (`evict_salt`, never
   another tenant's) until it fits; if that cannot make it fit (the blob is larger than L, or P
@@ -38,8 +40,9 @@ limit of (s, t), H what s holds there and P the bytes of s being written there b
   quota 0 stores nothing, and in allowlist mode (limit 0 without a quota) neither do
   salts without a quota. A chunk whose tenant has limit 0 and holds nothing in every target tier
   is refused at `submit` (no pin, no encoding).
-- Fleet scope (a Redis adapter whose `fleet` ledger lives in Redis, storage/redis_fleet.py): the
-  blob's bytes are reserved in Redis against the fleet quota (else this sidecar's limit) instead;
+- Fleet ledger (an adapter with the `fleet` capability, storage/base.py: a fleet-scope Redis, its
+  ledger in Redis itself): the blob's bytes are reserved there against the fleet quota (else this
+  sidecar's limit) instead;
   refused, the tenant's oldest blobs fleet-wide are evicted and the reservation tried once more;
   the reservations of blobs written are committed after the batch.
 - Bytes being written count against the limit until the write returns, so concurrent batches
@@ -60,20 +63,19 @@ from concurrent.futures import Executor
 import structlog
 
 from app.errors import BackendError
-from engine.events import EventBus, Kind
+from engine.events import ChunkOrigin, EventBus, Kind
 from engine.keys import ObjectKey
 from engine.l1.arena import SharedArena
 from engine.l1.cache import L1Cache
 from engine.l1.lifecycle import L1Object
-from engine.l2.store_fleet import commit_fleet, reserve_batch
 from engine.l2.store_holds import TenantHolds
 from engine.l2.store_queue import Pending, StoreQueue
+from engine.l2.store_quota import QuotaAdmission, commit_fleet, reserve_batch
 from engine.l2.tiers import L2Tiers, Tier
 from engine.results import Registration
 from storage import codec
 from storage.auth import BlobKeys
 from storage.base import OpResult
-from storage.redis_fleet import FleetLedger, Reservation
 
 log = structlog.get_logger("kvdepot.l2.store")
 
@@ -107,7 +109,7 @@ class StoreController:
         self._keys = keys
         #: key -> (requests that saw it, the last one): the bounded record of the seen_twice policy
         self._seen: OrderedDict[ObjectKey, tuple[int, tuple[int, str] | None]] = OrderedDict()
-        self._writing: dict[tuple[str, str], int] = {}  # (salt, tier) -> bytes being written
+        self.quota = QuotaAdmission(tiers, queue.counters)
         self.holds = TenantHolds()
 
     @property
@@ -150,9 +152,12 @@ class StoreController:
             return False
         return self.policy != "seen_twice" or self._seen.get(key, (0, None))[0] >= 2
 
-    def submit(self, obj: L1Object, reg: Registration, request_id: str = "") -> bool:
+    def submit(
+        self, obj: L1Object, reg: Registration, request_id: str = "", origin: ChunkOrigin | None = None
+    ) -> bool:
         """Queue a ready chunk for write-behind (for `request_id`, whose COMMIT made it ready: its
-        write-behind events name it). False when the policy does not want it."""
+        write-behind events name it, and say `origin` of the chunk). False when the policy does
+        not want it."""
         if obj.in_l2 or not self.wants(obj.key):
             self.counters.skipped_policy += 1
             if not obj.in_l2 and self.policy == "seen_twice" and self.tiers.active():
@@ -161,13 +166,13 @@ class StoreController:
         if self.holds.held(obj.key.salt):
             self.counters.skipped_purge += 1
             return False
-        if self._refused_everywhere(obj.key.salt):
+        if self.quota.refused_everywhere(obj.key.salt, self._targets()):
             return False
         # Queued once (in_l2 from now); a drop or a failed write unpins it as not copied, so a
         # later commit or hit queues it again.
         self.cache.pin(obj)
         self.counters.submitted += 1
-        for old in self.queue.push(Pending(obj, reg, request_id)):
+        for old in self.queue.push(Pending(obj, reg, request_id, origin)):
             self.cache.unpin(old.obj, copied=False)
         return True
 
@@ -220,90 +225,6 @@ class StoreController:
 
     # --- tenant quotas -------------------------------------------------------------------------
 
-    def _refused_everywhere(self, salt: str) -> bool:
-        """True (refusals noted) when `salt` may store nothing in any target tier and holds
-        nothing there that a write would have to evict."""
-        ledger = self.tiers.ledger
-        targets = self._targets()
-        if ledger is None or not targets:
-            return False
-        for tier in targets:
-            if ledger.limit(salt, tier.name) != 0 or ledger.held(salt, tier.name):
-                return False
-        for tier in targets:
-            ledger.note_refusal(salt, tier.name)
-        self.counters.skipped_quota += 1
-        return True
-
-    async def _admit(
-        self, tier: Tier, salt: str, size: int, key: str, first: Reservation | None = None
-    ) -> bool:
-        """Whether a blob of `salt` and `size` bytes may be written to `tier` (module docstring).
-        True: its bytes count as being written until `_written(tier, salt, size)`."""
-        slot = (salt, tier.name)
-        writing = self._writing.get(slot, 0)
-        ledger = self.tiers.ledger
-        fleet = getattr(tier.adapter, "fleet", None)
-        if isinstance(fleet, FleetLedger):
-            if not await self._admit_fleet(tier, fleet, salt, size, key, first=first):
-                return False
-            self._writing[slot] = self._writing.get(slot, 0) + size  # read after the await
-            return True
-        limit = None if ledger is None else ledger.limit(salt, tier.name)
-        if ledger is None or limit is None:
-            self._writing[slot] = writing + size
-            return True
-        fits = size + writing <= limit  # once all it holds there is evicted, at the worst
-        over = ledger.held(salt, tier.name) + writing - (limit - size if fits else limit)
-        if fits:
-            self._writing[slot] = writing + size  # before awaiting: concurrent batches see it
-        try:
-            if over > 0:
-                self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
-        except BaseException:
-            if fits:
-                self._written(tier, salt, size)
-            raise
-        if fits and ledger.held(salt, tier.name) + self._writing[slot] <= limit:
-            return True
-        if fits:
-            self._written(tier, salt, size)
-        ledger.note_refusal(salt, tier.name)
-        self.counters.quota_refused += 1
-        return False
-
-    async def _admit_fleet(
-        self, tier: Tier, fleet: FleetLedger, salt: str, size: int, key: str, *, first: Reservation | None
-    ) -> bool:
-        """Fleet scope: reserve the blob's bytes in Redis (storage/redis_fleet.py; `first`: done
-        already, with the batch); over the limit, evict the tenant's oldest blobs fleet-wide and
-        try once more. BackendError when the ledger does not answer (the caller writes nothing
-        more of the batch to that tier)."""
-        ledger = self.tiers.ledger
-        fallback = None if ledger is None else ledger.limit(salt, tier.name)
-        got = first if first is not None else await fleet.reserve(salt, key, size, fallback)
-        if not got.ok and got.limit is not None and size <= got.limit:
-            over = got.used + size - got.limit
-            self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
-            got = await fleet.reserve(salt, key, size, fallback)
-        elif not got.ok and got.limit is not None and got.used > got.limit:  # never fits: still
-            over = got.used - got.limit  # brought down to a lowered limit
-            self.counters.quota_evicted_bytes += await tier.adapter.evict_salt(salt, over)
-        if got.ok:
-            return True
-        if ledger is not None:
-            ledger.note_refusal(salt, tier.name)
-        self.counters.quota_refused += 1
-        return False
-
-    def _written(self, tier: Tier, salt: str, size: int) -> None:
-        slot = (salt, tier.name)
-        left = self._writing[slot] - size
-        if left:
-            self._writing[slot] = left
-        else:
-            del self._writing[slot]
-
     async def _write(self, batch: list[Pending]) -> list[bool]:
         """Encode and store the batch; per chunk, whether it was written to some tier."""
         targets = self._targets()
@@ -322,7 +243,11 @@ class StoreController:
                 if result.ok:
                     ok[i] = True
                     if events.enabled:
-                        events.emit(Kind.STORED, tier=tier.name, key=batch[i].obj.key, op="l2.store")
+                        origin = batch[i].origin
+                        events.emit(
+                            Kind.STORED, tier=tier.name, key=batch[i].obj.key, op="l2.store",
+                            **(origin.fields() if origin is not None else {}),
+                        )  # fmt: skip
                 else:
                     self.counters.failed += 1
                     if events.enabled:
@@ -347,7 +272,7 @@ class StoreController:
                 firsts = await reserve_batch(tier, self.tiers.ledger, blobs, salts)
                 for i, blob in enumerate(blobs):
                     try:
-                        if await self._admit(tier, salts[i], blob.nbytes, blob.key, firsts[i]):
+                        if await self.quota.admit(tier, salts[i], blob.nbytes, blob.key, firsts[i]):
                             admitted.append(i)
                     except BackendError as exc:  # a fleet ledger that does not answer: not now
                         log.warning("l2_fleet_reserve_failed", adapter=tier.name, error=str(exc))
@@ -379,7 +304,7 @@ class StoreController:
                 return admitted, results
             finally:
                 for i in admitted:
-                    self._written(tier, salts[i], blobs[i].nbytes)
+                    self.quota.written(tier, salts[i], blobs[i].nbytes)
 
     def _encode(self, batch: list[Pending], sign: BlobKeys | None) -> list[codec.EncodedBlob]:
         """In the codec executor: header + checksum (+ FP8/lz4, + the MAC when `sign`) over the

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.events import ChunkOrigin
 from engine.l1.lifecycle import L1Object
 from engine.l2.tiers import wait_set
 from engine.results import Registration
@@ -54,6 +55,8 @@ class Pending:
     reg: Registration
     request_id: str = ""
     """The request whose COMMIT queued it ("" unknown: events off, or queued by a lookup)."""
+    origin: ChunkOrigin | None = None
+    """What its STORED events say of the chunk (tokens, parent, ...; None: events off)."""
 
 
 class StoreQueue:

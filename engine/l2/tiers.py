@@ -43,8 +43,7 @@ from engine.events import EventBus, Kind
 from engine.keys import ObjectKey, salt_of
 from engine.tenants.ledger import TierAccounting
 from storage.base import HoldingsHook, Kept, L2Adapter
-from storage.common import AdapterCore
-from storage.config import AdapterConfig
+from storage.config import AdapterConfigBase
 
 log = structlog.get_logger("kvdepot.l2")
 
@@ -61,14 +60,14 @@ async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
     return True
 
 
-def _cannot_start(config: AdapterConfig, exc: Exception) -> ConfigError:
+def _cannot_start(config: AdapterConfigBase, exc: Exception) -> ConfigError:
     return ConfigError(f"l2.adapters[{config.name}]: cannot start: {exc}")
 
 
 @dataclass(eq=False)
 class Tier:
     adapter: L2Adapter
-    config: AdapterConfig
+    config: AdapterConfigBase
     draining: bool = False
     inflight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -98,7 +97,7 @@ class Tier:
 class L2Tiers:
     def __init__(
         self,
-        build: Callable[[AdapterConfig], L2Adapter],
+        build: Callable[[AdapterConfigBase], L2Adapter],
         drain_timeout_s: float = 30.0,
         ledger: TierAccounting | None = None,
         events: EventBus | None = None,
@@ -127,7 +126,7 @@ class L2Tiers:
             raise NotFound(f"no L2 adapter named {name!r}")
         return tier
 
-    async def add(self, config: AdapterConfig) -> Tier:
+    async def add(self, config: AdapterConfigBase) -> Tier:
         """Attach a new adapter. Conflict on a duplicate name; ConfigError when the adapter cannot be
         built or started (a directory it cannot write, a URL it cannot use), and then nothing of it
         stays attached."""
@@ -141,9 +140,9 @@ class L2Tiers:
         self._tiers[config.name] = tier  # reserve the name before awaiting
         if self.ledger is not None or self.events.enabled:
             adapter.bind_accounting(salt_of, self._hook(config.name, self.ledger, self.events))
-        if self._kept_for is not None and honours_pins(adapter):
-            assert isinstance(adapter, AdapterCore)
-            adapter.bind_pins(self._kept_for(config.name))
+        pins = adapter.capabilities().pins
+        if self._kept_for is not None and pins is not None:
+            pins.bind_pins(self._kept_for(config.name))
         try:
             await adapter.start()
         except BaseException as exc:
@@ -189,10 +188,9 @@ class L2Tiers:
         given `kept_for(its name)`; the others cannot hold pins (`honours_pins`)."""
         self._kept_for = kept_for
         for tier in self._tiers.values():
-            adapter = tier.adapter
-            if honours_pins(adapter):
-                assert isinstance(adapter, AdapterCore)
-                adapter.bind_pins(None if kept_for is None else kept_for(tier.name))
+            pins = tier.adapter.capabilities().pins
+            if pins is not None:
+                pins.bind_pins(None if kept_for is None else kept_for(tier.name))
 
     # --- tenant accounting ---------------------------------------------------------------------
 
@@ -220,14 +218,14 @@ class L2Tiers:
 
 
 def honours_pins(adapter: L2Adapter) -> bool:
-    """Whether eviction in `adapter` can skip the keys prefix pins hold (storage/common.py)."""
-    return isinstance(adapter, AdapterCore) and adapter.honours_pins
+    """Whether eviction in `adapter` can skip the keys prefix pins hold (its `pins` capability)."""
+    return adapter.capabilities().pins is not None
 
 
 def is_shared(adapter: L2Adapter) -> bool:
-    """Whether other sidecars use `adapter`'s blobs (Redis; an adapter of an unknown kind counts as
-    shared): a blob failing its check there is a miss, never deleted (storage/common.py)."""
-    return not isinstance(adapter, AdapterCore) or adapter.shared
+    """Whether other sidecars use `adapter`'s blobs (Redis): a blob failing its check there is a
+    miss, never deleted (storage/base.py)."""
+    return adapter.shared
 
 
 def _removed(events: EventBus, tier: str, key: str, reason: str) -> None:

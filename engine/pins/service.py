@@ -20,9 +20,10 @@ clients (no admin token) may register many namespaces of a model: they then infl
 at most `max_namespaces` times, and a listing costs O(pins x chunks x max_namespaces) whatever the
 number of registrations.
 
-State (event loop only): the table, the file `<data_dir>/pins.json` (None: memory only) and the
-executor that writes it, a writer lock (checks and file writes in order), the clocks. A change is
-written to the file first, then applied (as quotas are): one whose write failed is not made.
+State (event loop only): the table, the file `<data_dir>/pins.json` (engine/state_file.py; None:
+memory only) with the executor that writes it and its writer lock (checks and file writes in
+order), the clocks. A change is written to the file first, then applied (as quotas are): one whose
+write failed is not made.
 
 Primitives in call order:
   PinService(engine, settings, path=, executor=)   binds the table to L1 and the L2 tiers
@@ -44,7 +45,7 @@ from pathlib import Path
 import blake3
 import structlog
 
-from app.errors import ConfigError, Conflict, InvalidInput
+from app.errors import Conflict, InvalidInput
 from engine.answers import PinAnswer, PinList
 from engine.facade import CacheEngine
 from engine.keys import KVLayout, Namespace, ObjectKey
@@ -52,8 +53,8 @@ from engine.l2.tiers import honours_pins
 from engine.pins.config import PinSettings
 from engine.pins.table import Pin, PinTable
 from engine.registry import MAX_ID_LEN
+from engine.state_file import StateFile, render_json
 from engine.tenants.quota import L1, check_salt
-from engine.tenants.registry import read_state_file, save_state_file
 from kvdepot_connector.protocol import encode_tokens
 from storage.base import L2Adapter
 
@@ -70,17 +71,14 @@ class PinService:
         executor: Executor | None = None, clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:  # fmt: skip
-        if path is not None and executor is None:
-            raise ValueError("a persistent pin table needs an executor for its file writes")
         self.engine = engine
         self.settings = settings
         self.table = PinTable()
         self.path = path
         self.released = 0
-        self._executor = executor
+        self._file = StateFile(path, executor, kind="pin", area="pins")
         self._clock = clock
         self._wall = wall
-        self._writing = asyncio.Lock()
         engine.cache.bind_pins(self.table.kept_in_l1)
         if engine.l2 is not None:
             engine.l2.tiers.bind_pins(self.table.kept_in)
@@ -108,7 +106,7 @@ class PinService:
             created_at=wall, expires_at=None if ttl_s is None else wall + ttl_s,
             deadline=None if ttl_s is None else now + ttl_s, chunk_bytes=chunk_bytes,
         )  # fmt: skip
-        async with self._writing:  # checked, saved and added with no other change in between
+        async with self._file.writing:  # checked, saved and added with no other change in between
             if not self.table.has(salt, pin_id) and len(self.table) >= limits.max_pins:
                 raise Conflict(f"{len(self.table)} pins exist, the most pins.max_pins allows")
             self._check_room(pin)
@@ -122,7 +120,7 @@ class PinService:
         """Release one pin (NotFound when there is none) or, `pin_id` None, every pin of the tenant.
         Returns how many were released; their chunks are evictable at once."""
         check_salt(salt)
-        async with self._writing:
+        async with self._file.writing:
             mine = self.table.pins(salt) if pin_id is None else [self.table.get(salt, pin_id)]
             gone = {(p.salt, p.id) for p in mine}
             await self._save([p for p in self.table.pins() if (p.salt, p.id) not in gone])
@@ -143,7 +141,7 @@ class PinService:
         while True:
             await asyncio.sleep(self.settings.sweep_s)
             if self.expire():
-                async with self._writing:
+                async with self._file.writing:
                     await self._save_quietly()
 
     # --- reads ---------------------------------------------------------------------------------
@@ -318,24 +316,16 @@ class PinService:
         the file when it is not valid. Returns how many."""
         if self.path is None:
             return 0
-        text = read_state_file(self.path, "pin")
-        if text is None:
-            return 0
-        try:
-            pins = parse(text, self._clock(), self._wall())
-        except ValueError as exc:
-            raise ConfigError(
-                f"pins: the pin file {self.path} is not valid ({exc}); fix it or move it away"
-            ) from None
+        now, wall = self._clock(), self._wall()
+        none: list[Pin] = []
+        pins = StateFile.load(self.path, lambda text: parse(text, now, wall), none, kind="pin", area="pins")
         self.table.restore(pins)
         return len(pins)
 
     async def _save(self, pins: list[Pin]) -> None:
         """`pins` to the file (before they are applied: BackendError, and nothing changes, when it
         cannot be written)."""
-        if self.path is None:
-            return
-        await save_state_file(self._executor, self.path, render(pins), "pins")
+        await self._file.save(render(pins))
 
     async def _save_quietly(self) -> None:
         try:
@@ -356,7 +346,7 @@ def render(pins: list[Pin]) -> bytes:
             for p in pins
         ],
     }  # fmt: skip
-    return (json.dumps(body, indent=1, ensure_ascii=False) + "\n").encode()
+    return render_json(body)
 
 
 def parse(text: str, now: float, wall: float) -> list[Pin]:

@@ -2,9 +2,9 @@
 
 Role: a tenant is named by its cache_salt, a secret. `PUT /tenants/{cache_salt}/label` gives it a
 display name that metrics (the `tenant` label), /status, purge jobs and logs use instead of the
-salt. Every change is written to the file first (temp file, fsync, rename: engine/tenants/
-registry.write_atomically, in the executor given), then applied to the TenantLedger; writers are
-serialized by one asyncio.Lock (readers read the ledger).
+salt. Every change is written to the file first (engine/state_file.py: temp file, fsync, rename, in
+the executor given), then applied to the TenantLedger; writers are serialized by the file's lock
+(readers read the ledger).
 
 A label is 1..64 characters of [A-Za-z0-9_.:-], starting with a letter or digit, never `other` or
 `_default` (the metrics' reserved names), unique among labels, and not the salt of another tenant
@@ -12,7 +12,7 @@ the ledger knows, labelled or not (a quota or bytes held; 409 otherwise: a label
 salt is hidden, so it must never spell another tenant's salt). Best effort: a salt first seen later
 may still be spelled like a label.
 
-State: the file path (None: in memory only), the executor, the writer lock. Event loop.
+State: the StateFile (path None: in memory only), the ledger. Event loop.
 
 Primitives in call order: load(path) (start-up), put(salt, label), delete(salt) (NotFound without
 a label).
@@ -22,16 +22,15 @@ File format: {"version": 1, "labels": {"<cache_salt>": "<label>"}}
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from concurrent.futures import Executor
 from pathlib import Path
 
-from app.errors import ConfigError, Conflict, InvalidInput, NotFound
+from app.errors import Conflict, InvalidInput, NotFound
+from engine.state_file import StateFile, render_json
 from engine.tenants.ledger import UNNAMEABLE, TenantLedger
 from engine.tenants.quota import check_salt, display_name
-from engine.tenants.registry import read_state_file, save_state_file
 
 LABEL_FILE = "labels.json"
 FORMAT_VERSION = 1
@@ -52,36 +51,19 @@ class LabelRegistry:
     def __init__(
         self, ledger: TenantLedger, path: Path | None = None, executor: Executor | None = None
     ) -> None:
-        if path is not None and executor is None:
-            raise ValueError("a persistent registry needs an executor for its file writes")
         self.ledger = ledger
         self.path = path
-        self._executor = executor
-        self._writing = asyncio.Lock()
+        self._file = StateFile(path, executor, kind="label", area="tenants")
 
     @staticmethod
     def load(path: Path) -> dict[str, str]:
         """Labels saved in `path`; empty when the file does not exist. Blocking: start-up only."""
-        text = read_state_file(path, "label")
-        if text is None:
-            return {}
-        try:
-            body = json.loads(text)
-            if not isinstance(body, dict) or body.get("version") != FORMAT_VERSION:
-                raise ValueError(f'expected {{"version": {FORMAT_VERSION}, "labels": {{...}}}}')
-            labels = body.get("labels")
-            if not isinstance(labels, dict):
-                raise ValueError('"labels" must be an object of cache_salt -> label')
-            return {check_salt(str(s)): check_label(v) for s, v in labels.items()}
-        except (ValueError, InvalidInput) as exc:
-            raise ConfigError(
-                f"tenants: the label file {path} is not valid ({exc}); fix it or move it away"
-            ) from None
+        return StateFile.load(path, parse, {}, kind="label", area="tenants")
 
     async def put(self, salt: str, label: object) -> None:
         check_salt(salt)
         name = check_label(label)
-        async with self._writing:
+        async with self._file.writing:
             labels = self.ledger.labels()
             taken = next((s for s, v in labels.items() if v == name and s != salt), None)
             if taken is not None:
@@ -93,7 +75,7 @@ class LabelRegistry:
             self.ledger.set_label(salt, name)
 
     async def delete(self, salt: str) -> None:
-        async with self._writing:
+        async with self._file.writing:
             labels = self.ledger.labels()
             if labels.pop(salt, None) is None:
                 raise NotFound("this tenant has no label")
@@ -101,8 +83,16 @@ class LabelRegistry:
             self.ledger.drop_label(salt)
 
     async def _save(self, labels: dict[str, str]) -> None:
-        if self.path is None:
-            return
         body = {"version": FORMAT_VERSION, "labels": dict(sorted(labels.items()))}
-        data = (json.dumps(body, indent=1, ensure_ascii=False) + "\n").encode()
-        await save_state_file(self._executor, self.path, data, "labels")
+        await self._file.save(render_json(body))
+
+
+def parse(text: str) -> dict[str, str]:
+    """The labels in a label file's text. ValueError or InvalidInput saying what is wrong."""
+    body = json.loads(text)
+    if not isinstance(body, dict) or body.get("version") != FORMAT_VERSION:
+        raise ValueError(f'expected {{"version": {FORMAT_VERSION}, "labels": {{...}}}}')
+    labels = body.get("labels")
+    if not isinstance(labels, dict):
+        raise ValueError('"labels" must be an object of cache_salt -> label')
+    return {check_salt(str(s)): check_label(v) for s, v in labels.items()}

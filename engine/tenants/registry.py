@@ -1,12 +1,12 @@
 """QuotaRegistry: quota CRUD that survives a restart, kept in `<data_dir>/quotas.json`.
 
-Role: every change is written to the file first (temp file, fsync, rename, fsync of the directory,
-in the executor given at start-up, never on the loop), then applied to the TenantLedger, so a change
-that was answered is both durable and in effect for the next operation; a change whose write failed
-is not applied. Writers are serialized (an asyncio.Lock around write-then-apply: the only lock,
-ordering file writes; readers never wait, they read the ledger).
+Role: every change is written to the file first (engine/state_file.py: temp file, fsync, rename,
+fsync of the directory, in the executor given at start-up, never on the loop), then applied to the
+TenantLedger, so a change that was answered is both durable and in effect for the next operation; a
+change whose write failed is not applied. Writers are serialized (the file's lock around
+write-then-apply: the only lock, ordering file writes; readers never wait, they read the ledger).
 
-State: the file path (None: in memory only, as in unit tests), the executor, the writer lock.
+State: the StateFile (path None: in memory only, as in unit tests), the ledger.
 
 Primitives in call order:
   load(path)             at start-up: quotas from the file (none if absent); ConfigError naming the
@@ -20,15 +20,16 @@ File format: {"version": 1, "quotas": {"<cache_salt>": {"l1_bytes": int|null, "l
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 from concurrent.futures import Executor
 from pathlib import Path
 
-from app.errors import BackendError, ConfigError, InvalidInput, NotFound
+from app.errors import InvalidInput, NotFound
+from engine.state_file import StateFile, render_json, write_atomically
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import Quota, check_salt
+
+__all__ = ["FORMAT_VERSION", "QUOTA_FILE", "QuotaRegistry", "parse", "render", "write_atomically"]
 
 QUOTA_FILE = "quotas.json"
 FORMAT_VERSION = 1
@@ -38,34 +39,23 @@ class QuotaRegistry:
     def __init__(
         self, ledger: TenantLedger, path: Path | None = None, executor: Executor | None = None
     ) -> None:
-        if path is not None and executor is None:
-            raise ValueError("a persistent registry needs an executor for its file writes")
         self.ledger = ledger
         self.path = path
-        self._executor = executor
-        self._writing = asyncio.Lock()
+        self._file = StateFile(path, executor, kind="quota", area="tenants")
 
     @staticmethod
     def load(path: Path) -> dict[str, Quota]:
         """Quotas saved in `path`; empty when the file does not exist. Blocking: start-up only."""
-        text = read_state_file(path, "quota")
-        if text is None:
-            return {}
-        try:
-            return parse(text)
-        except (ValueError, InvalidInput) as exc:
-            raise ConfigError(
-                f"tenants: the quota file {path} is not valid ({exc}); fix it or move it away"
-            ) from None
+        return StateFile.load(path, parse, {}, kind="quota", area="tenants")
 
     async def put(self, salt: str, quota: Quota) -> None:
         check_salt(salt)
-        async with self._writing:
+        async with self._file.writing:
             await self._save(self.ledger.quotas() | {salt: quota})
             self.ledger.set_quota(salt, quota)
 
     async def delete(self, salt: str) -> None:
-        async with self._writing:
+        async with self._file.writing:
             quotas = self.ledger.quotas()
             if quotas.pop(salt, None) is None:
                 raise NotFound(f"tenant {salt!r} has no quota")
@@ -73,14 +63,12 @@ class QuotaRegistry:
             self.ledger.drop_quota(salt)
 
     async def _save(self, quotas: dict[str, Quota]) -> None:
-        if self.path is None:
-            return
-        await save_state_file(self._executor, self.path, render(quotas), "quotas")
+        await self._file.save(render(quotas))
 
 
 def render(quotas: dict[str, Quota]) -> bytes:
     body = {"version": FORMAT_VERSION, "quotas": {s: q.to_json() for s, q in sorted(quotas.items())}}
-    return (json.dumps(body, indent=1, ensure_ascii=False) + "\n").encode()
+    return render_json(body)
 
 
 def parse(text: str) -> dict[str, Quota]:
@@ -103,44 +91,3 @@ def parse(text: str) -> dict[str, Quota]:
         except InvalidInput as exc:
             raise ValueError(f"tenant {salt[:64]!r}: {exc}") from None
     return out
-
-
-def read_state_file(path: Path, kind: str) -> str | None:
-    """The text of a tenants' state file (quotas, labels); None when it does not exist. Blocking:
-    start-up only. An unreadable file is a ConfigError naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"tenants: cannot read the {kind} file {path}: {exc}") from None
-
-
-async def save_state_file(executor: Executor | None, path: Path, data: bytes, what: str) -> None:
-    """`write_atomically` in `executor`; a failed write is a BackendError saying `what` did not change."""
-    loop = asyncio.get_running_loop()
-    try:
-        await loop.run_in_executor(executor, write_atomically, path, data)
-    except OSError as exc:
-        raise BackendError(f"{what} not changed: cannot write {path}: {exc.strerror or exc}") from None
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves the old file or the new one, never a mix.
-    In the executor: temp file in the same directory, fsync, rename over, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

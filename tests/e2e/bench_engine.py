@@ -3,7 +3,7 @@ off) against the plain server (no cache), both serving the same random-weight Ll
 
     .venv/bin/python tests/e2e/bench_engine.py [--runs 3] [--concurrency 1,4] \
         [--workloads long-doc-qa,prefix-suffix-tuner] [--extra] [--out DIR]
-    .venv/bin/python tests/e2e/bench_engine.py --table --out DIR     # README rows from OUT/*.json
+    .venv/bin/python tests/e2e/bench_engine.py --table --out DIR     # docs/benchmarks/bench-engine.md rows
 
 One sidecar (L1 of `--l1-gb`, 256-token chunks, the default disk L2) and two vLLM servers (8-layer,
 1024-hidden random Llama in float32, prefix caching off, pinned alike with
@@ -35,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "connector"), str(REPO / "tests" / "e2e")]
 
 from harness import VllmServer, build_model, connector_config  # noqa: E402
 
-from app.bench.sidecar import start_sidecar  # noqa: E402
+from bench.sidecar import start_sidecar  # noqa: E402
 
 CHUNK = 256
 COMMON = ["--max-tokens", "4", "--quiet", "--vocab-size", "8000"]
@@ -85,7 +85,8 @@ def line(result: dict[str, Any]) -> str:
 
 
 def table(out: Path) -> str:
-    """README rows: per workload, concurrency and measured pass, ranges over the runs."""
+    """The rows of docs/benchmarks/bench-engine.md: per workload, concurrency and measured pass,
+    ranges over the runs."""
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for path in sorted(out.glob("*.json")):
         result = json.loads(path.read_text())

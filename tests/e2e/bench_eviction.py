@@ -3,9 +3,9 @@ prefix-suffix-tuner --reuse zipf:1.1 --pool-multiple 1.5 --pool-tier l1` once pe
 
     .venv/bin/python tests/e2e/bench_eviction.py [--variants lru,s3fifo,arc,l2-all,l2-seen_twice] \
         [--requests 24] [--l1-gb 0.25] [--out DIR]
-    .venv/bin/python tests/e2e/bench_eviction.py --table --out DIR     # README rows from OUT/*.json
+    .venv/bin/python tests/e2e/bench_eviction.py --table --out DIR     # docs/benchmarks/eviction.md rows
 
-Variants (as in `kvdepot bench eviction`, app/bench/eviction.py): `lru`, `s3fifo`, `arc` run L1
+Variants (as in `kvdepot bench eviction`, bench/eviction.py): `lru`, `s3fifo`, `arc` run L1
 alone (`l2.adapters` = []) with that `l1.eviction`; `l2-all` and `l2-seen_twice` add one disk
 adapter of `--l2-multiple` x L1 bytes written behind with that `l2.store_policy` (L1 lru). Each
 variant gets a fresh sidecar and a fresh vLLM with the connector (the 8-layer, 1024-hidden random
@@ -32,8 +32,8 @@ sys.path[:0] = [str(REPO), str(REPO / "connector"), str(REPO / "tests" / "e2e")]
 
 from harness import VllmServer, build_model, connector_config  # noqa: E402
 
-from app.bench.eviction import _env, parse_variant  # noqa: E402
-from app.bench.sidecar import start_sidecar  # noqa: E402
+from bench.eviction import _env, parse_variant  # noqa: E402
+from bench.sidecar import start_sidecar  # noqa: E402
 
 CHUNK = 256
 EXTRA = ["--max-num-seqs", "8", "--dtype", "float32"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-turn figures of README's Benchmarks table: one sidecar (L1 4 GiB, chunk 256) and three
+# The multi-turn figures of docs/benchmarks/sidecar.md: one sidecar (L1 4 GiB, chunk 256) and three
 # vLLM-CPU servers of the 8-layer random Llama, pinned alike (decode saving on, off, no connector),
 # then `kvdepot bench ttft --turns 3` RUNS times (4096-token first prompts, 512-token answers).
 #
@@ -17,7 +17,7 @@ rm -rf "$OUT/sidecar" "$OUT/url"
 OUT="$OUT" .venv/bin/python - <<'PY' &
 import os, signal, sys, time
 from pathlib import Path
-from app.bench.sidecar import start_sidecar
+from bench.sidecar import start_sidecar
 out = Path(os.environ["OUT"])
 sc = start_sidecar(out / "sidecar", env={"KVDEPOT_L1__CHUNK_SIZE": "256", "KVDEPOT_L2__ADAPTERS": "[]"}, l1_size_gb=4)
 (out / "url").write_text(sc.url)

@@ -45,7 +45,7 @@ sys.path[:0] = [str(REPO), str(REPO / "connector"), str(REPO / "tests" / "e2e")]
 
 from harness import VLLM_PYTHON, VllmServer, build_model, connector_config  # noqa: E402
 
-from app.bench.sidecar import SidecarProcess, ops_delta, start_sidecar  # noqa: E402
+from bench.sidecar import SidecarProcess, ops_delta, start_sidecar  # noqa: E402
 
 CASES = {
     "fits": {"prefixes": 4, "prompts": 24, "blocks": None},
@@ -227,7 +227,8 @@ def main() -> int:
     p.add_argument("--first-run", type=int, default=1, help="number the runs (and seed them) from here")
     p.add_argument("--out", type=Path, default=Path("/tmp/kvdepot-bench-serve"))
     p.add_argument("--trace", action="store_true", help="the connector's per-request timeline")
-    p.add_argument("--table", action="store_true", help="print OUT/summary.jsonl as README rows and exit")
+    rows = "print OUT/summary.jsonl as the rows of docs/benchmarks/vllm-serve.md and exit"
+    p.add_argument("--table", action="store_true", help=rows)
     args = p.parse_args()
     out = args.out.resolve()
     if args.table:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import VLLM_PYTHON, VllmServer, build_model
+from tests.e2e.harness import VllmServer, build_model, need_vllm
 
 # A real vLLM per test, often two or three side by side, on two cores: a 4096-token prefill takes
 # seconds (float32; tens of seconds in bfloat16 on a CPU without AVX512-BF16), so the suite-wide
@@ -25,8 +25,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.fail("the e2e suite needs .venv-vllm: run tests/e2e/setup_vllm.sh (tests/run.sh does)")
+    need_vllm()
     return build_model(tmp_path_factory.mktemp("model") / "llama-8x1024")
 
 

@@ -1,5 +1,5 @@
 """Real processes for the e2e suite: a vLLM OpenAI server (run by the .venv-vllm interpreter) and
-requests against it. The sidecars are started with app.bench.sidecar like everywhere else.
+requests against it. The sidecars are started with bench.sidecar like everywhere else.
 
 Every server is started in its own session and stopped by killing its process group, so vLLM's
 engine-core and worker processes never outlive a test.
@@ -19,8 +19,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.integration.tools import VLLM_PYTHON
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 Tokens = list[tuple[str, float]]
 
@@ -32,42 +36,34 @@ E2E_DTYPE = "float32"
 KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}[E2E_DTYPE]
 
 
-def free_port() -> int:
-    import socket
+def need_vllm() -> None:
+    """Fail (never skip) when vLLM's venv is missing: the e2e suite is nothing without it."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail("the e2e suite needs .venv-vllm: run tests/e2e/setup_vllm.sh (tests/run.sh does)")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+
+def _build(script: str, *args: str | Path) -> None:
+    """Run one of the checkpoint builders (tests/e2e/make_*.py) in vLLM's venv."""
+    command = [str(VLLM_PYTHON), str(REPO / "tests" / "e2e" / script), *map(str, args)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
 def build_lora(model_dir: Path, out_dir: Path, seed: int) -> Path:
     """A random LoRA adapter for `model_dir` (tests/e2e/make_lora.py), PEFT's format."""
-    subprocess.run(
-        [str(VLLM_PYTHON), str(REPO / "tests" / "e2e" / "make_lora.py"), str(model_dir), str(out_dir),
-         "--seed", str(seed)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    _build("make_lora.py", model_dir, out_dir, "--seed", str(seed))
     return out_dir
 
 
-def build_model(out_dir: Path) -> Path:
-    subprocess.run(
-        [str(VLLM_PYTHON), str(REPO / "tests" / "e2e" / "make_model.py"), str(out_dir)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+def build_model(out_dir: Path, *options: str) -> Path:
+    """The tiny Llama checkpoint of make_model.py (8 layers, hidden 1024, random weights); `options`
+    are make_model.py's own (e.g. `"--vocab", "2000"`)."""
+    _build("make_model.py", out_dir, *options)
     return out_dir
 
 
 def build_mm_model(out_dir: Path) -> Path:
     """The tiny image+text checkpoint of make_mm_model.py (Idefics3, 64 <image> tokens per image)."""
-    subprocess.run(
-        [str(VLLM_PYTHON), str(REPO / "tests" / "e2e" / "make_mm_model.py"), str(out_dir)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    _build("make_mm_model.py", out_dir)
     return out_dir
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from built_dir import build_once
 
 MARKER = "kvdepot-lora.json"
 # Bump when the build changes in a way that alters the files for the same parameters.
@@ -59,13 +59,6 @@ def _params(model_config: dict[str, Any], seed: int, rank: int, alpha: int, std:
     }
 
 
-def _is_built(out_dir: Path, params: dict[str, Any]) -> bool:
-    try:
-        return bool(json.loads((out_dir / MARKER).read_text()) == params)
-    except (OSError, ValueError):
-        return False
-
-
 def build_lora(
     model_dir: Path,
     out_dir: Path,
@@ -81,64 +74,46 @@ def build_lora(
     (CPU, float32, then cast to the model's dtype), layer by layer, module by module, A then B.
     `out_dir` must be absent, empty, or a folder this function built before (it is replaced).
     """
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    model_dir = Path(model_dir)
     model_config = json.loads((model_dir / "config.json").read_text())
     params = _params(model_config, seed, rank, alpha, std)
-    if _is_built(out_dir, params):
-        return out_dir
-    if not (out_dir / MARKER).is_file() and out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} is not empty and was not built by make_lora.py")
 
-    import torch
-    from safetensors.torch import save_file
+    def write(tmp: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
 
-    dtype = getattr(torch, str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32"))
-    shapes = _shapes(model_config)
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in range(int(model_config["num_hidden_layers"])):
-        for module in TARGET_MODULES:
-            fan_in, fan_out = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            a = torch.randn(rank, fan_in, generator=gen) * std
-            b = torch.randn(fan_out, rank, generator=gen) * std
-            tensors[f"{prefix}.lora_A.weight"] = a.to(dtype).contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = b.to(dtype).contiguous()
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(model_dir),
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "target_modules": list(TARGET_MODULES),
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "use_rslora": False,
-        "use_dora": False,
-        "inference_mode": True,
-    }
+        dtype = getattr(torch, str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32"))
+        shapes = _shapes(model_config)
+        gen = torch.Generator().manual_seed(seed)
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in range(int(model_config["num_hidden_layers"])):
+            for module in TARGET_MODULES:
+                fan_in, fan_out = shapes[module]
+                prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+                a = torch.randn(rank, fan_in, generator=gen) * std
+                b = torch.randn(fan_out, rank, generator=gen) * std
+                tensors[f"{prefix}.lora_A.weight"] = a.to(dtype).contiguous()
+                tensors[f"{prefix}.lora_B.weight"] = b.to(dtype).contiguous()
+        adapter_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(model_dir),
+            "r": rank,
+            "lora_alpha": alpha,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": list(TARGET_MODULES),
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
+        }
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-        (tmp / MARKER).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        tmp.chmod(0o755)
-        if _is_built(out_dir, params):  # a concurrent build finished first
-            shutil.rmtree(tmp)
-            return out_dir
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return build_once(out_dir, MARKER, params, "make_lora.py", write)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,15 +26,12 @@ Runs with the `.venv-vllm` interpreter (needs torch, transformers, tokenizers, P
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_model import build_tokenizer
+from built_dir import build_once
+from make_model import build_tokenizer, generation_config
 
 MARKER = "kvdepot-mm-model.json"
 # Bump when the build changes in a way that alters the files for the same parameters.
@@ -89,13 +86,6 @@ def _params(
     }
 
 
-def _is_built(out_dir: Path, params: dict[str, Any]) -> bool:
-    try:
-        return bool(json.loads((out_dir / MARKER).read_text()) == params)
-    except (OSError, ValueError):
-        return False
-
-
 def build_mm_model(
     out_dir: Path,
     *,
@@ -112,29 +102,21 @@ def build_mm_model(
     tower: `vision_layers` layers of width 64 on `image_size` square images, patch 14.
     `out_dir` must be absent, empty, or a folder this function built before (it is replaced).
     """
-    out_dir = Path(out_dir)
     if hidden % 128 or image_size % (PATCH_SIZE * SCALE_FACTOR):
         raise ValueError("hidden must be a multiple of 128 and image_size a multiple of 28")
     params = _params(layers, hidden, vision_layers, image_size, vocab, seed)
-    if _is_built(out_dir, params):
-        return out_dir
-    if not (out_dir / MARKER).is_file() and out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} is not empty and was not built by make_mm_model.py")
 
-    import torch
-    from transformers import (
-        GenerationConfig,
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessor,
-        Idefics3Processor,
-        Idefics3VisionConfig,
-        LlamaConfig,
-    )
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import (
+            Idefics3Config,
+            Idefics3ForConditionalGeneration,
+            Idefics3ImageProcessor,
+            Idefics3Processor,
+            Idefics3VisionConfig,
+            LlamaConfig,
+        )
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
         tokenizer = build_tokenizer(vocab)
         tokenizer.add_tokens(SPECIAL_TOKENS, special_tokens=True)
         tokenizer.chat_template = CHAT_TEMPLATE
@@ -190,27 +172,10 @@ def build_mm_model(
         torch.manual_seed(seed)
         with torch.no_grad():
             model = Idefics3ForConditionalGeneration(config).to(torch.bfloat16).eval()
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        model.generation_config = generation_config(tokenizer)
         model.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        tmp.chmod(0o755)
 
-        if _is_built(out_dir, params):  # a concurrent build finished first
-            shutil.rmtree(tmp)
-            return out_dir
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return build_once(out_dir, MARKER, params, "make_mm_model.py", write)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,13 +13,12 @@ Runs with the `.venv-vllm` interpreter (needs torch, transformers, tokenizers).
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from built_dir import build_once
 
 MARKER = "kvdepot-model.json"
 # Bump when the build changes in a way that alters the files for the same parameters.
@@ -107,13 +106,6 @@ def _params(
     }
 
 
-def _is_built(out_dir: Path, params: dict[str, Any]) -> bool:
-    try:
-        return bool(json.loads((out_dir / MARKER).read_text()) == params)
-    except (OSError, ValueError):
-        return False
-
-
 def build_model(
     out_dir: Path,
     *,
@@ -132,24 +124,16 @@ def build_model(
     prefill cheap on CPU (8 layers, hidden 1024: 4096 tokens in about 7 s on one core). Returns out_dir.
     `out_dir` must be absent, empty, or a folder this function built before (it is replaced).
     """
-    out_dir = Path(out_dir)
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
     params = _params(layers, hidden, heads, kv_heads, vocab, max_pos, seed, intermediate)
-    if _is_built(out_dir, params):
-        return out_dir
-    if not (out_dir / MARKER).is_file() and out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} is not empty and was not built by make_model.py")
 
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
         tokenizer = build_tokenizer(vocab)
         tokenizer.save_pretrained(tmp)
-
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=hidden,
@@ -168,27 +152,21 @@ def build_model(
         torch.manual_seed(seed)
         with torch.no_grad():
             model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        model.generation_config = generation_config(tokenizer)
         model.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        tmp.chmod(0o755)
 
-        if _is_built(out_dir, params):  # a concurrent build finished first
-            shutil.rmtree(tmp)
-            return out_dir
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return build_once(out_dir, MARKER, params, "make_model.py", write)
+
+
+def generation_config(tokenizer: Any) -> Any:
+    """The checkpoint's generation config: the tokenizer's bos, eos and pad tokens."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

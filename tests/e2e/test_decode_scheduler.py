@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import REPO, VLLM_PYTHON
 
 CHUNK = 32

@@ -16,13 +16,11 @@ Needs the directory (`fleet.directory`, `kvdepot directory`): skipped where it i
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 import os
 import secrets
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +28,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from app.bench.sidecar import SidecarProcess, start_sidecar
-from tests.e2e.harness import HITS, VllmServer, connector_config, free_port, prompt
+from bench.sidecar import SidecarProcess, start_sidecar
+from tests.e2e.harness import HITS, VllmServer, connector_config, prompt
+from tests.integration.redis_keys import delete_prefix, new_prefix
 from tests.integration.route_helpers import Proc, metric, router
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("fleet.directory") is None, reason="the directory (fleet.directory) is absent"
-)
+from tests.ports import free_port
 
 CHUNK = 256  # the connector's and the sidecar's default
 P1 = prompt(11, 4096)
@@ -90,11 +85,10 @@ def _sidecar(tmp: Path, name: str, directory_url: str, shared: dict[str, str]) -
 
 @pytest.fixture(scope="module")
 def redis_prefix() -> Iterator[str]:
-    prefix = f"kvdepot-e2e-fleet-{uuid.uuid4().hex[:8]}:"
+    """One key prefix for the module's sidecars (they share the Redis tier), deleted at the end."""
+    prefix = new_prefix("e2e-fleet")
     yield prefix
-    with redis.Redis() as r:
-        for key in r.scan_iter(match=prefix + "*"):
-            r.unlink(key)
+    delete_prefix(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +98,10 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_prefi
     adapters = [{"type": "redis", "name": "shared", "url": url, "key_prefix": redis_prefix}]
     shared = {
         "KVDEPOT_L2__ADAPTERS": json.dumps(adapters),
-        "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
+        # a loaded machine (two CPU engines, CI's other suites): 16 chunks of 8 MiB from Redis took
+        # over 5 s there, and what had not arrived by the deadline was a miss, which this test
+        # does not assert on
+        "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "60000",
         # sidecars sharing a Redis share its deployment key (the blobs are authenticated with it)
         "KVDEPOT_L2__AUTH_KEYS": json.dumps([secrets.token_hex(32)]),
     }
@@ -232,7 +229,8 @@ def test_the_holder_killed_mid_request_fails_no_request(fleet: FleetRun) -> None
     loaded = other.sidecar.get_json("/status")["l2"]["prefetch"]["chunks_loaded"]
     status, headers, body = complete(fleet, P1)
     assert status == 200 and headers["x-kvdepot-engine"] == other.url
-    assert other.engine.metric(HITS) - hits == 4096
+    prefetch = other.sidecar.get_json("/status")["l2"]["prefetch"]
+    assert other.engine.metric(HITS) - hits == 4096, prefetch
     assert other.sidecar.get_json("/status")["l2"]["prefetch"]["chunks_loaded"] - loaded >= 8
     got, full = answer(body), STATE["P1 full"]
     assert [t for t, _ in got] == [t for t, _ in full]

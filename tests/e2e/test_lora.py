@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import HITS, Tokens, VllmServer, build_lora, connector_config, prompt
 
 pytestmark = pytest.mark.timeout(600)  # two vLLM starts side by side on a small machine

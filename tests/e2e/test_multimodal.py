@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import (
     HITS,
-    VLLM_PYTHON,
     Tokens,
     VllmServer,
     build_mm_model,
     connector_config,
     image_part,
+    need_vllm,
     text_part,
 )
 
@@ -35,8 +35,7 @@ IMAGE_PLACEHOLDER = 67  # <fake_token_around_image> <global-img> 64 x <image> <f
 
 @pytest.fixture(scope="module")
 def mm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.fail("the e2e suite needs .venv-vllm: run tests/e2e/setup_vllm.sh (tests/run.sh does)")
+    need_vllm()
     return build_mm_model(tmp_path_factory.mktemp("mm-model") / "idefics3-tiny")
 
 

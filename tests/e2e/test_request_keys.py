@@ -9,7 +9,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from app.bench.sidecar import start_sidecar
+from bench.sidecar import start_sidecar
 from tests.e2e.harness import REPO, VLLM_PYTHON
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import HITS, KV_ELEMENT_BYTES, Tokens, VllmServer, connector_config, prompt
 
 BLOCK = 128

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.otlp import OtlpReceiver, ReceivedSpan
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.otlp import OtlpReceiver, ReceivedSpan
+from bench.sidecar import SidecarProcess, start_sidecar
 from tests.e2e.harness import HITS, VllmServer, connector_config, prompt
 from tests.e2e.test_vllm import BLOCK, assert_close
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import zmq
 
-from tests.integration.l2_helpers import free_port
+from bench.sidecar import SidecarProcess
+from tests.integration.metrics_sidecar import metric
+from tests.ports import free_port
 
 
 class DirectoryProcess:
@@ -84,6 +86,11 @@ class DirectoryProcess:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         return 0.0
+
+
+def sent(sc: SidecarProcess) -> int:
+    """KV-event batches the sidecar has published."""
+    return int(metric(sc, "kvdepot_kv_events_sent_total"))
 
 
 def post(url: str, body: Any, token: str | None = None, method: str = "POST") -> tuple[int, Any]:

@@ -157,7 +157,7 @@ def worker_hold(url: str, chunks: int, seed: int) -> None:
     for s in slots:  # late bytes: the process was stalled past the worker timeout meanwhile
         c.slot_view(s).fill_(0x5A)
     ok = c.commit([s.oid for s in slots])
-    valid = c.release("hold", locked.oids)
+    valid = c.release("hold", locked.oids, fences=locked.fences)  # moved: it must ask
     print("late " + " ".join(str(int(x)) for x in ok) + f" valid={int(valid)}", flush=True)
     sys.stdin.readline()
     fresh = request_tokens(seed + 2, 2)

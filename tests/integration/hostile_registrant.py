@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tests.integration.l2_helpers import free_port
+from tests.ports import free_port
 
 
 def listing(hashes: list[int], incarnation: str = "hostile") -> Iterator[bytes]:

@@ -10,12 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.integration.tools import need_python
+from tests.integration.tools import VLLM_PYTHON, need_python
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = ROOT / "tests" / "kv_events_consumer.py"
-#: vLLM's venv of this checkout (tests/e2e/setup_vllm.sh makes it; tests/run.sh before this suite)
-VLLM_PYTHON = Path(os.environ.get("KVDEPOT_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")))
 
 
 def need_vllm_python() -> Path:

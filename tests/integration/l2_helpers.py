@@ -3,7 +3,6 @@ and a private redis-server that a test may stop and restart."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,10 +11,11 @@ import redis
 
 from engine.keys import KVLayout, Namespace, ObjectKey, TokenHasher
 from kvdepot_connector.protocol import encode_tokens
-from storage import blob_header
-from storage import slabformat as fmt
-from storage.diskdirs import BLOB_SUFFIX
+from storage.codec import blob_header
+from storage.disk.dirs import BLOB_SUFFIX
+from storage.slab import headers as fmt
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, request_tokens
+from tests.ports import free_port
 
 MODEL = "test-model"
 
@@ -61,13 +61,6 @@ def slab_blobs(path: Path) -> dict[str, int]:
         if found[0] not in newest or newest[found[0]][0] < header.generation:
             newest[found[0]] = (header.generation, header.blob_len)
     return {key: size for key, (_, size) in newest.items()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PrivateRedis:

@@ -3,7 +3,7 @@ L2 adapters of each kind that counts (a disk directory, a Redis with a key prefi
 own, and a Redis adapter `gone` pointed at a port nothing listens on, so its health is down), KV
 events on a loopback TCP port, the worker registry, an admin token (tenant series are shown only
 to its holder), a quota that refuses chunks, a small L1 so that traffic evicts, and tracing
-exported over OTLP/HTTP to a receiver in this process (app/bench/otlp.py).
+exported over OTLP/HTTP to a receiver in this process (bench/otlp.py).
 
     with observed_sidecar(tmp_path, prefix) as sc: ...          # the test's own sidecar
     load(sc, rounds) / start_load(sc, rounds, seconds)           # tests/integration/metrics_load
@@ -13,6 +13,7 @@ exported over OTLP/HTTP to a receiver in this process (app/bench/otlp.py).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -20,14 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
-from app.bench.otlp import OtlpReceiver
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.otlp import OtlpReceiver
+from bench.sidecar import SidecarProcess, start_sidecar
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT
-from tests.integration.l2_helpers import free_port
+from tests.integration.redis_keys import REDIS_URL, delete_prefix
+from tests.ports import free_port
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 TOKEN = "metrics-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,9 +88,7 @@ def observed_sidecar(tmp: Path, redis_prefix: str) -> Iterator[SidecarProcess]:
     finally:
         sc.stop()
         receiver.stop()
-        with redis.Redis.from_url(REDIS_URL) as r:
-            for key in r.scan_iter(match=redis_prefix + "*"):
-                r.unlink(key)
+        delete_prefix(redis_prefix)
 
 
 def load_command(sc: SidecarProcess, rounds: int, seconds: float = 600.0, pause: float = 0.0) -> list[str]:
@@ -116,6 +113,14 @@ def start_load(sc: SidecarProcess, rounds: int, seconds: float, pause: float) ->
 
 
 def scrape(sc: SidecarProcess, token: bool = True) -> str:
+    """The /metrics text of `sc`, read with this module's admin token (`token`) or without one."""
     req = urllib.request.Request(sc.http + "/metrics", headers=AUTH if token else {})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return str(resp.read().decode())
+
+
+def metric(sc: SidecarProcess, name: str) -> float:
+    """One unlabelled sample of any sidecar's /metrics (read without a token)."""
+    found = re.search(rf"^{re.escape(name)} (\S+)$", scrape(sc, token=False), re.MULTILINE)
+    assert found, f"{name} not exported"
+    return float(found.group(1))

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from tests.integration.l2_helpers import free_port
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

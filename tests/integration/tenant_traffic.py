@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, chunk_data, request_tokens
 
@@ -20,9 +20,14 @@ TOKEN = "tenant-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def http(sc: SidecarProcess, method: str, path: str, body: Any = None, token: bool = True) -> tuple[int, Any]:
+def http(
+    sc: SidecarProcess, method: str, path: str, body: Any = None, token: bool | str = True
+) -> tuple[int, Any]:
+    """(status, JSON answer or None) of one call to `sc`'s control plane, with this module's admin
+    token (`token` true), another one (a string) or none (false)."""
     data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"} | (AUTH if token else {})
+    bearer = TOKEN if token is True else token
+    headers = {"content-type": "application/json"} | ({"Authorization": f"Bearer {bearer}"} if bearer else {})
     req = urllib.request.Request(sc.http + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:

@@ -38,11 +38,14 @@ def test_a_client_cannot_truncate_the_arena_and_the_sidecar_lives(sidecar_factor
     assert reply.lifeline_path and len(reply.lifeline_token) == 32
     assert not (Path("/dev/shm") / reply.arena_name).exists()  # nothing to open by name
     line = LifelineClient(reply.lifeline_path, reply.lifeline_token)
-    # The arena's segments (write domains), each read-only and sealed.
+    # The arena's segments (write domains) and the release fences, each read-only and sealed.
+    fences = line.take("fences")
     fds = [line.take(f"arena:{i}") for i in range(len(line.received))]
     try:
         sizes = [os.fstat(fd).st_size for fd in fds]
         assert len(fds) > 1 and sum(sizes) == reply.arena_size
+        fds.append(fences)
+        sizes.append(os.fstat(fences).st_size)
         for fd, seg in zip(fds, sizes, strict=True):
             for size in (0, seg // 2, seg * 2):
                 with pytest.raises((PermissionError, OSError)):

@@ -18,7 +18,7 @@ import torch
 from app.cli import main
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, client
-from tests.unit.app.bench_engine.fake_openai import FakeServer, FakeState
+from tests.unit.bench.engine.fake_openai import FakeServer, FakeState
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import redis
 
+from tests.integration.redis_keys import REDIS_URL
+
 pytestmark = pytest.mark.slow
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 FIGURES = {"reads", "adapter_gbps", "baseline_gbps", "vs_baseline", "hit_chunks"}
+VERIFY_FIGURES = {"verify_baseline_gbps", "vs_verify_baseline"}
 
 
 def bench_l2(adapter: str, workdir: Path, redis_url: str = REDIS_URL) -> dict[str, Any]:
@@ -43,9 +45,11 @@ def test_bench_l2_prints_both_baselines_and_verified_bytes(adapter: str, tmp_pat
         "adapter", "threads", "baseline", "store_gbps", "baseline_store_gbps", "store_vs_baseline",
         "load_warm", "load_cold", "chunks", "chunk_bytes", "written", "verified", "ok", "mac",
     }  # fmt: skip
-    assert set(got) == base | ({"redis_cpu_s"} if adapter == "redis" else set())
+    extra = {"redis": {"redis_cpu_s"}, "disk": {"verify_baseline"}}.get(adapter, set())
+    assert set(got) == base | extra
     assert (got["adapter"], got["chunks"], got["written"], got["chunk_bytes"]) == (adapter, 6, 6, 1024)
-    assert got["verified"] == {"adapter": True, "baseline": True}
+    verified = {"adapter": True, "baseline": True} | ({"verify_baseline": True} if adapter == "disk" else {})
+    assert got["verified"] == verified
     assert got["ok"] is True
 
     # The baseline runs as many threads as the adapter moves bytes with (the defaults: 4).
@@ -54,13 +58,15 @@ def test_bench_l2_prints_both_baselines_and_verified_bytes(adapter: str, tmp_pat
     if threads:
         assert got["baseline"].startswith(f"{threads} ")
 
-    assert set(got["load_warm"]) == FIGURES
+    assert set(got["load_warm"]) == FIGURES | (VERIFY_FIGURES if adapter == "disk" else set())
     assert got["load_warm"]["hit_chunks"] == 6
     if adapter == "disk":
-        assert set(got["load_cold"]) == FIGURES
+        assert set(got["load_cold"]) == FIGURES | VERIFY_FIGURES
         assert got["load_cold"]["hit_chunks"] == 6
         assert "page cache" in got["load_warm"]["reads"]
         assert "posix_fadvise" in got["load_cold"]["reads"]
+        # The verify-too baseline runs the check a load runs: the MAC, the disk tier authenticating.
+        assert "keyed-BLAKE3 MAC" in got["verify_baseline"]
     else:
         assert set(got["load_cold"]) == {"reads"}
         assert got["load_cold"]["reads"].startswith("not applicable")

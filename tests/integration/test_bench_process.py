@@ -76,10 +76,13 @@ def test_bench_server_runs_chunk_sizes_client_counts_and_a_long_prompt() -> None
         # The sidecar's own handling of each call of the run (its /metrics), a part of the round trip.
         assert set(r["sidecar_ms"]) == {"store", "commit", "lookup", "retrieve", "release"}
         assert 0 < r["sidecar_ms"]["commit"] < r["phases_ms"]["commit"]
-        assert 0 < r["sidecar_ms"]["release"] < r["phases_ms"]["release"]
+        # A RELEASE whose fences held is not waited for: the sidecar handles it all the same.
+        assert r["sidecar_ms"]["release"] > 0 and r["phases_ms"]["release"] > 0
+        assert r["first_fill_store_vs_memcpy"] > 0
         steps = r["phases_ms"]
         parts = {"reserve", "copy_in", "commit", "extents", "copy_out", "release"}
-        assert set(steps) == {"memcpy", "store", "retrieve", *parts}
+        # memcpy_cold: the store's baseline; memcpy: the retrieve's
+        assert set(steps) == {"memcpy_cold", "memcpy", "store", "retrieve", *parts}
         assert all(v > 0 for v in steps.values())
     # The first run is also what the benchmark always printed at the top.
     assert (got["store_vs_memcpy"], got["chunk_bytes"], got["lookup_chunks"]) == (

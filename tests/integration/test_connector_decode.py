@@ -6,9 +6,7 @@ with vLLM's own scheduler in tests/e2e/test_decode_scheduler.py."""
 
 from __future__ import annotations
 
-import re
 import secrets
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,23 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.handles import export_tensor
 from kvdepot_connector.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvdepot_connector.vllm.worker import WorkerSide
 from tests.integration.conftest import StartSidecar
+from tests.integration.metrics_sidecar import metric
 from tests.integration.test_connector_sides import BLOCK, CHUNK, KV, LAYOUT, ask
 
 BPC = CHUNK // BLOCK
-
-
-def metric(sc: SidecarProcess, name: str) -> float:
-    with urllib.request.urlopen(sc.http + "/metrics", timeout=5) as answer:
-        text = answer.read().decode()
-    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert found, name
-    return float(found.group(1))
 
 
 @dataclass
@@ -69,7 +60,7 @@ def engine(sidecar_factory: StartSidecar, tmp_path: Path, request: pytest.Fixtur
     instance = secrets.token_hex(16)
     sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False, instance=instance)
     work_client = KVDepotClient(
-        sc.url, model="m", layout=LAYOUT, instance=instance, timeout_s=1.0, map_arena=not by_sidecar
+        sc.url, model="m", layout=LAYOUT, instance=instance, timeout_s=10.0, map_arena=not by_sidecar
     )
     kv = KV()
     work_client.connect().share([kv.shared.region()])

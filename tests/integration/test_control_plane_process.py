@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from tests.integration.test_serve_process import assert_refused, cli_env, run_serve
 
 ROOT = Path(__file__).resolve().parents[2]  # the sidecar runs from here: this tree's code

@@ -1,6 +1,6 @@
 """deploy/: the Grafana dashboard, the Prometheus config and alert rules, the docker-compose file and
 the Kubernetes pod, parsed and checked against the project: every metric their expressions name is
-in the metric catalog (README.md, checked against a live scrape by test_metric_catalog.py), the
+in the metric catalog (docs/metrics.md, checked against a live scrape by test_metric_catalog.py), the
 rules pass `promtool check rules`, the compose services and the pod run what the Dockerfiles build
 with the sockets where both containers see them, and the sidecar's own arguments and environment
 from each file start a real `kvdepot serve` whose probes answer 200."""
@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
-from app.bench.sidecar import SidecarProcess
-from tests.integration.l2_helpers import free_port
+from bench.sidecar import SidecarProcess
 from tests.integration.test_serve_process import cli_env
 from tests.integration.tools import need_tool
-from tests.metric_catalog import README, readme_rows
+from tests.metric_catalog import CATALOG, catalog_rows
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -63,7 +63,7 @@ def metric_names(expr: str) -> set[str]:
 def catalog_series() -> set[str]:
     """Every series name the catalog's families expose (histograms: _bucket, _sum, _count)."""
     names = {"up"}
-    for row in readme_rows(README.read_text()).values():
+    for row in catalog_rows(CATALOG.read_text()).values():
         if row.type == "histogram":
             names |= {row.name + suffix for suffix in ("_bucket", "_sum", "_count")}
         else:
@@ -102,6 +102,18 @@ def test_the_alert_rules_pass_promtool_and_name_catalogued_metrics() -> None:
                           timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout
+
+
+def test_the_image_copies_every_package_the_distribution_ships() -> None:
+    """`pip install .` in the image installs what `[tool.setuptools.packages.find]` finds there: a
+    package it does not COPY is missing from the image (fleet/ once was, and `serve` imports it)."""
+    import tomllib
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {pattern.rstrip("*") for pattern in found["include"]}
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert packages <= copied, packages - copied
+    assert all((ROOT / p / "__init__.py").is_file() for p in packages)
 
 
 def test_the_compose_file_runs_what_the_repository_builds() -> None:

@@ -14,15 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from engine.keys import KVLayout
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.protocol import Layout
 from storage.auth import BlobKeys, parse_secret
 from tests.integration.conftest import StartSidecar
-from tests.integration.directory_helpers import DirectoryProcess, DroppingForwarder
-from tests.integration.l2_helpers import free_port
+from tests.integration.directory_helpers import DirectoryProcess, DroppingForwarder, sent
+from tests.integration.metrics_sidecar import metric
 from tests.integration.waiting import wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +55,9 @@ def toml_str(value: str) -> str:
 def static(name: str, http: str, events: str, replay: int) -> str:
     return (
         f"[[directory.static_instances]]\nid = {toml_str(name)}\nurl = {toml_str(http)}\n"
-        f"events_endpoint = {toml_str(events)}\nreplay_endpoint = \"tcp://127.0.0.1:{replay}\"\n"
-        f"salt_key_id = \"{KEY_ID}\"\n"
-        f"[[directory.static_instances.namespaces]]\nmodel = \"test-model\"\nlayout_fp = \"{FP}\"\n"
+        f'events_endpoint = {toml_str(events)}\nreplay_endpoint = "tcp://127.0.0.1:{replay}"\n'
+        f'salt_key_id = "{KEY_ID}"\n'
+        f'[[directory.static_instances.namespaces]]\nmodel = "test-model"\nlayout_fp = "{FP}"\n'
         f"block_size = 4\nchunk_size = 16\n"
     )
 
@@ -98,20 +99,6 @@ def held(sc: SidecarProcess) -> dict[str, int]:
         if line["kind"] == "chunk":
             out[line["medium"]] = out.get(line["medium"], 0) + 1
     return out
-
-
-def metric(sc: SidecarProcess, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(sc.http + "/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
-
-
-def sent(sc: SidecarProcess) -> int:
-    return int(metric(sc, "kvdepot_kv_events_sent_total"))
 
 
 def converged(d: DirectoryProcess, sidecars: dict[str, SidecarProcess]) -> bool:

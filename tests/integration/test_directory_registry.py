@@ -10,7 +10,6 @@ down never affects the sidecar's data plane."""
 from __future__ import annotations
 
 import json
-import secrets
 import signal
 from pathlib import Path
 
@@ -20,9 +19,10 @@ from fleet.credentials import instance_credential
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.directory_helpers import DirectoryProcess, post
-from tests.integration.l2_helpers import free_port
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.test_directory_converges import DEPLOYMENT, LAYOUT, TOKEN, data, prefix, store
 from tests.integration.waiting import wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ DIR_TOKEN = "directory-token"
 
 
 def member_env(name: str, directory: str, prefix_key: str) -> dict[str, str]:
-    redis = {"type": "redis", "url": "redis://127.0.0.1:6379/0", "key_prefix": prefix_key, "ttl_s": 300}
+    redis = {"type": "redis", "url": REDIS_URL, "key_prefix": prefix_key, "ttl_s": 300}
     return {
         "KVDEPOT_L1__CHUNK_SIZE": "16", "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN,
         "KVDEPOT_L2__ADAPTERS": json.dumps([redis]), "KVDEPOT_EVENTS__LINGER_MS": "1",
@@ -47,7 +47,7 @@ def member_env(name: str, directory: str, prefix_key: str) -> dict[str, str]:
 
 
 def test_registered_sidecars_shared_redis_tenants_and_timeouts(
-    tmp_path: Path, sidecar_factory: StartSidecar
+    tmp_path: Path, sidecar_factory: StartSidecar, redis_prefix: str
 ) -> None:
     port = free_port()
     config = tmp_path / "directory.toml"
@@ -58,9 +58,8 @@ def test_registered_sidecars_shared_redis_tenants_and_timeouts(
     )
     # the directory is not there yet: the sidecars start and serve all the same, then register
     url = f"http://127.0.0.1:{port}"
-    key_prefix = f"kvdtest-directory-{secrets.token_hex(4)}:"
-    a = sidecar_factory(data_dir=tmp_path / "a", env=member_env("a", url, key_prefix), l1_size_gb=0.02)
-    b = sidecar_factory(data_dir=tmp_path / "b", env=member_env("b", url, key_prefix), l1_size_gb=0.02)
+    a = sidecar_factory(data_dir=tmp_path / "a", env=member_env("a", url, redis_prefix), l1_size_gb=0.02)
+    b = sidecar_factory(data_dir=tmp_path / "b", env=member_env("b", url, redis_prefix), l1_size_gb=0.02)
     victim = prefix(21, 4)
     store(a, victim, salt="victim")  # the data plane works with the directory down
     store(b, prefix(22, 1), salt="other")  # b's engine registers its namespace too

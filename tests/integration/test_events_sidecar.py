@@ -9,7 +9,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import chunk_data, client, request_tokens
 from tests.integration.waiting import wait_for

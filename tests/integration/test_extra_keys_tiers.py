@@ -15,10 +15,8 @@ import torch
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, chunk_data, client, request_tokens
-from tests.integration.test_tenants_l2_process import adapter_config, redis_prefix, written_behind
+from tests.integration.test_tenants_l2_process import adapter_config, written_behind
 from tests.integration.waiting import wait_for
-
-__all__ = ["redis_prefix"]  # the fixture, used by name
 
 CHUNKS = 3
 TOKENS = request_tokens(11, CHUNKS)

@@ -12,7 +12,7 @@ import urllib.request
 
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.protocol import SlotStatus
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens

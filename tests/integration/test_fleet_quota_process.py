@@ -1,4 +1,4 @@
-"""Fleet-wide L2 quotas (storage/redis_fleet.py) with two real sidecar processes on one Redis (a
+"""Fleet-wide L2 quotas (storage/redis/fleet.py) with two real sidecar processes on one Redis (a
 single node, and the 3-node cluster), the same key prefix of the test's own: a tenant's bytes in
 Redis, counted by scanning every node, never exceed its l2_bytes quota, whichever sidecar writes;
 a quota set on one sidecar is enforced by the other, and so is a quota lowered on the other; the
@@ -11,41 +11,28 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
-from storage.redis_cluster import SlotMap
-from storage.redis_fleet import META
+from storage.redis.cluster import SlotMap
+from storage.redis.fleet import META
 from tests.integration import cluster_nodes
 from tests.integration.conftest import CLUSTER_URL, StartSidecar
 from tests.integration.dp_client import client
 from tests.integration.l2_helpers import request_keys
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.tenant_traffic import CHUNK_BYTES, TOKEN, http, store
 from tests.integration.test_tenants_l2_process import written_behind
 from tests.integration.waiting import wait_for
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 LIMIT = 6 * CHUNK_BYTES + 3000  # six blobs (headers of a few hundred bytes each), not seven
 LOWER = 3 * CHUNK_BYTES + 1500
 W_LIMIT = 3 * CHUNK_BYTES + 1500  # three blobs
 DEPLOYMENT_KEY = "5e" * 32
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    value = f"kvdepot-fleet-{uuid.uuid4().hex[:8]}:"
-    yield value
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for key in r.scan_iter(match=value + "*"):
-            r.unlink(key)
-    if cluster_nodes.answers():
-        cluster_nodes.delete_prefix(value)
 
 
 def clients(kind: str) -> list[redis.Redis]:
@@ -97,14 +84,14 @@ def start(factory: StartSidecar, url: str, prefix: str, **extra: Any) -> Sidecar
 
 @pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
 def test_two_sidecars_share_one_quota_and_one_ledger(
-    sidecar_factory: StartSidecar, prefix: str, kind: str, request: pytest.FixtureRequest
+    sidecar_factory: StartSidecar, redis_prefix: str, kind: str, request: pytest.FixtureRequest
 ) -> None:
     url = REDIS_URL
     if kind == "redis-cluster":
         url = request.getfixturevalue("redis_cluster")
         assert url == CLUSTER_URL
-    a = start(sidecar_factory, url, prefix)
-    b = start(sidecar_factory, url, prefix, ttl_s=3)  # B's blobs expire: drift for the reconcile
+    a = start(sidecar_factory, url, redis_prefix)
+    b = start(sidecar_factory, url, redis_prefix, ttl_s=3)  # B's blobs expire: drift for the reconcile
 
     # The quota is set on A only; B has no quota of its own for "t" and reads A's from Redis.
     assert http(a, "PUT", "/quotas/t", {"l2_bytes": LIMIT})[0] == 200
@@ -127,7 +114,7 @@ def test_two_sidecars_share_one_quota_and_one_ledger(
                 if sc is a and salt == "t" and step < 2:
                     a_first |= set(request_keys(which, 8, "t")[:chunks])
             wait_for(lambda: written_behind(a) and written_behind(b), what="write-behind")
-            held = scan(kind, prefix)
+            held = scan(kind, redis_prefix)
             t_bytes = sum(held.get("t", {}).values())
             peak = max(peak, t_bytes)
             assert t_bytes <= LIMIT, (step, t_bytes)
@@ -135,7 +122,7 @@ def test_two_sidecars_share_one_quota_and_one_ledger(
                 assert a_first & set(held.get("t", {})), "A's first blobs were written"
         # The quota held on both sidecars' writes, and it was reached: the oldest blobs went.
         assert peak > LIMIT - 2 * CHUNK_BYTES, peak
-        assert not a_first & set(scan(kind, prefix).get("t", {}))
+        assert not a_first & set(scan(kind, redis_prefix).get("t", {}))
         stats = [sc.get_json("/status")["l2"]["store"] for sc in (a, b)]
         assert sum(s["quota_evicted_bytes"] for s in stats) > 0
 
@@ -144,12 +131,12 @@ def test_two_sidecars_share_one_quota_and_one_ledger(
         store(ca, "w", 0, 900, 3, "w-a")
         wait_for(lambda: written_behind(a), what="write-behind")
         by_a = request_keys(900, 8, "w")[:3]
-        assert sorted(scan(kind, prefix).get("w", {})) == sorted(by_a)
+        assert sorted(scan(kind, redis_prefix).get("w", {})) == sorted(by_a)
         evicted_before = b.get_json("/status")["l2"]["store"]["quota_evicted_bytes"]
         store(cb, "w", 1, 901, 2, "w-b")
         wait_for(lambda: written_behind(b), what="write-behind")
         by_b = request_keys(901, 8, "w")[:2]
-        assert sorted(scan(kind, prefix).get("w", {})) == sorted([by_a[2], *by_b])
+        assert sorted(scan(kind, redis_prefix).get("w", {})) == sorted([by_a[2], *by_b])
         assert b.get_json("/status")["l2"]["store"]["quota_evicted_bytes"] > evicted_before
 
         # A quota lowered on B holds for A's writes.
@@ -158,24 +145,24 @@ def test_two_sidecars_share_one_quota_and_one_ledger(
         for step in range(6):
             store(ca, "t", 0, 500 + step, 2, f"low{step}")
             wait_for(lambda: written_behind(a), what="write-behind")
-            assert sum(scan(kind, prefix).get("t", {}).values()) <= LOWER
+            assert sum(scan(kind, redis_prefix).get("t", {}).values()) <= LOWER
         # Quota 0 set on A: B's next write of the tenant brings it down to nothing.
         assert http(a, "PUT", "/quotas/t", {"l2_bytes": 0})[0] == 200
         refused = b.get_json("/status")["l2"]["store"]["quota_refused"]
         store(cb, "t", 1, 600, 1, "zero")
         wait_for(lambda: written_behind(b), what="write-behind")
-        assert "t" not in scan(kind, prefix)
+        assert "t" not in scan(kind, redis_prefix)
         assert b.get_json("/status")["l2"]["store"]["quota_refused"] == refused + 1
         assert http(b, "DELETE", "/quotas/t")[0] == 204
         assert fleet(a, "t")["limit_bytes"] is None
 
         # Drift: B's blobs expire (ttl 3 s), a few blobs are deleted by hand, a ledger is forged.
-        wait_for(lambda: expiring(kind, prefix) == 0, what="B's blobs to expire")
-        assert sum(len(v) for v in scan(kind, prefix).values()) < _ledger_total(a)
-        held = scan(kind, prefix)
+        wait_for(lambda: expiring(kind, redis_prefix) == 0, what="B's blobs to expire")
+        assert sum(len(v) for v in scan(kind, redis_prefix).values()) < _ledger_total(a)
+        held = scan(kind, redis_prefix)
         for key in rng.sample(sorted(k for keys in held.values() for k in keys), 2):
-            unlink(kind, prefix, key)
-        forged = f"{prefix}{META}{{s{b'u'.hex()}}}:used"
+            unlink(kind, redis_prefix, key)
+        forged = f"{redis_prefix}{META}{{s{b'u'.hex()}}}:used"
         if kind == "redis":
             with redis.Redis.from_url(REDIS_URL) as r:
                 r.set(forged, 123456789)
@@ -186,7 +173,7 @@ def test_two_sidecars_share_one_quota_and_one_ledger(
         status, report = http(a, "POST", "/l2/adapters/shared/reconcile")
         assert status == 200, report
         assert report["released_bytes"] > 0 and report["ledger_fixed"] >= 1
-        truth = scan(kind, prefix)
+        truth = scan(kind, redis_prefix)
         for salt in ("t", "u", "w"):
             want = (sum(truth.get(salt, {}).values()), len(truth.get(salt, {})))
             for sc in (a, b):
@@ -214,9 +201,9 @@ def expiring(kind: str, prefix: str) -> int:
 
 
 def test_the_periodic_reconcile_repairs_hand_deletes_by_itself(
-    sidecar_factory: StartSidecar, prefix: str
+    sidecar_factory: StartSidecar, redis_prefix: str
 ) -> None:
-    sc = start(sidecar_factory, REDIS_URL, prefix, reconcile_interval_s=1)
+    sc = start(sidecar_factory, REDIS_URL, redis_prefix, reconcile_interval_s=1)
     c = client(sc.url)
     try:
         for which in range(3):
@@ -224,10 +211,10 @@ def test_the_periodic_reconcile_repairs_hand_deletes_by_itself(
         wait_for(lambda: written_behind(sc), what="write-behind")
     finally:
         c.close()
-    held = scan("redis", prefix)["t"]
+    held = scan("redis", redis_prefix)["t"]
     assert fleet(sc, "t")["objects"] == len(held) == 9
     for key in sorted(held)[:4]:
-        unlink("redis", prefix, key)
+        unlink("redis", redis_prefix, key)
     wait_for(lambda: fleet(sc, "t")["objects"] == 5, timeout=30, what="the periodic reconcile")
-    assert fleet(sc, "t")["bytes"] == sum(scan("redis", prefix)["t"].values())
+    assert fleet(sc, "t")["bytes"] == sum(scan("redis", redis_prefix)["t"].values())
     assert sc.get_json("/status")["ready"] is True  # the supervised task is alive

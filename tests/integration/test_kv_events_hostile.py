@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.protocol import Layout
 from tests.integration.conftest import StartSidecar

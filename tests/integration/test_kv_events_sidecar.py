@@ -21,29 +21,19 @@ import pytest
 import torch
 import zmq
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.protocol import Layout
 from tests.integration.conftest import StartSidecar
+from tests.integration.metrics_sidecar import metric
 from tests.integration.waiting import wait_for
+from tests.ports import free_ports
 
 TOKEN = "kv-events-test-token"
 LAYOUT = Layout(
     dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64, block_size=4, kind="test", chunk_size=16
 )  # fmt: skip  (8 KiB per chunk, 4 engine blocks of 4 tokens)
 END = -1
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -103,14 +93,6 @@ class Events:
 
 def of_type(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["type"] == kind]
-
-
-def metric(sc: SidecarProcess, name: str) -> float:
-    with urllib.request.urlopen(sc.http + "/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
 
 
 def inventory(sc: SidecarProcess, token: str | None = TOKEN) -> list[dict[str, Any]]:
@@ -178,6 +160,10 @@ def test_a_stored_prefix_is_announced_block_by_block_then_removed_cleared_and_re
     assert [s["parent_block_hash"] for s in cpu[1:]] == [s["block_hashes"][-1] for s in cpu[:-1]]
     hashes = {h for s in cpu for h in s["block_hashes"]}
     assert len(hashes) == 16 and {h for s in disk for h in s["block_hashes"]} == hashes
+    # the write-behind announces what the commit did: a consumer hashing tokens itself (NVIDIA
+    # Dynamo's indexer) rebuilds the same chain from either tier
+    for field in ("block_hashes", "token_ids", "parent_block_hash", "lora_name", "extra_keys"):
+        assert [s.get(field) for s in disk] == [s.get(field) for s in cpu], field
     topic = ev.batches[0][0]
     assert topic.decode().startswith("kv@") and topic.decode().endswith("@test-model")
     assert {b[3] for b in ev.batches} == {3}  # [ts, events, data_parallel_rank]: vLLM's exactly
@@ -202,6 +188,14 @@ def test_a_stored_prefix_is_announced_block_by_block_then_removed_cleared_and_re
     assert c.clear("t") == 4  # the tenant's chunks leave L1: their blocks are removed
     removed = of_type(ev.read(lambda e: len(of_type(e, "BlockRemoved")) >= 4), "BlockRemoved")
     assert {h for r in removed if r["medium"] == "CPU" for h in r["block_hashes"]} == hashes
+
+    # a lookup loads them back from disk: announced in L1 again, tokens and parents from the lookup
+    assert c.lookup(toks, request_id="r", cache_salt="t", wait=True).hit_tokens == 64
+    assert c.release("r")
+    loaded = of_type(ev.read(lambda e: len(of_type(e, "BlockStored")) >= 4), "BlockStored")
+    assert len(loaded) == 4 and all(s["medium"] == "CPU" for s in loaded)
+    for field in ("block_hashes", "token_ids", "parent_block_hash"):
+        assert [s.get(field) for s in loaded] == [s.get(field) for s in cpu], field
     c.close()
     assert delete(sc, "/l2/adapters/disk") == 204  # a tier cleared: consumers drop what they knew
     assert of_type(ev.read(lambda e: bool(of_type(e, "AllBlocksCleared"))), "AllBlocksCleared")

@@ -26,8 +26,10 @@ from tests.integration.kv_events_helpers import (
     start_consumer,
     stored,
 )
-from tests.integration.test_kv_events_sidecar import client, data, env, free_ports, metric, prefix
+from tests.integration.metrics_sidecar import metric
+from tests.integration.test_kv_events_sidecar import client, data, env, prefix
 from tests.integration.waiting import wait_for
+from tests.ports import free_ports
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ import json
 import os
 import re
 import stat
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,35 +17,19 @@ import pytest
 import redis
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from storage import codec
 from storage.codec import CodecOptions
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.l2_helpers import engine_layout, request_keys
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.waiting import wait_for
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 MiB = 1 << 20
 KEY_1 = "11" * 32
 KEY_2 = "22" * 32
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"kvdepot-test-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for k in r.scan_iter(match=prefix + "*"):
-            r.unlink(k)
-
-
-@pytest.fixture
-def attacker() -> Iterator[redis.Redis]:
-    """Another writer to the same Redis: a plain client, no kvdepot key."""
-    with redis.Redis.from_url(REDIS_URL) as r:
-        yield r
 
 
 def env(prefix: str, keys: list[str] | None = None) -> dict[str, str]:

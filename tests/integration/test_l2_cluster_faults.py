@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Iterator
 
-import pytest
 import torch
 from redis.crc import key_slot
 
@@ -23,13 +20,6 @@ CHUNKS = 8
 DEADLINE_MS = 4000
 AUTH_KEY = "5e" * 32
 SEEDS = "redis://" + ",".join(f"127.0.0.1:{port}" for port in cluster_nodes.PORTS) + "/0"
-
-
-@pytest.fixture
-def cluster_prefix(redis_cluster: str) -> Iterator[str]:
-    prefix = f"kvdepot-test-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    cluster_nodes.delete_prefix(prefix)
 
 
 def env(url: str, prefix: str) -> dict[str, str]:
@@ -77,10 +67,10 @@ def served(url: str, seed: int, rid: str) -> tuple[int, float]:
 
 
 def test_a_frozen_cluster_node_shortens_the_hit_within_the_deadline(
-    sidecar_factory: StartSidecar, redis_cluster: str, cluster_prefix: str
+    sidecar_factory: StartSidecar, redis_cluster: str, redis_prefix: str
 ) -> None:
-    seed, frozen_port, cut = pick(cluster_prefix)
-    writer = sidecar_factory(env=env(redis_cluster, cluster_prefix))
+    seed, frozen_port, cut = pick(redis_prefix)
+    writer = sidecar_factory(env=env(redis_cluster, redis_prefix))
     c = client(writer.url)
     try:
         stored = c.store(
@@ -92,7 +82,7 @@ def test_a_frozen_cluster_node_shortens_the_hit_within_the_deadline(
     wait_for(lambda: writer.get_json("/status")["l2"]["store"]["written"] >= CHUNKS)
     # A second sidecar with an empty L1, sharing the cluster: every hit comes from L2. It starts
     # its adapter while the node is frozen: the seed list lets it read the slot map elsewhere.
-    reader = sidecar_factory(env=env(SEEDS, cluster_prefix))
+    reader = sidecar_factory(env=env(SEEDS, redis_prefix))
     with cluster_nodes.frozen(frozen_port):
         hit, seconds = served(reader.url, seed, "frozen")
         assert hit == cut  # the prefix stops at the first chunk on the frozen node

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from tests.integration import cluster_nodes
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.l2_helpers import blob_files, request_keys
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.waiting import wait_for
 
 ENV = {
@@ -26,7 +25,6 @@ ENV = {
     "KVDEPOT_L2__ADAPTERS": json.dumps([{"type": "disk", "name": "disk", "fsync": "always"}]),
     "KVDEPOT_L2__PREFETCH_DEADLINE_MS": "5000",
 }
-REDIS_URL = "redis://127.0.0.1:6379/0"
 REQUESTS, CHUNKS = 24, 8
 SEEDS = range(100, 100 + REQUESTS)
 
@@ -103,17 +101,6 @@ def test_restart_after_sigkill_serves_completed_writes_and_never_corrupt_ones(
     third = sidecar_factory(data_dir=data_dir, env=ENV, l1_size_gb=0.05)
     assert served(third.url, cut_seed, "cut2") == 5
     assert served(third.url, full[2], "whole") == CHUNKS
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"kvdepot-crash-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for key in r.scan_iter(match=prefix + "*"):
-            r.unlink(key)
-    if cluster_nodes.answers():
-        cluster_nodes.delete_prefix(prefix)
 
 
 def node_of(kind: str, rkey: bytes) -> redis.Redis:

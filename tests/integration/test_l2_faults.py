@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens

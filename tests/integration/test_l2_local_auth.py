@@ -16,8 +16,9 @@ import torch
 
 from storage import codec
 from storage.codec import CodecOptions
-from storage.config import DiskAdapterConfig, SlabAdapterConfig
-from storage.factory import build_adapter
+from storage.disk.config import DiskAdapterConfig
+from storage.registry import build_adapter
+from storage.slab.config import SlabAdapterConfig
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
 from tests.integration.l2_helpers import engine_layout, request_keys

@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
-from collections.abc import Iterator
 
 import httpx
-import pytest
 import redis
 import torch
 
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
+from tests.integration.redis_keys import REDIS_URL
 
 TOKEN = "s3cret-admin"
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    value = f"kvdepot-reconfig-{uuid.uuid4().hex[:8]}:"
-    yield value
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for key in r.scan_iter(match=value + "*"):
-            r.unlink(key)
 
 
 class Workload(threading.Thread):
@@ -65,7 +53,7 @@ class Workload(threading.Thread):
             c.close()
 
 
-def test_add_redis_then_drain_disk_under_load(sidecar_factory: StartSidecar, prefix: str) -> None:
+def test_add_redis_then_drain_disk_under_load(sidecar_factory: StartSidecar, redis_prefix: str) -> None:
     env = {
         "KVDEPOT_L1__CHUNK_SIZE": "16",
         "KVDEPOT_HTTP__ADMIN_TOKEN": TOKEN,
@@ -73,7 +61,7 @@ def test_add_redis_then_drain_disk_under_load(sidecar_factory: StartSidecar, pre
     }
     sc = sidecar_factory(env=env, l1_size_gb=0.01)
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    redis_config = {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": prefix}
+    redis_config = {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": redis_prefix}
     work = Workload(sc.url)
     work.start()
     try:
@@ -121,4 +109,5 @@ def test_add_redis_then_drain_disk_under_load(sidecar_factory: StartSidecar, pre
     assert work.failures == []
     assert work.done >= 10
     with redis.Redis.from_url(REDIS_URL) as r:
-        assert any(True for _ in r.scan_iter(match=prefix + "*")), "the added Redis tier received writes"
+        written = any(True for _ in r.scan_iter(match=redis_prefix + "*"))
+        assert written, "the added Redis tier received writes"

@@ -4,32 +4,16 @@ with a real sidecar process, real files and a real Redis."""
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 
 import pytest
-import redis
 import torch
 
-from tests.integration import cluster_nodes
 from tests.integration.conftest import CLUSTER_URL, StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, client, request_tokens
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.waiting import wait_for
 
 CHUNK_BYTES = LAYOUT.chunk_bytes  # 64 KiB; 1 MiB of L1 holds 16 of them
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"kvdepot-test-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    r = redis.Redis.from_url(REDIS_URL)
-    for k in r.scan_iter(match=prefix + "*"):
-        r.unlink(k)
-    r.close()
-    if cluster_nodes.answers():
-        cluster_nodes.delete_prefix(prefix)
 
 
 def adapter_env(kind: str, redis_prefix: str) -> dict[str, str]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import xxhash
 
-from storage import blob_header
-from storage import slabformat as fmt
+from storage.codec import blob_header
+from storage.slab import headers as fmt
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import chunk_data, client, request_tokens
 from tests.integration.l2_helpers import request_keys

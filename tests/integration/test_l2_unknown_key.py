@@ -10,23 +10,19 @@ import urllib.request
 
 import redis
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import chunk_data, client, request_tokens
 from tests.integration.l2_helpers import request_keys
-from tests.integration.test_l2_auth import (  # the fixtures redis_prefix and attacker too
+from tests.integration.test_l2_auth import (
     KEY_1,
     KEY_2,
     REDIS_URL,
     adapter_stats,
-    attacker,
     env,
-    redis_prefix,
     well_formed_blob,
 )
 from tests.integration.waiting import wait_for
-
-__all__ = ["attacker", "redis_prefix"]
 
 BLOBS = 20
 SEEDS = range(500, 500 + BLOBS)

@@ -1,4 +1,4 @@
-"""The metric catalog in README.md against a real sidecar's /metrics after traffic from a real
+"""The metric catalog (docs/metrics.md) against a real sidecar's /metrics after traffic from a real
 connector client: every exported family has a row saying its type, labels and meaning, every row
 names an exported family, and `promtool check metrics` finds nothing to say about the text."""
 
@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import re
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from tests.integration.metrics_sidecar import load, observed_sidecar, scrape
+from tests.integration.redis_keys import new_prefix
 from tests.integration.tools import need_tool
-from tests.metric_catalog import README, differences, readme_rows, scraped_rows
+from tests.metric_catalog import CATALOG, catalog_rows, differences, scraped_rows
 
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("catalog")
-    with observed_sidecar(tmp, f"kvdepot-catalog-{uuid.uuid4().hex[:8]}:") as sc:
+    with observed_sidecar(tmp, new_prefix("catalog")) as sc:
         figures = load(sc, rounds=10)
         # The traffic did what the labelled series need: L1 and L2 hits, misses, error replies,
         # L1 evictions (the L1 holds 64 chunks), quota refusals.
@@ -39,10 +39,9 @@ def test_every_exported_family_has_a_catalog_row_and_every_row_is_exported(scrap
     assert len(rows) > 80
     unlabelled = [r.name for r in rows.values() if r.labels == ("?",)]
     assert unlabelled == [], f"families without a sample (the traffic must produce them): {unlabelled}"
-    problems = differences(readme_rows(README.read_text()), rows)
-    assert problems == [], "README's metric catalog is stale (python -m tests.metric_catalog):\n" + "\n".join(
-        problems
-    )
+    problems = differences(catalog_rows(CATALOG.read_text()), rows)
+    stale = "docs/metrics.md is stale (python -m tests.metric_catalog):\n"
+    assert problems == [], stale + "\n".join(problems)
 
 
 def test_a_new_family_without_a_row_and_a_row_without_a_family_are_caught(scraped: str) -> None:
@@ -50,7 +49,7 @@ def test_a_new_family_without_a_row_and_a_row_without_a_family_are_caught(scrape
     added = Histogram("kvdepot_made_up_seconds", "Not a metric of the sidecar.", ["adapter"], registry=extra)
     added.labels("disk").observe(0.01)
     with_new = scraped + generate_latest(extra).decode()
-    catalog = readme_rows(README.read_text())
+    catalog = catalog_rows(CATALOG.read_text())
     problems = differences(catalog, scraped_rows(with_new))
     assert len(problems) == 2, problems  # the histogram and its `_created` series
     assert problems[0].startswith("exported without a catalog row: | `kvdepot_made_up_seconds` | histogram")

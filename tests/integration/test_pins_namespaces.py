@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import zmq
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector import protocol as p
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.lifeline import LifelineClient

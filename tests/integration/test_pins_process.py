@@ -12,35 +12,23 @@ from __future__ import annotations
 
 import json
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.l2_helpers import blob_files
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.tenant_traffic import AUTH, CHUNK_BYTES, LAYOUT, TOKEN, content, http, sequence, store
 from tests.integration.waiting import wait_for
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 CHUNKS = 3  # a's pinned prefix
 STORM_SEQS, STORM_CHUNKS = 60, 8  # per storming tenant: 480 chunks of 64 KiB, 6x L1 and the disk tier
 L1_GB = DISK_GB = 0.01  # 160 chunks each
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    value = f"kvdepot-pins-{uuid.uuid4().hex[:8]}:"
-    yield value
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for key in r.scan_iter(match=value + "*"):
-            r.unlink(key)
 
 
 def status(sc: SidecarProcess) -> dict[str, Any]:
@@ -95,11 +83,11 @@ def on_disk(data_dir: Path, salt: str) -> int:
 
 
 def test_a_pinned_prefix_survives_storms_until_its_ttl_or_delete(
-    sidecar_factory: StartSidecar, prefix: str, tmp_path: Path
+    sidecar_factory: StartSidecar, redis_prefix: str, tmp_path: Path
 ) -> None:
     adapters = [
         {"type": "disk", "name": "disk", "fsync": "never", "capacity_gb": DISK_GB},
-        {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": prefix},
+        {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": redis_prefix},
     ]
     data_dir = tmp_path / "data"
     env = {

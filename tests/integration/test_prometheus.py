@@ -18,7 +18,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.l2_helpers import free_port
 from tests.integration.metrics_sidecar import DEAD_ADAPTER, TOKEN, observed_sidecar, start_load
+from tests.integration.redis_keys import new_prefix
 from tests.integration.test_deploy_files import ALERTS, PROMETHEUS, alert_rules, dashboard_exprs
 from tests.integration.tools import need_tool
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def prometheus_binary() -> str:
 @pytest.fixture
 def running(prometheus_binary: str, tmp_path: Path) -> Iterator[tuple[Prometheus, str]]:
     """(Prometheus, the sidecar's instance label): a sidecar under load, scraped every second."""
-    with observed_sidecar(tmp_path / "sidecar", f"kvdepot-prom-{uuid.uuid4().hex[:8]}:") as sc:
+    with observed_sidecar(tmp_path / "sidecar", new_prefix("prom")) as sc:
         load = start_load(sc, rounds=400, seconds=150, pause=0.2)
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import redis
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
 from kvdepot_connector.client import KVDepotClient
-from storage.redis_fleet import META
+from storage.redis.fleet import META
 from tests.integration.conftest import StartSidecar
 from tests.integration.l2_helpers import PrivateRedis, blob_files
 from tests.integration.test_kv_events_sidecar import LAYOUT, env

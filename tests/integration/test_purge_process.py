@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,44 +18,26 @@ import pytest
 import redis
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
 from kvdepot_connector.client import KVDepotClient
-from storage.redis_fleet import META
+from storage.redis.fleet import META
 from tests.integration import cluster_nodes
 from tests.integration.conftest import StartSidecar
 from tests.integration.l2_helpers import PrivateRedis, blob_files
+from tests.integration.metrics_sidecar import metric
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.tenant_traffic import http
-from tests.integration.test_kv_events_sidecar import LAYOUT, TOKEN, Events, env, free_ports, metric, of_type
+from tests.integration.test_kv_events_sidecar import LAYOUT, TOKEN, Events, env, of_type
 from tests.integration.waiting import wait_for
+from tests.ports import free_ports
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SEQS, CHUNKS = 3, 3
 
 
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    value = f"kvdepot-purge-{uuid.uuid4().hex[:8]}:"
-    yield value
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for key in r.scan_iter(match=value + "*"):
-            r.unlink(key)
-    if cluster_nodes.answers():
-        cluster_nodes.delete_prefix(value)
-
-
 def call(sc: SidecarProcess, method: str, path: str, token: bool = True) -> tuple[int, Any]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(sc.http + path, method=method, headers=AUTH if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    """`http` with this sidecar's admin token (tests/integration/test_kv_events_sidecar's)."""
+    return http(sc, method, path, token=TOKEN if token else False)
 
 
 def tokens(seed: int) -> list[int]:
@@ -114,11 +94,13 @@ def hashes(events: list[dict[str, Any]], kind: str) -> dict[str, set[int]]:
 
 
 def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
-    sidecar_factory: StartSidecar, prefix: str, tmp_path: Path
+    sidecar_factory: StartSidecar, redis_prefix: str, tmp_path: Path
 ) -> None:
     pub, replay = free_ports(2)
-    adapters = [{"type": "disk", "name": "disk", "fsync": "never"},
-                {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": prefix}]  # fmt: skip
+    adapters = [
+        {"type": "disk", "name": "disk", "fsync": "never"},
+        {"type": "redis", "name": "shared", "url": REDIS_URL, "key_prefix": redis_prefix},
+    ]
     data_dir = tmp_path / "data"
     sc = sidecar_factory(
         "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", data_dir=data_dir,
@@ -141,7 +123,7 @@ def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
             stored[salt] = hashes(got, "BlockStored")
         assert set(stored["p"]) == {"CPU", "DISK", "SHARED"}
         assert all(not stored["p"][m] & stored["q"][m] for m in stored["p"])  # salts change hashes
-        q_disk, q_redis = disk_blobs(data_dir)["q"], redis_blobs(prefix)["q"]
+        q_disk, q_redis = disk_blobs(data_dir)["q"], redis_blobs(redis_prefix)["q"]
         assert len(q_disk) == len(q_redis) == len(disk_blobs(data_dir)["p"]) == SEQS * CHUNKS
 
         # Bad input and no token: refused, nothing started.
@@ -163,8 +145,8 @@ def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
                                  >= sum(len(h) for h in stored["p"].values())), "BlockRemoved")  # fmt: skip
         for medium, blocks in stored["p"].items():
             assert removed[medium] == blocks, medium
-        assert "p" not in disk_blobs(data_dir) and "p" not in redis_blobs(prefix)
-        assert disk_blobs(data_dir)["q"] == q_disk and redis_blobs(prefix)["q"] == q_redis
+        assert "p" not in disk_blobs(data_dir) and "p" not in redis_blobs(redis_prefix)
+        assert disk_blobs(data_dir)["q"] == q_disk and redis_blobs(redis_prefix)["q"] == q_redis
         status, p = call(sc, "GET", "/quotas/p")
         assert status == 404 or (p["tiers"]["l1"]["bytes"], p["tiers"]["l1"]["objects"]) == (0, 0)
         for seed in range(SEQS):  # nothing of p anywhere (L2 prefetch included); q's bytes as written
@@ -185,7 +167,7 @@ def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
         # vLLM's AllBlocksCleared names no medium: one for L1, one for the Redis tier.
         cleared = ev.read(lambda e: len(of_type(e, "AllBlocksCleared")) >= 2)
         assert len(of_type(cleared, "AllBlocksCleared")) == 2
-        assert redis_blobs(prefix) == {} and disk_blobs(data_dir)["q"] == q_disk
+        assert redis_blobs(redis_prefix) == {} and disk_blobs(data_dir)["q"] == q_disk
     finally:
         c.close()
         ev.close()
@@ -193,7 +175,7 @@ def test_purge_removes_one_tenant_from_every_tier_and_clear_empties_tiers(
 
 @pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
 def test_a_purge_on_another_sidecar_finds_in_redis_what_the_first_wrote(
-    sidecar_factory: StartSidecar, prefix: str, kind: str, request: pytest.FixtureRequest
+    sidecar_factory: StartSidecar, redis_prefix: str, kind: str, request: pytest.FixtureRequest
 ) -> None:
     url = REDIS_URL if kind == "redis" else request.getfixturevalue("redis_cluster")
 
@@ -213,7 +195,7 @@ def test_a_purge_on_another_sidecar_finds_in_redis_what_the_first_wrote(
                         out.setdefault(ObjectKey.parse(key).salt, {})[key] = digest
         return out
 
-    adapters = json.dumps([{"type": "redis", "name": "shared", "url": url, "key_prefix": prefix}])
+    adapters = json.dumps([{"type": "redis", "name": "shared", "url": url, "key_prefix": redis_prefix}])
     first = sidecar_factory(env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
     c = KVDepotClient(first.url, model="test-model", layout=LAYOUT, timeout_s=10).connect()
     for tag, salt in enumerate(("p", "q")):
@@ -222,15 +204,15 @@ def test_a_purge_on_another_sidecar_finds_in_redis_what_the_first_wrote(
     c.close()
     wait_for(lambda: written_behind(first), what="write-behind")
     first.stop()
-    q_before = redis_blobs(prefix)["q"]
-    assert len(redis_blobs(prefix)["p"]) == SEQS * CHUNKS
+    q_before = redis_blobs(redis_prefix)["q"]
+    assert len(redis_blobs(redis_prefix)["p"]) == SEQS * CHUNKS
 
     second = sidecar_factory(env=env(KVDEPOT_L2__ADAPTERS=adapters), l1_size_gb=0.02)
     assert http(second, "DELETE", "/tenants/p/cache")[0] == 401  # tenant_traffic's token is not this one
     assert call(second, "DELETE", "/tenants/p/cache")[0] == 202
     job = finished(second, "/tenants/p/cache/purge")
     assert job["state"] == "done" and job["progress"]["shared"]["removed"] == SEQS * CHUNKS
-    assert "p" not in redis_blobs(prefix) and redis_blobs(prefix)["q"] == q_before
+    assert "p" not in redis_blobs(redis_prefix) and redis_blobs(redis_prefix)["q"] == q_before
     # Again: nothing left to remove, the same answer otherwise.
     assert call(second, "DELETE", "/tenants/p/cache")[0] == 202
     assert finished(second, "/tenants/p/cache/purge")["progress"]["shared"]["removed"] == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from engine.l1.arena import instance_id
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import CHUNK_TOKENS, LAYOUT, chunk_data, client, request_tokens

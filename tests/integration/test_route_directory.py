@@ -7,7 +7,6 @@ Skipped where the directory (`fleet.directory`) is absent."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import secrets
@@ -19,19 +18,16 @@ import httpx
 import pytest
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.protocol import Layout
 from tests.integration.conftest import StartSidecar
-from tests.integration.l2_helpers import free_port
 from tests.integration.route_fakes import fake_tokens
 from tests.integration.route_helpers import Proc, fake_engine, metric, router
 from tests.integration.waiting import wait_for
+from tests.ports import free_port
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("fleet.directory") is None, reason="no fleet.directory"),
-]
+pytestmark = pytest.mark.slow
 
 CHUNK = 16
 DEPLOYMENT = secrets.token_hex(32)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from tests.integration.conftest import StartSidecar
+from tests.ports import free_port
 
 SHM = Path("/dev/shm")
 
@@ -62,13 +63,6 @@ def assert_refused(result: Exited, *names: str) -> str:
         assert name in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
     return lines[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def signal_and_wait(sidecar: SidecarProcess, sig: signal.Signals, timeout: float = 5.0) -> int:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,16 +16,17 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.sidecar import SidecarProcess
-from tests.integration.l2_helpers import free_port
+from bench.sidecar import SidecarProcess
 from tests.integration.metrics_sidecar import DEAD_ADAPTER, TOKEN, load, observed_sidecar, scrape
+from tests.integration.redis_keys import new_prefix
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarProcess, dict[str, int]]]:
-    prefix = f"kvdepot-status-{uuid.uuid4().hex[:8]}:"
+    prefix = new_prefix("status")
     with observed_sidecar(tmp_path_factory.mktemp("status"), prefix) as sc:
         yield sc, load(sc, rounds=4)
 

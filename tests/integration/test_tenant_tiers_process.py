@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import client
 from tests.integration.tenant_traffic import TOKEN, content, http, read, store

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -19,32 +17,21 @@ import pytest
 import redis
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from engine.keys import ObjectKey
-from storage.redis_fleet import META as FLEET_META
+from storage.redis.fleet import META as FLEET_META
 from tests.integration import cluster_nodes
 from tests.integration.conftest import CLUSTER_URL, StartSidecar
 from tests.integration.dp_client import client
 from tests.integration.l2_helpers import blob_files, slab_blobs
+from tests.integration.redis_keys import REDIS_URL
 from tests.integration.tenant_traffic import CHUNK_BYTES, content, http, read, store
 from tests.integration.waiting import wait_for
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 NAMES = {"disk": "disk", "slab": "slab", "redis": "shared", "redis-cluster": "shared", "mock": "mem"}
 SALTS = ["", "a", "z", "c/d"]
 A_LIMIT = 5 * CHUNK_BYTES + 1000  # five blobs (a header of a few hundred bytes each), not six
 CD_LIMIT = 9 * CHUNK_BYTES + 2000
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"kvdepot-tenants-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    with redis.Redis.from_url(REDIS_URL) as r:
-        for key in r.scan_iter(match=prefix + "*"):
-            r.unlink(key)
-    if cluster_nodes.answers():
-        cluster_nodes.delete_prefix(prefix)
 
 
 def adapter_config(kind: str, redis_prefix: str) -> dict[str, Any]:

@@ -17,10 +17,10 @@ import pytest
 from api.tracing.config import TracingSettings
 from api.tracing.export import OtlpExporter
 from api.tracing.otlp import OtlpEncoder
-from app.bench.otlp import OtlpReceiver
-from app.bench.sidecar import start_sidecar
 from app.errors import ConfigError
 from app.tracing import build_tracing
+from bench.otlp import OtlpReceiver
+from bench.sidecar import start_sidecar
 
 TRACE = 0x0AF7651916CD43DD8448EB211C80319C
 VARIABLES = ("CERTIFICATE", "CLIENT_CERTIFICATE", "CLIENT_KEY", "COMPRESSION", "HEADERS")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.errors import SidecarError
 from kvdepot_connector.handles import SharedTensor, export_tensor

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
-from app.bench.sidecar import SidecarProcess
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.lifeline import HEADER, LifelineClient, Refused, decode_body
 from kvdepot_connector.protocol import SlotStatus
 from tests.integration.conftest import StartSidecar

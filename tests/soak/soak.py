@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.bench.sidecar import SidecarProcess, start_sidecar
+from bench.sidecar import SidecarProcess, start_sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMED = ["ops", "stored_chunks", "commits_expired", "aborted", "hit_chunks", "bytes_verified",

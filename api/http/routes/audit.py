@@ -1,4 +1,4 @@
-"""The audit log's recent records (api/http/audit.py): mutating calls, their caller, change and outcome."""
+"""The audit log's recent records (api/audit.py): mutating calls, their caller, change and outcome."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
+from api.audit import CAPACITY
 from api.http.answers import errors
-from api.http.audit import CAPACITY
 from api.http.deps import Admin, Ctx
 
 router = APIRouter(tags=["audit"])

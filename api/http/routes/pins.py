@@ -17,9 +17,8 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.http.answers import errors
-from api.http.deps import Admin, Ctx
+from api.http.deps import Admin, Ctx, available
 from api.http.routes.quotas import Salt, salt_of
-from app.errors import NotFound
 from engine.answers import PinAnswer, PinList
 from engine.pins.service import TOKEN_MAX, PinService
 from engine.registry import MAX_ID_LEN
@@ -49,9 +48,7 @@ class PinBody(BaseModel):
 
 
 def _pins(ctx: Ctx) -> PinService:
-    if ctx.pins is None:
-        raise NotFound("pins are not available in this sidecar")
-    return ctx.pins
+    return available(ctx.pins, "pins")
 
 
 @router.get("", response_model=PinList, summary="Every prefix pin", responses=errors(401))

@@ -17,9 +17,8 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.http.answers import errors
-from api.http.deps import Admin, Ctx
+from api.http.deps import Admin, Ctx, available
 from api.http.routes.quotas import Salt, salt_of
-from app.errors import NotFound
 from engine.answers import TenantLabel
 from engine.purge import PurgeJob, PurgeJobs
 
@@ -36,10 +35,7 @@ class LabelBody(BaseModel):
 
 
 def _jobs(ctx: Ctx) -> PurgeJobs:
-    jobs = ctx.purge
-    if jobs is None:
-        raise NotFound("purge and clear are not available in this sidecar")
-    return jobs
+    return available(ctx.purge, "purge and clear")
 
 
 @router.delete(

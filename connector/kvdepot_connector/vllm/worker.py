@@ -149,8 +149,9 @@ class WorkerSide:
         return valid
 
     def _copy_in(self, spec: LoadSpec) -> bool:
-        """Copy out of the locked chunks; valid only if the sidecar confirms that every object
-        copied from is still the same (the generation check): else the blocks are failed."""
+        """Copy out of the locked chunks; valid only if every object copied from is still the
+        same (the release fences unmoved, or the sidecar's generation check): else the blocks
+        are failed."""
         locked = self.client.locked(spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks)
         cuts = [self._cut(view) for view in locked.views]
         chunks = range(spec.first_chunk, spec.first_chunk + len(locked.views))
@@ -161,7 +162,8 @@ class WorkerSide:
         except BaseException:
             self.client.release(spec.request_id, locked.oids)
             raise
-        return self.client.release(spec.request_id, locked.oids) and len(locked.views) == spec.num_chunks
+        valid = self.client.release(spec.request_id, locked.oids, fences=locked.fences)
+        return valid and len(locked.views) == spec.num_chunks
 
     def _cut(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """A chunk's bytes (a uint8 view of the arena) as one [block, block bytes] view per plane."""

@@ -27,8 +27,8 @@ from typing import Any
 
 from storage import codec
 from storage.codec import CodecOptions
-from storage.config import DiskAdapterConfig
-from storage.disk import DiskAdapter
+from storage.disk.adapter import DiskAdapter
+from storage.disk.config import DiskAdapterConfig
 
 ROUNDS = 5
 

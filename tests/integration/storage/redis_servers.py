@@ -1,23 +1,40 @@
 """Real Redis for the storage tests: private redis-server processes the tests stop, freeze and
-restart, a free port to put one on, and the type of the `make_redis` fixture (conftest)."""
+restart, and the adapters of the `make_redis` / `make_cluster` fixtures."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from storage.redis_adapter import RedisAdapter
+from storage.redis.adapter import RedisAdapter
+from storage.redis.config import RedisAdapterConfig
+from tests.ports import free_port
 
 MakeRedis = Callable[..., RedisAdapter]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+@contextlib.asynccontextmanager
+async def redis_adapters(default_url: str, prefix: str) -> AsyncIterator[MakeRedis]:
+    """`make(url=default_url, **fields)` builds Redis adapters whose keys are under `prefix`; each
+    is closed when the block ends (its keys are the prefix owner's to delete)."""
+    made: list[RedisAdapter] = []
+
+    def make(url: str = default_url, **fields: Any) -> RedisAdapter:
+        config = RedisAdapterConfig.model_validate({"url": url, "key_prefix": prefix, **fields})
+        executor = ThreadPoolExecutor(4, thread_name_prefix="test-redis-io")
+        adapter = RedisAdapter(config, executor, owns_executor=True)
+        made.append(adapter)
+        return adapter
+
+    try:
+        yield make
+    finally:
+        for adapter in made:
+            await adapter.close()
 
 
 class RedisServer:

@@ -1,25 +1,19 @@
 """Helpers of the slab adapter tests: blobs whose bytes are a function of their key, what a
-reader is served (load_into and the caller's checks), file surgery, and `make_slab` (adapters on
-real files under tmp_path, closed at teardown)."""
+reader is served (load_into and the caller's checks), file surgery, and the type of the `make_slab`
+fixture (conftest: adapters on real files under tmp_path, closed at teardown)."""
 
 from __future__ import annotations
 
 import mmap
 import random
-import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from app.errors import IntegrityError
 from storage import codec
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
-from storage.config import SlabAdapterConfig
-from storage.slab import SlabAdapter
+from storage.slab.adapter import SlabAdapter
 
 FP = b"layoutfp"
 KiB = 1 << 10
@@ -85,27 +79,3 @@ def flip(path: Path, at: int) -> None:
         f.seek(at)
         f.write(bytes([byte ^ 0x01]))
 
-
-@pytest.fixture
-async def make_slab(tmp_path: Path) -> AsyncIterator[MakeSlab]:
-    made: list[SlabAdapter] = []
-
-    def make(clock: Callable[[], float] = time.monotonic, **fields: Any) -> SlabAdapter:
-        fields = {"paths": [tmp_path / "slab0"], "size_bytes": 4 * KiB + 16 * SLOT, "slot_bytes": SLOT,
-                  "fsync": "never", "io_threads": 2, **fields}  # fmt: skip
-        config = SlabAdapterConfig.model_validate(fields)
-        executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="test-slab-io")
-        adapter = SlabAdapter(
-            config,
-            tmp_path / "default.slab",
-            tmp_path / "slab.index",
-            executor,
-            owns_executor=True,
-            clock=clock,
-        )
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        await adapter.close()

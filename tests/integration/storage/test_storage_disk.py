@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from app.errors import ConfigError, IntegrityError
-from storage import blob_header, codec, diskdirs, diskio
+from storage import codec
 from storage.base import MISS, Status
-from storage.codec import CodecOptions, EncodedBlob
-from storage.config import DiskAdapterConfig
-from storage.disk import DiskAdapter
-from storage.diskio import BlobFiles
+from storage.codec import CodecOptions, EncodedBlob, blob_header
+from storage.disk import dirs as disk_dirs
+from storage.disk import files as disk_files
+from storage.disk.adapter import DiskAdapter
+from storage.disk.config import DiskAdapterConfig
+from storage.disk.files import BlobFiles
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +48,7 @@ def decoded(data: bytes | memoryview | None, key: str, size: int) -> bytes:
 
 
 def blob_files(root: Path) -> list[Path]:
-    return sorted(root.rglob(f"*{diskdirs.BLOB_SUFFIX}"))
+    return sorted(root.rglob(f"*{disk_dirs.BLOB_SUFFIX}"))
 
 
 def exists(path: str | Path) -> bool:
@@ -181,7 +183,7 @@ async def test_start_removes_temp_files_and_deletes_bad_files(make_disk: MakeDis
     paths = {key: Path(str(first.path_of(key))) for key in first.keys_lru()}
     await first.close()
 
-    leftover = paths["good"].with_name("crashed-mid-write" + diskdirs.TMP_SUFFIX)
+    leftover = paths["good"].with_name("crashed-mid-write" + disk_dirs.TMP_SUFFIX)
     leftover.write_bytes(b"half a blob")
     os.truncate(paths["truncated"], paths["truncated"].stat().st_size - 1)
     with paths["bad-header"].open("r+b") as f:
@@ -287,7 +289,7 @@ class RefusingDirectIO(BlobFiles):
 
     def _write_file(self, tmp: str, segments: Any, *, direct: bool) -> None:
         if direct:
-            raise diskio._DirectRefused
+            raise disk_files._DirectRefused
         super()._write_file(tmp, segments, direct=direct)
 
 

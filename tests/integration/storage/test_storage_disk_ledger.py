@@ -16,9 +16,9 @@ from hypothesis.stateful import rule
 
 from engine.l2.tiers import Tier
 from storage.base import L2Adapter
-from storage.config import AdapterConfig, DiskAdapterConfig
-from storage.disk import DiskAdapter
-from storage.factory import build_adapter
+from storage.disk.adapter import DiskAdapter
+from storage.disk.config import DiskAdapterConfig
+from storage.registry import AdapterConfig, build_adapter
 from tests.integration.l2_helpers import blob_files
 from tests.l2_ledger_machine import L2LedgerMachine, key_of, keys
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from storage.base import Status
-from storage.config import DiskAdapterConfig
-from storage.disk import DiskAdapter
+from storage.disk.adapter import DiskAdapter
+from storage.disk.config import DiskAdapterConfig
 from tests.integration.storage.test_storage_disk import blob, blob_files, decoded, payload_for
 
 pytestmark = pytest.mark.anyio

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from storage import codec, diskdirs
+from storage import codec
 from storage.codec import CodecOptions
-from storage.config import DiskAdapterConfig
-from storage.disk import DiskAdapter
+from storage.disk import dirs as disk_dirs
+from storage.disk.adapter import DiskAdapter
+from storage.disk.config import DiskAdapterConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -60,8 +61,8 @@ async def test_blob_files_are_0600_in_0700_directories_even_under_a_permissive_u
     assert mode(os.path.dirname(path)) == 0o700
     assert mode(root) == 0o700
     assert mode(root.parent) == 0o700
-    assert mode(root / diskdirs.LOCK_NAME) == 0o600
-    assert all(mode(root / sub) == 0o700 for sub in diskdirs.SUBDIRS)
+    assert mode(root / disk_dirs.LOCK_NAME) == 0o600
+    assert all(mode(root / sub) == 0o700 for sub in disk_dirs.SUBDIRS)
 
 
 async def test_an_existing_open_directory_is_made_private(make_disk: MakeDisk, tmp_path: Path) -> None:
@@ -93,7 +94,7 @@ async def test_the_directory_is_fsynced_after_the_rename(make_disk: MakeDisk, tm
     assert path is not None
     # the temp file first, then its directory once the blob's final name is in it
     assert [is_dir for _, is_dir, _ in synced] == [False, True]
-    assert synced[0][0].endswith(diskdirs.TMP_SUFFIX)
+    assert synced[0][0].endswith(disk_dirs.TMP_SUFFIX)
     assert synced[1][0] == os.path.dirname(path)
     assert os.path.basename(path) in synced[1][2]
 

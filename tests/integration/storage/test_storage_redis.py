@@ -15,7 +15,8 @@ from redis.asyncio import Redis
 from storage import codec
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
-from tests.integration.storage.redis_servers import MakeRedis, RedisServer, free_port
+from tests.integration.storage.redis_servers import MakeRedis, RedisServer
+from tests.ports import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from storage.base import Status
-from storage.redis_adapter import RedisAdapter
+from storage.redis.adapter import RedisAdapter
 from tests.integration.storage.redis_servers import MakeRedis
 
 pytestmark = pytest.mark.anyio

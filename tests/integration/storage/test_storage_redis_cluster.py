@@ -6,10 +6,7 @@ keys of its slots. Each test uses a key prefix of its own; slots a test moves ar
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import anyio
 import pydantic
@@ -19,11 +16,12 @@ from redis.crc import key_slot
 from storage import codec
 from storage.base import Status
 from storage.codec import CodecOptions, EncodedBlob
-from storage.config import RedisAdapterConfig
-from storage.redis_adapter import RedisAdapter
-from storage.redis_cluster import Node
+from storage.redis.adapter import RedisAdapter
+from storage.redis.cluster import Node
+from storage.redis.config import RedisAdapterConfig
 from tests.integration import cluster_nodes as nodes
-from tests.integration.storage.redis_servers import MakeRedis, free_port
+from tests.integration.storage.redis_servers import MakeRedis, redis_adapters
+from tests.ports import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -38,24 +36,11 @@ def blob(key: str, size: int) -> EncodedBlob:
 
 
 @pytest.fixture
-async def make_cluster(redis_cluster: str) -> AsyncIterator[MakeRedis]:
-    """Adapters on the cluster (closed at teardown), keys under a prefix of the test's own (deleted
-    from every node at teardown)."""
-    prefix = f"kvdepot-test:{uuid.uuid4().hex}:"
-    made: list[RedisAdapter] = []
-
-    def make(url: str = redis_cluster, **fields: Any) -> RedisAdapter:
-        config = RedisAdapterConfig.model_validate({"url": url, "key_prefix": prefix, **fields})
-        adapter = RedisAdapter(
-            config, ThreadPoolExecutor(4, thread_name_prefix="test-redis-io"), owns_executor=True
-        )
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        await adapter.close()
-    nodes.delete_prefix(prefix)
+async def make_cluster(redis_cluster: str, redis_prefix: str) -> AsyncIterator[MakeRedis]:
+    """Adapters on the cluster (closed at teardown), keys under the test's own prefix (deleted from
+    every node at teardown: `redis_prefix`)."""
+    async with redis_adapters(redis_cluster, redis_prefix) as make:
+        yield make
 
 
 def keys_on(adapter: RedisAdapter, port: int, count: int, tag: str = "k") -> list[str]:
@@ -219,10 +204,10 @@ async def test_a_moved_reply_refreshes_the_whole_map(make_cluster: MakeRedis) ->
     """Two slots resharded at once: a MOVED for one makes the adapter read the whole map again,
     so the other is routed right before any command for it was redirected."""
     adapter = make_cluster()
-    first, second = keys_on(adapter, 7101, 2, tag="m")
-    s1, s2 = key_slot(adapter.redis_key(first)), key_slot(adapter.redis_key(second))
-    if s1 == s2:
-        pytest.skip("both keys on one slot")
+    first, *others = keys_on(adapter, 7101, 8, tag="m")
+    s1 = key_slot(adapter.redis_key(first))
+    second = next(k for k in others if key_slot(adapter.redis_key(k)) != s1)  # a slot of its own
+    s2 = key_slot(adapter.redis_key(second))
     assert all(r.ok for r in await adapter.store([(k, blob(k, SMALL)) for k in (first, second)]))
     with nodes.slot_moved_back(s1), nodes.slot_moved_back(s2):
         nodes.move_slot(s1, 7101, 7103)

@@ -16,11 +16,11 @@ import torch
 from redis.asyncio import Redis
 
 from app.errors import IntegrityError
-from storage import blob_header, codec
+from storage import codec
 from storage.base import Status
-from storage.codec import CodecOptions, EncodedBlob
-from storage.redis_adapter import RedisAdapter
-from storage.redis_lane import PIECE_BYTES
+from storage.codec import CodecOptions, EncodedBlob, blob_header
+from storage.redis.adapter import RedisAdapter
+from storage.redis.lane import PIECE_BYTES
 from tests.integration.storage.redis_servers import MakeRedis, RedisServer
 
 pytestmark = pytest.mark.anyio

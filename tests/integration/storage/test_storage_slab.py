@@ -19,14 +19,11 @@ from tests.integration.storage.slab_helpers import (
     aligned,
     blob,
     decoded,
-    make_slab,
     payload_for,
     served,
 )
 
 pytestmark = pytest.mark.anyio
-__all__ = ["make_slab"]  # the fixture
-
 
 async def test_round_trip_with_in_place_loads(make_slab: MakeSlab, tmp_path: Path) -> None:
     slab = make_slab(fsync="always")

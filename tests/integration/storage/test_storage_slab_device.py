@@ -18,8 +18,8 @@ from app.errors import ConfigError
 from storage import codec
 from storage.base import Status
 from storage.codec import CodecOptions
-from storage.config import SlabAdapterConfig
-from storage.slab import SlabAdapter
+from storage.slab.adapter import SlabAdapter
+from storage.slab.config import SlabAdapterConfig
 from tests.integration.storage.slab_helpers import aligned, payload_for
 
 pytestmark = pytest.mark.anyio

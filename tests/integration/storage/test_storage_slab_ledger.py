@@ -13,11 +13,11 @@ from pathlib import Path
 from hypothesis import settings
 
 from engine.l2.tiers import Tier
-from storage import slabformat as fmt
 from storage.base import L2Adapter
-from storage.config import AdapterConfig, SlabAdapterConfig
-from storage.factory import build_adapter
-from storage.slab import SlabAdapter
+from storage.registry import AdapterConfig, build_adapter
+from storage.slab import headers as fmt
+from storage.slab.adapter import SlabAdapter
+from storage.slab.config import SlabAdapterConfig
 from tests.l2_ledger_machine import L2LedgerMachine
 
 SLOT = 8192  # a blob of up to 4 KiB of payload and its headers

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.errors import ConfigError
-from storage import slabformat
+from storage.slab import headers as slab_headers
 from tests.integration.storage.slab_helpers import (
     PAYLOAD,
     SLOT,
@@ -19,7 +19,6 @@ from tests.integration.storage.slab_helpers import (
     MakeSlab,
     blob,
     flip,
-    make_slab,
     patch,
     payload_for,
     read_at,
@@ -27,8 +26,6 @@ from tests.integration.storage.slab_helpers import (
 )
 
 pytestmark = pytest.mark.anyio
-__all__ = ["make_slab"]  # the fixture
-
 
 async def test_restart_rebuilds_the_index_and_keeps_recency(make_slab: MakeSlab, tmp_path: Path) -> None:
     slab = make_slab()
@@ -134,7 +131,7 @@ async def test_a_damaged_slot_found_at_start_is_invalid_not_indexed(
     assert where is not None
     await slab.close()
     (tmp_path / "slab.index").unlink()
-    flip(tmp_path / "slab0", where[1] + slabformat.SLOT_HEADER_SIZE + 3)  # inside the blob header
+    flip(tmp_path / "slab0", where[1] + slab_headers.SLOT_HEADER_SIZE + 3)  # inside the blob header
     again = make_slab()
     await again.start()
     assert again.startup is not None and again.startup.invalid_slots == 1

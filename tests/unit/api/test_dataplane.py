@@ -14,11 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from api.dataplane.server import DataPlaneServer
 from api.metrics import DataPlaneMetrics
-from app.settings import AdapterConfig, MockAdapterConfig
+from app.settings import AdapterConfig
 from engine.facade import CacheEngine
 from kvdepot_connector import protocol as p
 from storage.base import L2Adapter
-from storage.mock import MockAdapter
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
 from tests.factories import engine, l2_engine, tokens
 
 CHUNK = 16
@@ -370,7 +371,7 @@ async def test_a_ping_arriving_as_a_deferred_reply_is_sent_is_answered(tmp_path:
 
 
 def test_a_clear_is_audited_with_the_tenants_bytes_and_a_refused_one_with_its_code() -> None:
-    from api.http.audit import AuditLog
+    from api.audit import AuditLog
 
     audit = AuditLog()
     with engine(64 * 4096, chunk_size=CHUNK) as (eng, _):

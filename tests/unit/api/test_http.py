@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
@@ -19,25 +18,28 @@ from pydantic import TypeAdapter
 from api.http.answers import Readiness, ServiceStatus
 from api.http.app import create_app
 from api.http.deps import Admin
-from api.http.errors import http_status
 from app import __version__
 from app import errors as e
 from app.main import Service
-from app.settings import RedisAdapterConfig
 from engine.admin import adapter
 from engine.answers import AdapterList, QuotaList, TenantQuota
 from engine.l2.tiers import Tier
-from storage.factory import build_adapter
-from tests.unit.api.conftest import BuildService, RunningService, ServeService
+from httpkit.errors import http_status
+from storage.redis.config import RedisAdapterConfig
+from storage.registry import build_adapter
+from tests.unit.api.conftest import (
+    BuildService,
+    RunningService,
+    ServeService,
+    Services,
+    asgi_client,
+    service_app,
+    without_kvdepot_env,
+)
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "s3cret-admin-token"
-
-
-def asgi_client(app: FastAPI, *, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
-    return httpx.AsyncClient(transport=transport, base_url="http://kvdepot.test")
 
 
 def app_with_test_routes(service: Service) -> FastAPI:
@@ -67,26 +69,49 @@ def app_with_test_routes(service: Service) -> FastAPI:
     return app
 
 
+@pytest.fixture(scope="module")
+def routes_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastAPI]:
+    """app_with_test_routes of one built service (default settings), for the tests that only call
+    its routes (a new app builds its routes again on its first request)."""
+    with pytest.MonkeyPatch.context() as mp:
+        without_kvdepot_env(mp)
+        services = Services(tmp_path_factory.mktemp("routes"))
+        try:
+            yield app_with_test_routes(services.build())
+        finally:
+            services.close()
+
+
 # --- endpoints of a running service ------------------------------------------------------------
 
 
-async def test_health_is_plain_ok(running: RunningService) -> None:
-    r = await running.client.get("/health")
+async def test_health_is_plain_ok(shared: RunningService) -> None:
+    r = await shared.client.get("/health")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     assert r.text == "OK"
 
 
-async def test_ready_when_running(running: RunningService) -> None:
-    r = await running.client.get("/ready")
+async def test_the_service_answers_on_its_own_port(serve: ServeService) -> None:
+    """uvicorn on the port the service bound serves the same app the in-process tests call."""
+    async with serve(tcp=True) as running:
+        assert running.service.http_port > 0
+        r = await running.client.get("/ready")
+        assert (r.status_code, r.json()) == (200, {"ready": True})
+        status = (await running.client.get("/status")).json()
+        assert status["components"]["http"] == "running"
+
+
+async def test_ready_when_running(shared: RunningService) -> None:
+    r = await shared.client.get("/ready")
     assert r.status_code == 200
     assert r.json() == {"ready": True}
 
 
-async def test_status_reports_version_uptime_components_settings_and_l1(running: RunningService) -> None:
-    service = running.service
+async def test_status_reports_version_uptime_components_settings_and_l1(shared: RunningService) -> None:
+    service = shared.service
     assert service.engine is not None and service.arena is not None
-    r = await running.client.get("/status")
+    r = await shared.client.get("/status")
     assert r.status_code == 200
     body = r.json()
     assert body["version"] == __version__
@@ -105,7 +130,7 @@ async def test_status_reports_version_uptime_components_settings_and_l1(running:
     assert 0 < l1["capacity_bytes"] <= int(0.01 * (1 << 30))
     assert l1["capacity_bytes"] == service.engine.cache.allocator.capacity
     assert l1["used_bytes"] == 0
-    later = (await running.client.get("/status")).json()
+    later = (await shared.client.get("/status")).json()
     assert later["uptime_s"] >= body["uptime_s"]
 
 
@@ -117,15 +142,15 @@ async def test_status_masks_the_admin_token(serve: ServeService) -> None:
         assert TOKEN not in r.text
 
 
-async def test_metrics_are_prometheus_text_with_l1_and_process_figures(running: RunningService) -> None:
-    assert running.service.engine is not None
-    r = await running.client.get("/metrics")
+async def test_metrics_are_prometheus_text_with_l1_and_process_figures(shared: RunningService) -> None:
+    assert shared.service.engine is not None
+    r = await shared.client.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     capacity = families["kvdepot_l1_capacity_bytes"]
     assert capacity.type == "gauge"
-    assert [s.value for s in capacity.samples] == [running.service.engine.cache.allocator.capacity]
+    assert [s.value for s in capacity.samples] == [shared.service.engine.cache.allocator.capacity]
     assert families["kvdepot_l1_used_bytes"].samples[0].value == 0
     assert families["process_resident_memory_bytes"].samples[0].value > 0
     assert families["process_cpu_seconds"].type == "counter"
@@ -135,10 +160,9 @@ async def test_metrics_are_prometheus_text_with_l1_and_process_figures(running: 
 async def test_ready_turns_503_naming_a_component_whose_task_died(running: RunningService) -> None:
     service = running.service
     assert service.dataplane is not None and service.dataplane.transport.sock is not None
-    dataplane_task = next(t for t in asyncio.all_tasks() if t.get_name() == "dataplane")
     service.dataplane.transport.sock.close()  # the data plane's serve loop ends under it
     with anyio.fail_after(5):
-        await asyncio.wait([dataplane_task])
+        await service.supervisor.crashed.wait()
     r = await running.client.get("/ready")
     assert r.status_code == 503
     body = r.json()
@@ -152,49 +176,49 @@ async def test_ready_turns_503_naming_a_component_whose_task_died(running: Runni
     assert (await running.client.get("/health")).status_code == 200  # alive, but not ready
 
 
-async def test_unknown_path_is_a_json_404(running: RunningService) -> None:
-    r = await running.client.get("/no/such/thing")
+async def test_unknown_path_is_a_json_404(shared: RunningService) -> None:
+    r = await shared.client.get("/no/such/thing")
     assert r.status_code == 404
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {"error": {"code": "not_found", "message": "Not Found"}}
 
 
-async def test_wrong_method_is_a_json_405(running: RunningService) -> None:
-    r = await running.client.post("/health")
+async def test_wrong_method_is_a_json_405(shared: RunningService) -> None:
+    r = await shared.client.post("/health")
     assert r.status_code == 405
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
-async def test_docs_and_openapi_list_the_endpoints(running: RunningService) -> None:
-    docs = await running.client.get("/docs")
+async def test_docs_and_openapi_list_the_endpoints(shared: RunningService) -> None:
+    docs = await shared.client.get("/docs")
     assert docs.status_code == 200
     assert docs.headers["content-type"].startswith("text/html")
-    spec = (await running.client.get("/openapi.json")).json()
+    spec = (await shared.client.get("/openapi.json")).json()
     assert spec["info"]["version"] == __version__
     assert {"/health", "/ready", "/status", "/metrics"} <= set(spec["paths"])
     assert not any(path.startswith(("/docs", "/redoc")) for path in spec["paths"])
 
 
-async def test_docs_pages_load_their_assets_from_the_sidecar(running: RunningService) -> None:
+async def test_docs_pages_load_their_assets_from_the_sidecar(shared: RunningService) -> None:
     for page in ("/docs", "/redoc"):
-        html = (await running.client.get(page)).text
+        html = (await shared.client.get(page)).text
         urls = re.findall(r'(?:src|href)="([^"]+)"', html)
         assert urls and all(url.startswith("/docs-assets/") for url in urls), (page, urls)
         assert "https://" not in html and "fonts.googleapis" not in html
         for url in urls:
-            asset = await running.client.get(url)
+            asset = await shared.client.get(url)
             assert asset.status_code == 200 and len(asset.content) > 1000, url
-    js = await running.client.get("/docs-assets/swagger-ui-bundle.js")
+    js = await shared.client.get("/docs-assets/swagger-ui-bundle.js")
     assert "javascript" in js.headers["content-type"] and b"SwaggerUIBundle" in js.content
-    assert (await running.client.get("/docs-assets/../pyproject.toml")).status_code == 404
-    assert (await running.client.get("/docs/oauth2-redirect")).status_code == 200
+    assert (await shared.client.get("/docs-assets/../pyproject.toml")).status_code == 404
+    assert (await shared.client.get("/docs/oauth2-redirect")).status_code == 200
 
 
-async def test_request_id_is_echoed_or_made_up(running: RunningService) -> None:
-    r = await running.client.get("/status", headers={"x-request-id": "req-42"})
+async def test_request_id_is_echoed_or_made_up(shared: RunningService) -> None:
+    r = await shared.client.get("/status", headers={"x-request-id": "req-42"})
     assert r.headers["x-request-id"] == "req-42"
-    a = (await running.client.get("/status")).headers["x-request-id"]
-    b = (await running.client.get("/status")).headers["x-request-id"]
+    a = (await shared.client.get("/status")).headers["x-request-id"]
+    b = (await shared.client.get("/status")).headers["x-request-id"]
     assert a and b and a != b
 
 
@@ -203,10 +227,7 @@ async def test_request_id_is_echoed_or_made_up(running: RunningService) -> None:
 
 async def test_not_ready_before_the_service_runs(build_service: BuildService) -> None:
     service = build_service()
-    assert service.http_server is not None
-    app = service.http_server.config.app
-    assert isinstance(app, FastAPI)
-    async with asgi_client(app) as client:
+    async with asgi_client(service_app(service)) as client:
         r = await client.get("/ready")
         assert r.status_code == 503
         reasons = r.json()["reasons"]
@@ -254,24 +275,23 @@ def test_http_status_of_each_error_class(cls: type[e.KVDepotError], status: int)
         ("KVDepotError", 500),
     ],
 )
-async def test_errors_reach_the_client_as_json(build_service: BuildService, name: str, status: int) -> None:
-    async with asgi_client(app_with_test_routes(build_service())) as client:
+async def test_errors_reach_the_client_as_json(routes_app: FastAPI, name: str, status: int) -> None:
+    async with asgi_client(routes_app) as client:
         r = await client.get(f"/test/raise/{name}")
     assert r.status_code == status
     assert r.json() == {"error": {"code": getattr(e, name).code, "message": f"{name} was raised"}}
 
 
-async def test_unexpected_exception_is_a_json_500_without_details(build_service: BuildService) -> None:
-    app = app_with_test_routes(build_service())
-    async with asgi_client(app, raise_app_exceptions=False) as client:
+async def test_unexpected_exception_is_a_json_500_without_details(routes_app: FastAPI) -> None:
+    async with asgi_client(routes_app, raise_app_exceptions=False) as client:
         r = await client.get("/test/crash")
     assert r.status_code == 500
     assert r.json() == {"error": {"code": "internal", "message": "RuntimeError"}}
     assert "must not leak" not in r.text
 
 
-async def test_request_validation_error_names_the_parameter(build_service: BuildService) -> None:
-    async with asgi_client(app_with_test_routes(build_service())) as client:
+async def test_request_validation_error_names_the_parameter(routes_app: FastAPI) -> None:
+    async with asgi_client(routes_app) as client:
         r = await client.get("/test/count", params={"n": "many"})
         assert r.status_code == 422
         error = r.json()["error"]
@@ -306,8 +326,8 @@ async def test_mutating_route_needs_the_admin_token(build_service: BuildService)
         assert right.json() == {"mutated": True}
 
 
-async def test_without_a_configured_token_mutating_routes_are_open(build_service: BuildService) -> None:
-    async with asgi_client(app_with_test_routes(build_service())) as client:
+async def test_without_a_configured_token_mutating_routes_are_open(routes_app: FastAPI) -> None:
+    async with asgi_client(routes_app) as client:
         r = await client.post("/test/mutate")
     assert r.status_code == 200
     assert r.json() == {"mutated": True}
@@ -323,8 +343,8 @@ def json_schema(response: dict[str, Any]) -> dict[str, Any]:
     return dict(response.get("content", {}).get("application/json", {}).get("schema", {}))
 
 
-async def test_openapi_declares_a_schema_for_every_answer_and_error(running: RunningService) -> None:
-    spec = (await running.client.get("/openapi.json")).json()
+async def test_openapi_declares_a_schema_for_every_answer_and_error(shared: RunningService) -> None:
+    spec = (await shared.client.get("/openapi.json")).json()
     schemas = spec["components"]["schemas"]
     assert schemas["ErrorBody"]["properties"]["error"]
     operations = [(path, method, op) for path, ops in spec["paths"].items() for method, op in ops.items()]
@@ -379,10 +399,7 @@ async def test_redis_url_passwords_are_masked_in_status(build_service: BuildServ
     service = build_service(
         {"l2.adapters": [{"type": "redis", "name": "r", "url": "redis://user:hunter2@127.0.0.1:6379/0"}]}
     )
-    assert service.http_server is not None
-    app = service.http_server.config.app
-    assert isinstance(app, FastAPI)
-    async with asgi_client(app) as client:
+    async with asgi_client(service_app(service)) as client:
         r = await client.get("/status")
     assert r.status_code == 200
     assert "hunter2" not in r.text

@@ -5,6 +5,7 @@ token's holder, Redis passwords on no surface, disk adapters only under the allo
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.unit.api.conftest import RunningService, ServeService
-from tests.unit.api.test_quotas_http import SMALL_CHUNKS, store
+from app.logs import configure_logging
+from app.settings import LoggingSettings
+from tests.unit.api.conftest import SMALL_CHUNKS, RunningService, ServeService, store
 
 pytestmark = pytest.mark.anyio
 
@@ -58,7 +60,7 @@ def chunked(total: int, piece: int = 8192) -> list[bytes]:
 
 
 async def test_a_mutation_without_the_token_is_refused_before_its_body_is_read(serve: ServeService) -> None:
-    async with serve({"http.admin_token": TOKEN}) as running:
+    async with serve({"http.admin_token": TOKEN}, tcp=True) as running:  # the server, on its socket
         port = running.service.http_port
         big = head("POST", "/l2/adapters", "Content-Type: application/json", "Content-Length: 10000000")
         status, body = await raw_request(port, big)  # 10 MB declared, not a byte sent
@@ -74,7 +76,8 @@ async def test_a_body_over_the_cap_is_refused_with_413_before_it_is_read(
     serve: ServeService, token: str | None
 ) -> None:
     auth = [f"Authorization: Bearer {token}"] if token else []
-    async with serve({"http.admin_token": token, "http.max_body_bytes": 4096}) as running:
+    settings = {"http.admin_token": token, "http.max_body_bytes": 4096}
+    async with serve(settings, tcp=True) as running:  # the server, on its socket
         port = running.service.http_port
         declared = head(
             "PUT", "/quotas/a", *auth, "Content-Type: application/json", "Content-Length: 10000000"
@@ -136,15 +139,18 @@ async def test_without_a_token_on_loopback_tenant_figures_are_open(serve: ServeS
         assert f'tenant="{SALT}"' in (await c.get("/metrics")).text
 
 
-async def test_request_logs_name_the_route_not_the_salt(
-    serve: ServeService, capfd: pytest.CaptureFixture[str]
-) -> None:
-    async with serve({"http.admin_token": TOKEN}) as running:
-        c = running.client
-        assert (await c.put(f"/quotas/{SALT}", json={"l1_bytes": 1}, headers=AUTH)).status_code == 200
-        assert (await c.delete(f"/quotas/{SALT}")).status_code == 401
-        assert (await c.get(f"/quotas/{SALT}", headers=AUTH)).status_code == 200
-    out = capfd.readouterr().out
+async def test_request_logs_name_the_route_not_the_salt(serve: ServeService) -> None:
+    stream = io.StringIO()  # the sidecar's own logging, as `kvdepot serve` configures it
+    configure_logging(LoggingSettings(level="info", format="json"), stream=stream)
+    try:
+        async with serve({"http.admin_token": TOKEN}) as running:
+            c = running.client
+            assert (await c.put(f"/quotas/{SALT}", json={"l1_bytes": 1}, headers=AUTH)).status_code == 200
+            assert (await c.delete(f"/quotas/{SALT}")).status_code == 401
+            assert (await c.get(f"/quotas/{SALT}", headers=AUTH)).status_code == 200
+    finally:
+        configure_logging(LoggingSettings(level="info", format="json"))
+    out = stream.getvalue()
     assert out.count("http_request") >= 3
     assert SALT not in out and TOKEN not in out
 

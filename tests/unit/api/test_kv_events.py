@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import shutil
 import struct
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import msgspec
 import pydantic
@@ -88,6 +91,21 @@ def test_salt_modes_and_tiers() -> None:
     assert namer("omit").stored(no_salt) == namer("omit").stored(no_salt)
 
 
+def test_medium_names_rename_a_tier_s_events_and_refuse_ambiguity() -> None:
+    config = KvEventsSettings(medium_names={"l1": "GPU", "redis": "SHARED"})
+    assert [config.medium(t) for t in (L1_TIER, "l1", "redis", "disk")] == ["GPU", "GPU", "SHARED", "DISK"]
+    assert KvEventsSettings().medium(L1_TIER) == "CPU"  # vLLM's convention unless told
+    n = BlockNamer(salt_mode="plain", deployment_key=b"", layout_of=lambda _fp: LAYOUT, medium=config.medium)
+    ev = chunk_events(list(range(16)))[0]
+    stored = n.stored(ev)
+    assert stored is not None and stored.medium == "GPU"
+    removed = n.removed(ev.key, "redis")  # type: ignore[arg-type]
+    assert removed is not None and removed.medium == "SHARED"
+    for bad in ({"l1": "DISK", "disk": "DISK"}, {"l1": "gpu"}, {"L1": "GPU"}, {"l1": ""}, {"a b": "X"}):
+        with pytest.raises(ValueError, match="medium_names"):
+            KvEventsSettings(medium_names=bad)
+
+
 def test_unknown_layout_is_counted_not_guessed() -> None:
     n = BlockNamer(salt_mode="plain", deployment_key=b"", layout_of=lambda _fp: None)
     assert n.stored(chunk_events(list(range(16)))[0]) is None
@@ -135,7 +153,9 @@ def test_subscriptions_apply_only_this_sidecar_s_topics_up_to_a_cap() -> None:
 @asynccontextmanager
 async def running(**settings: object) -> AsyncIterator[tuple[KvEventPublisher, EventBus]]:
     settings.setdefault("allow_plaintext_tcp", True)
-    config = KvEventsSettings(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", **settings)  # type: ignore[arg-type]
+    settings.setdefault("endpoint", "tcp://127.0.0.1:0")
+    settings.setdefault("replay_endpoint", "tcp://127.0.0.1:0")
+    config = KvEventsSettings(**settings)  # type: ignore[arg-type]
     pub = KvEventPublisher(config, namer())
     pub.bind()
     pub.start()
@@ -203,9 +223,16 @@ async def test_live_batches_then_replay_from_zero_ends_with_minus_one() -> None:
         ctx.term()
 
 
+N_EVENTS = 20_000  # a batch each
+
+
 @pytest.mark.anyio
-async def test_a_subscriber_that_never_reads_costs_drops_not_a_stall() -> None:
-    async with running(sndhwm=16, buffer=1000, max_batch_events=1) as (pub, bus):
+async def test_a_subscriber_that_never_reads_costs_drops_not_a_stall(tmp_path: Path) -> None:
+    # Over a unix socket: the kernel buffers a few hundred KiB of it (loopback TCP grows its
+    # buffers to megabytes, which took 10^5 batches to fill).
+    short = Path(tempfile.mkdtemp(prefix="kvev-"))  # a socket path within 107 bytes
+    endpoints = {"endpoint": f"ipc://{short}/pub", "replay_endpoint": f"ipc://{short}/replay"}
+    async with running(sndhwm=16, buffer=1000, max_batch_events=1, **endpoints) as (pub, bus):
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 16)
@@ -214,7 +241,7 @@ async def test_a_subscriber_that_never_reads_costs_drops_not_a_stall() -> None:
         await until(lambda: pub.subscribers == 1, "subscription")
         events = chunk_events(list(range(16 * 100)))
         task = asyncio.create_task(bus.run())
-        for i in range(100_000):
+        for i in range(N_EVENTS):
             bus.publish(events[i % 100])
         # the loop keeps turning while the bus drains into a subscriber that reads nothing
         ticks = 0
@@ -224,11 +251,12 @@ async def test_a_subscriber_that_never_reads_costs_drops_not_a_stall() -> None:
         bus.stop()
         await task
         assert ticks > 10
-        assert pub.sent + pub.dropped == pub.next_seq == 100_000
-        assert pub.dropped > 0 and pub.sent > 0
-        assert pub.buffered == 1000 and pub.events_sent["BlockStored"] == 100_000
+        assert pub.sent + pub.dropped == pub.next_seq == N_EVENTS
+        assert pub.dropped > 0 and pub.sent > 0, (pub.dropped, pub.sent)
+        assert pub.buffered == 1000 and pub.events_sent["BlockStored"] == N_EVENTS
         sub.close(0)
         ctx.term()
+    shutil.rmtree(short)
 
 
 @pytest.mark.anyio

@@ -10,46 +10,19 @@ from typing import Any
 
 import pytest
 
-from app.main import Service
 from engine.results import SlotStatus
-from tests.factories import small_layout, tokens
-from tests.unit.api.conftest import ServeService
+from tests.unit.api.conftest import CHUNK, ServeService, assert_error, register, store
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "pin-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CHUNK = 16  # tokens; a chunk of small_layout() is 4 KiB
 PAGE = 4096
 SETTINGS = {"l1.chunk_size": CHUNK, "http.admin_token": TOKEN}
 
 
-def register(service: Service) -> int:
-    eng = service.engine
-    assert eng is not None
-    return eng.register("m", small_layout(chunk_size=CHUNK)).engine_id
-
-
-def store(service: Service, salt: str, chunks: int, start: int = 0) -> list[SlotStatus]:
-    eng = service.engine
-    assert eng is not None
-    eid = register(service)
-    slots = eng.store(eid, "w", tokens(chunks * CHUNK, start=start), salt)
-    eng.commit(eid, [s.oid for s in slots if s.status is SlotStatus.RESERVED])
-    return [s.status for s in slots]
-
-
 def body(chunks: int, start: int = 0, **fields: Any) -> dict[str, Any]:
     return {"model": "m", "token_ids": list(range(start, start + chunks * CHUNK)), **fields}
-
-
-def assert_error(r: Any, status: int, code: str, *words: str) -> None:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
-    error = r.json()["error"]
-    assert error["code"] == code
-    for word in words:
-        assert word in error["message"], error["message"]
 
 
 async def test_put_get_delete_and_the_audit_record(serve: ServeService) -> None:

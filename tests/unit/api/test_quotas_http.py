@@ -7,48 +7,25 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.main import Service
 from engine.results import SlotStatus
 from kvdepot_connector import protocol as p
-from tests.factories import small_layout, tokens
-from tests.unit.api.conftest import RunningService, ServeService
+from tests.factories import tokens
+from tests.unit.api.conftest import CHUNK, SMALL_CHUNKS, RunningService, ServeService, assert_error, store
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "quota-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CHUNK = 16  # tokens; a chunk of small_layout() is 4 KiB
 PAGE = 4096
-SMALL_CHUNKS = {"l1.chunk_size": CHUNK}
 
 
 def url(salt: str) -> str:
     return "/quotas/" + quote(salt, safe="")
-
-
-def store(service: Service, salt: str, chunks: int, start: int = 0) -> list[SlotStatus]:
-    """Store `chunks` chunks for `salt` through the engine facade, committing what was reserved."""
-    eng = service.engine
-    assert eng is not None
-    eid = eng.register("m", small_layout(chunk_size=CHUNK)).engine_id
-    slots = eng.store(eid, "w", tokens(chunks * CHUNK, start=start), salt)
-    eng.commit(eid, [s.oid for s in slots if s.status is SlotStatus.RESERVED])
-    return [s.status for s in slots]
-
-
-def assert_error(r: Any, status: int, code: str, *words: str) -> None:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
-    error = r.json()["error"]
-    assert error["code"] == code
-    for word in words:
-        assert word in error["message"]
 
 
 # --- CRUD ----------------------------------------------------------------------------------------
@@ -117,9 +94,9 @@ async def test_any_salt_is_addressable_percent_encoded(serve: ServeService) -> N
         assert (await c.get("/quotas")).json()["tenants"] == []
 
 
-async def test_unknown_salt_is_404_with_a_message(running: RunningService) -> None:
-    assert_error(await running.client.get("/quotas/nobody"), 404, "not_found", "nobody")
-    assert_error(await running.client.delete("/quotas/nobody"), 404, "not_found", "nobody")
+async def test_unknown_salt_is_404_with_a_message(shared: RunningService) -> None:
+    assert_error(await shared.client.get("/quotas/nobody"), 404, "not_found", "nobody")
+    assert_error(await shared.client.delete("/quotas/nobody"), 404, "not_found", "nobody")
 
 
 async def test_usage_without_a_quota_is_listed(serve: ServeService) -> None:
@@ -195,11 +172,11 @@ async def test_an_adapter_may_not_be_named_like_the_memory_tier(serve: ServeServ
     ],
 )
 async def test_bad_bodies_are_422_and_change_nothing(
-    running: RunningService, body: object, words: list[str]
+    shared: RunningService, body: object, words: list[str]
 ) -> None:
-    r = await running.client.put("/quotas/a", json=body)
+    r = await shared.client.put("/quotas/a", json=body)
     assert_error(r, 422, "invalid_input", *words)
-    assert_error(await running.client.get("/quotas/a"), 404, "not_found")
+    assert_error(await shared.client.get("/quotas/a"), 404, "not_found")
 
 
 @pytest.mark.parametrize(
@@ -213,18 +190,18 @@ async def test_bad_bodies_are_422_and_change_nothing(
     ],
 )
 async def test_malformed_requests_are_422(
-    running: RunningService, content: bytes, headers: dict[str, str]
+    shared: RunningService, content: bytes, headers: dict[str, str]
 ) -> None:
-    r = await running.client.put("/quotas/a", content=content, headers=headers)
+    r = await shared.client.put("/quotas/a", content=content, headers=headers)
     assert_error(r, 422, "invalid_input")
     assert r.json()["error"]["message"]
 
 
-async def test_salt_of_more_than_256_characters_is_422(running: RunningService) -> None:
+async def test_salt_of_more_than_256_characters_is_422(shared: RunningService) -> None:
     for method in ("GET", "PUT", "DELETE"):
-        r = await running.client.request(method, url("x" * 257), json={})
+        r = await shared.client.request(method, url("x" * 257), json={})
         assert_error(r, 422, "invalid_input", "256")
-    assert_error(await running.client.get("/quotas/"), 422, "invalid_input")
+    assert_error(await shared.client.get("/quotas/"), 422, "invalid_input")
 
 
 async def test_random_bodies_never_get_a_5xx(running: RunningService) -> None:

@@ -1,6 +1,6 @@
 """The OTLP encoding written directly (api/tracing/otlp.py) against the SDK's encoder of the same
 spans, decoded by opentelemetry-proto; the exporter's thread posting to a real OTLP/HTTP receiver
-(app/bench/otlp.py), counting what a dead endpoint loses and what a full queue drops; sampling
+(bench/otlp.py), counting what a dead endpoint loses and what a full queue drops; sampling
 decided once per request."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from api.tracing.export import OtlpExporter, SdkSpanSink
 from api.tracing.otlp import OtlpEncoder, SpanRecord
 from api.tracing.spans import ROOT, SpanBuilder
-from app.bench.otlp import OtlpReceiver
+from bench.otlp import OtlpReceiver
 from engine.events import Event, Kind
 
 TRACE = 0x0AF7651916CD43DD8448EB211C80319C

@@ -12,7 +12,3 @@ def _no_kvdepot_env(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.upper().startswith("KVDEPOT_"):
             monkeypatch.delenv(name)
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"

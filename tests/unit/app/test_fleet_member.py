@@ -7,8 +7,8 @@ import pytest
 
 from app.errors import ConfigError
 from app.fleet_member import shared_fingerprint
-from app.settings import RedisAdapterConfig
 from app.settings_load import load_settings
+from storage.redis.config import RedisAdapterConfig
 
 
 def fp(url: str, prefix: str = "kvdepot:") -> str:

@@ -9,13 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 from api.dataplane.server import DataPlaneServer
-from app.settings import AdapterConfig, MockAdapterConfig
 from engine.events import L1_TIER, Event, EventBus, Kind
 from engine.facade import CacheEngine
 from engine.results import SlotStatus
 from kvdepot_connector import protocol as p
-from storage.base import L2Adapter
-from storage.mock import MockAdapter
+from storage.mock.config import MockAdapterConfig
 from tests.factories import engine, l2_engine, small_layout, tokens
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB
@@ -38,21 +36,11 @@ class Recorder:
         return got
 
 
-def build(config: AdapterConfig) -> L2Adapter:
-    assert isinstance(config, MockAdapterConfig)
-    return MockAdapter(config)
-
-
 def store_all(eng: CacheEngine, eid: int, toks: bytes, salt: str = "", rid: str = "w", lora: str = "") -> int:
     slots = eng.store(eid, rid, toks, salt, lora_name=lora)
     oids = [s.oid for s in slots if s.status is R]
     assert all(eng.commit(eid, oids))
     return len(oids)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
@@ -231,7 +219,7 @@ async def test_write_behind_load_and_l2_removal() -> None:
     rec = Recorder(bus)
     tiny = 3 * 4200 / (1 << 30)  # the mock holds 3 blobs of one chunk at most
     config = MockAdapterConfig(name="m1", capacity_gb=tiny)
-    async with l2_engine(1 << 20, [config], build, events=bus) as (eng, _):
+    async with l2_engine(1 << 20, [config], events=bus) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         toks = tokens(2 * CHUNK)
@@ -275,7 +263,7 @@ async def test_a_corrupt_blob_is_removed_corrupt() -> None:
     bus = EventBus()
     rec = Recorder(bus)
     config = MockAdapterConfig(name="bad", corrupt_rate=1.0)
-    async with l2_engine(1 << 20, [config], build, events=bus) as (eng, _):
+    async with l2_engine(1 << 20, [config], events=bus) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         toks = tokens(CHUNK)

@@ -33,11 +33,6 @@ PAGE = 4096
 R, N, Q = SlotStatus.RESERVED, SlotStatus.NO_SPACE, SlotStatus.QUOTA
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def seq(n_chunks: int, which: int) -> list[int]:
     return list(range(which * 10_000, which * 10_000 + n_chunks * CHUNK))
 

@@ -15,13 +15,12 @@ from typing import Any, TypeVar
 import pytest
 
 from app.errors import BackendError, InvalidInput, NotFound
-from app.settings import AdapterConfig, MockAdapterConfig
 from engine.events import L1_TIER, Event, EventBus, Kind
 from engine.facade import CacheEngine
 from engine.purge import PURGE_FILE, PurgeJob, PurgeJobs
 from engine.results import SlotStatus
 from storage.base import L2Adapter
-from storage.mock import MockAdapter
+from storage.mock.config import MockAdapterConfig
 from tests.factories import l2_engine, small_layout, tokens
 
 pytestmark = pytest.mark.anyio
@@ -29,16 +28,6 @@ pytestmark = pytest.mark.anyio
 CHUNK = 16
 T = TypeVar("T")
 TWO = [MockAdapterConfig(name="m1"), MockAdapterConfig(name="m2")]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def build(config: AdapterConfig) -> L2Adapter:
-    assert isinstance(config, MockAdapterConfig)
-    return MockAdapter(config)
 
 
 def store(eng: CacheEngine, eid: int, salt: str, which: int, chunks: int) -> None:
@@ -66,7 +55,7 @@ async def test_purge_removes_one_tenant_everywhere_and_clear_empties_tiers(tmp_p
     bus = EventBus(capacity=4096)
     seen: list[Event] = []
     bus.subscribe(seen.extend)
-    async with l2_engine(64 * 4096, TWO, build, events=bus) as (eng, _):
+    async with l2_engine(64 * 4096, TWO, events=bus) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         for which in range(3):
@@ -129,7 +118,7 @@ class Inline(Executor):
 async def test_a_purge_is_in_the_file_when_it_returns_and_out_of_it_before_it_shows_done(
     tmp_path: Path,
 ) -> None:
-    async with l2_engine(64 * 4096, TWO, build) as (eng, _):
+    async with l2_engine(64 * 4096, TWO) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         store(eng, eid, "p", 0, 2)
@@ -148,7 +137,7 @@ async def test_a_purge_is_in_the_file_when_it_returns_and_out_of_it_before_it_sh
 
 
 async def test_a_purge_whose_file_cannot_be_written_is_refused(tmp_path: Path) -> None:
-    async with l2_engine(64 * 4096, TWO, build) as (eng, _):
+    async with l2_engine(64 * 4096, TWO) as (eng, _):
         assert eng.l2 is not None
         with ThreadPoolExecutor(1) as pool:
             path = tmp_path / "no-such-dir" / PURGE_FILE

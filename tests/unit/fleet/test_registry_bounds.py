@@ -11,9 +11,9 @@ import httpx
 import msgspec
 import pytest
 
-from api.directory.ingest import MAX_LINE_BYTES, ResyncFailed, _read_lines
 from app.errors import Conflict, Overloaded
 from fleet.credentials import credential_ok, instance_credential
+from fleet.http.subscriptions import MAX_LINE_BYTES, ResyncFailed, _read_lines
 from fleet.index import ChunkIndex
 from fleet.ingest import InventoryReader, LoraBook, apply_batch, batch_decoder
 from fleet.registry import InstanceRegistry, Registered

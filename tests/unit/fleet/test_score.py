@@ -127,6 +127,24 @@ def test_score_walks_the_longest_prefix_per_tier_best_first() -> None:
     assert isinstance(removed[0], BlockRemoved)
 
 
+def test_an_instance_naming_its_l1_gpu_is_scored_in_l1_by_that_name() -> None:
+    d = directory()
+    now = time.monotonic()
+    d.registry.register(spec("g").model_copy(update={"l1_medium": "GPU"}), now)
+    d.registry.register(spec("c"), now)
+    toks = tokens(5, 4)
+    gpu = BlockNamer(salt_mode="hashed", deployment_key=KEY, layout_of=lambda _fp: LAYOUT,
+                     medium=lambda t: "GPU" if t == L1_TIER else t.upper())  # fmt: skip
+    feed(d, "g", encode_batch(KVEventBatch(ts=0.0, events=[gpu.stored(e) for e in stored_events(toks, "")])))  # type: ignore[misc]
+    feed(d, "c", batch_of(stored_events(toks, "")))  # CPU: the default L1 name
+    by = {s.id: s for s in d.scorer.score(MODEL, toks, None, None, now).instances}
+    assert by["g"].tiers == {"l1": 64, "local_l2": 0, "shared_l2": 0} == by["c"].tiers
+    # for "c", whose L1 is CPU, a GPU medium is one of its other tiers
+    feed(d, "c", encode_batch(KVEventBatch(ts=0.0, events=[AllBlocksCleared()])))
+    feed(d, "c", encode_batch(KVEventBatch(ts=0.0, events=[gpu.stored(e) for e in stored_events(toks, "")])))  # type: ignore[misc]
+    assert {s.id: s for s in d.scorer.score(MODEL, toks, None, None, now).instances}["c"].tiers["l1"] == 0
+
+
 def test_a_shared_tier_counts_for_every_attached_instance_only() -> None:
     d = directory()
     now = time.monotonic()

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.errors import IntegrityError
-from storage import blob_header, codec, fp8
-from storage.codec import CodecOptions
+from storage import codec
+from storage.codec import CodecOptions, blob_header, fp8
 
 KEY = "kvd1/m=model/l=0011223344556677/r=0/g=0/s=/h=" + "ab" * 32
 FP = bytes.fromhex("0011223344556677")

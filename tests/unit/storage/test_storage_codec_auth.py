@@ -14,9 +14,9 @@ import pytest
 import xxhash
 
 from app.errors import AuthenticationError, ConfigError, IntegrityError, UnknownKey
-from storage import blob_header, codec
+from storage import codec
 from storage.auth import BlobKeys, load_or_create_key, parse_secret
-from storage.codec import CodecOptions
+from storage.codec import CodecOptions, blob_header
 
 KEY = "kvd1/m=model/l=0011223344556677/r=0/g=0/s=/h=" + "ab" * 32
 FP = bytes.fromhex("0011223344556677")
@@ -160,3 +160,27 @@ def test_configured_secrets_take_the_place_of_the_key_file(tmp_path: Path) -> No
     keys = BlobKeys.from_settings(["11" * 32], tmp_path / "l2.key")
     assert not (tmp_path / "l2.key").exists()
     assert keys.signer == BlobKeys([bytes.fromhex("11" * 32)]).signer
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2, 3])
+def test_a_large_mac_is_the_same_on_any_number_of_threads(threads: int | None) -> None:
+    """A payload past MAC_THREADS_MIN is MACed on BLAKE3's threads (as many as a check is given):
+    the same MAC whatever their number; one changed byte still fails, in place and decoded."""
+    payload = os.urandom(codec.MAC_THREADS_MIN + 12345)
+    blob = codec.encode(KEY, FP, payload, CodecOptions(), OURS)
+    check = codec.BlobCheck(FP, OURS, threads)
+    out = bytearray(blob.payload)
+    check(KEY, blob.header, memoryview(out), True)
+    whole = bytearray(len(payload))
+    check(KEY, blob.to_bytes(), memoryview(whole), False)
+    assert whole == payload
+    out[len(payload) // 3] ^= 1
+    with pytest.raises(AuthenticationError):
+        check(KEY, blob.header, memoryview(out), True)
+
+
+def test_checks_beside_others_share_the_cores_out() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert codec.mac_threads_beside(1) == cores
+    assert codec.mac_threads_beside(cores * 4) == 1
+    assert codec.BlobCheck(FP, OURS).beside(2).mac_threads == max(1, cores // 2)

@@ -8,10 +8,10 @@ import anyio
 import pytest
 
 from app.errors import BackendError
-from storage.base import LOAD_MISS, OK, Histogram, LoadResult, OpResult, Status
+from storage.base import LOAD_MISS, OK, LoadResult, OpResult, Status
 from storage.codec import EncodedBlob
 from storage.common import AdapterCore
-from storage.health import DEGRADED_WINDOW_S, HealthTracker
+from storage.health import DEGRADED_WINDOW_S, HealthTracker, Histogram
 from storage.inflight import gather_all, settled
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ key, moved to another tenant or prefix, or sealed with another deployment's key 
 from __future__ import annotations
 
 from storage.auth import BlobKeys
-from storage.fleet_quota import INVALID, QuotaSeal
+from storage.redis.fleet_quota import INVALID, QuotaSeal
 
 OURS = BlobKeys([b"\x11" * 32])
 ROTATED = BlobKeys([b"\x22" * 32, b"\x11" * 32])

@@ -1,4 +1,4 @@
-"""storage/fp8.py (numpy + ml_dtypes) against torch's conversions: the same bytes for every value
+"""storage/codec/fp8.py (numpy + ml_dtypes) against torch's conversions: the same bytes for every value
 but NaN, whose bits torch itself leaves undefined (a NaN must stay a NaN).
 
 The reference below is the torch implementation the codec used before; blobs written by either
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from storage import fp8
+from storage.codec import fp8
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 BITS = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32}

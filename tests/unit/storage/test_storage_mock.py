@@ -10,8 +10,8 @@ from app.errors import IntegrityError
 from storage import codec
 from storage.base import MISS, L2Adapter, Status
 from storage.codec import CodecOptions, EncodedBlob
-from storage.config import MockAdapterConfig
-from storage.mock import MockAdapter
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
 
 pytestmark = pytest.mark.anyio
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from storage.config import RedisAdapterConfig
-from storage.redis_cluster import SLOTS, Node, Redirect, SlotMap, node_url, parse_redirect, seed_urls, url_db
+from storage.redis.cluster import SLOTS, Node, Redirect, SlotMap, node_url, parse_redirect, seed_urls, url_db
+from storage.redis.config import RedisAdapterConfig
 
 
 def test_seed_urls_keep_credentials_database_and_options() -> None:

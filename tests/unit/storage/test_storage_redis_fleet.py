@@ -7,11 +7,12 @@ import pytest
 from pydantic import ValidationError
 
 from engine.keys import Namespace, ObjectKey
-from storage.config import RedisAdapterConfig
-from storage.redis_cluster import SlotMap
-from storage.redis_fleet import META, FleetLedger, key_salt
-from storage.redis_router import RedisRouter
-from storage.redis_scan import glob_escape
+from storage.base import key_salt
+from storage.redis.cluster import SlotMap
+from storage.redis.config import RedisAdapterConfig
+from storage.redis.fleet import META, FleetLedger
+from storage.redis.router import RedisRouter
+from storage.redis.scan import glob_escape
 
 SALTS = ["", "a", "c/d", "é{x}", "%2F", "x" * 256]
 

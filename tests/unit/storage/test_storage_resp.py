@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from storage.config import RedisAdapterConfig
-from storage.redis_adapter import RedisAdapter
-from storage.resp import Target, command, target_from_url
+from storage.redis.adapter import RedisAdapter
+from storage.redis.config import RedisAdapterConfig
+from storage.redis.resp import Target, command, target_from_url
 
 pytestmark = pytest.mark.anyio
 

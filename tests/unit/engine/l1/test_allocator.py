@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.l1.allocator import AllocatorError, ExtentAllocator
+from tests.machine_runs import machine_runs
 
 
 def test_allocations_are_aligned_and_first_fit() -> None:
@@ -91,4 +91,4 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestAllocatorMachine.settings = machine_runs(60, 60)

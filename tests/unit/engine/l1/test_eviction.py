@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -18,6 +17,7 @@ from engine.l1.cache import L1Cache
 from engine.l1.eviction import POLICIES, EvictionPolicy, make_policy
 from engine.l1.lifecycle import Event, L1Object, ObjectState
 from tests.factories import FakeClock, key, reserve
+from tests.machine_runs import machine_runs
 
 PAGE = 4096
 SMART = ["s3fifo", "arc"]
@@ -273,7 +273,7 @@ class ARCAgainstReference(PolicyAgainstReference):
     name = "arc"
 
 
-RUNS = settings(max_examples=150, stateful_step_count=60, deadline=None)
+RUNS = machine_runs(50, 60)
 PolicyAgainstReference.TestCase.settings = RUNS
 S3FIFOAgainstReference.TestCase.settings = RUNS
 ARCAgainstReference.TestCase.settings = RUNS

@@ -7,6 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.l1.lifecycle import TERMINAL, TRANSITIONS, Event, IllegalTransition, L1Object, ObjectState
 from tests.factories import FakeClock, key, make_cache, reserve
+from tests.machine_runs import machine_runs
 
 S, E = ObjectState, Event
 
@@ -167,7 +168,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+TestCacheMachine.settings = machine_runs(60, 50)
 
 
 @pytest.mark.parametrize("bad", [E.EVICT, E.DELETE, E.UNLOCK])

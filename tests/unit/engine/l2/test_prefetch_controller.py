@@ -9,32 +9,17 @@ import time
 
 import pytest
 
-from app.settings import AdapterConfig, MockAdapterConfig
 from engine.facade import CacheEngine
 from engine.keys import ObjectKey
 from engine.results import SlotStatus
-from storage.base import L2Adapter
-from storage.mock import MockAdapter
-from tests.factories import l2_engine, small_layout, tokens
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
+from tests.factories import l2_engine, seq, small_layout
 
 pytestmark = pytest.mark.anyio
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB
 R = SlotStatus.RESERVED
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def build(config: AdapterConfig) -> L2Adapter:
-    assert isinstance(config, MockAdapterConfig)
-    return MockAdapter(config)
-
-
-def seq(n_chunks: int, which: int) -> bytes:
-    return tokens(n_chunks * CHUNK, start=which * 10_000)
 
 
 def names(eng: CacheEngine, eid: int, toks: bytes) -> list[str]:
@@ -63,7 +48,7 @@ async def in_l2_only(eng: CacheEngine, eid: int, toks: bytes) -> None:
 
 
 async def test_two_requests_missing_the_same_chunks_share_one_load_each() -> None:
-    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1", latency_ms=20)], build) as (eng, _):
+    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1", latency_ms=20)]) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(3, 0)
         await in_l2_only(eng, eid, toks)
@@ -83,7 +68,7 @@ async def test_two_requests_missing_the_same_chunks_share_one_load_each() -> Non
 
 async def test_a_slow_tier_ends_at_the_deadline_with_the_prefix_that_arrived() -> None:
     adapters = [MockAdapterConfig(name="fast"), MockAdapterConfig(name="slow")]
-    async with l2_engine(1 << 20, adapters, build) as (eng, _):
+    async with l2_engine(1 << 20, adapters) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(3, 0)
@@ -104,7 +89,7 @@ async def test_a_slow_tier_ends_at_the_deadline_with_the_prefix_that_arrived() -
 
 
 async def test_a_hanging_tier_ends_at_the_deadline_with_nothing_and_no_error() -> None:
-    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1")], build) as (eng, _):
+    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1")]) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(2, 0)
@@ -126,7 +111,7 @@ async def test_a_hanging_tier_ends_at_the_deadline_with_nothing_and_no_error() -
 
 @pytest.mark.parametrize("moved_on", ["ended", "newer_lookup"])
 async def test_a_chunk_arriving_after_the_request_moved_on_stays_as_an_ordinary_object(moved_on: str) -> None:
-    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1", latency_ms=20)], build) as (eng, _):
+    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1", latency_ms=20)]) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(2, 0)
         await in_l2_only(eng, eid, toks)

@@ -13,35 +13,20 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from app.settings import AdapterConfig, MockAdapterConfig
 from engine.facade import CacheEngine
 from engine.keys import ObjectKey
 from engine.l1.lifecycle import L1Object
 from engine.results import SlotStatus, StoreSlot
 from engine.tenants.quota import Quota
-from storage.base import L2Adapter
-from storage.mock import MockAdapter
-from tests.factories import l2_engine, small_layout, tokens
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
+from tests.factories import l2_engine, seq, small_layout
 
 pytestmark = pytest.mark.anyio
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB
 PAGE = 4096
 R = SlotStatus.RESERVED
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def build(config: AdapterConfig) -> L2Adapter:
-    assert isinstance(config, MockAdapterConfig)
-    return MockAdapter(config)
-
-
-def seq(n_chunks: int, which: int) -> bytes:
-    return tokens(n_chunks * CHUNK, start=which * 10_000)
 
 
 def store(eng: CacheEngine, eid: int, toks: bytes, salt: str = "") -> list[StoreSlot]:
@@ -84,7 +69,7 @@ async def writing(eng: CacheEngine) -> AsyncIterator[None]:
 
 
 async def test_a_full_queue_drops_its_oldest_chunk_and_releases_it() -> None:
-    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1")], build, store_workers=0) as (eng, _):
+    async with l2_engine(1 << 20, [MockAdapterConfig(name="m1")], store_workers=0) as (eng, _):
         assert eng.l2 is not None
         eng.l2.store.queue.max_depth = 2
         eid = eng.register("m", small_layout()).engine_id
@@ -107,7 +92,7 @@ async def test_a_full_queue_drops_its_oldest_chunk_and_releases_it() -> None:
 
 
 async def test_a_full_l1_lets_go_of_the_oldest_queued_chunk_to_make_room() -> None:
-    async with l2_engine(4 * PAGE, [MockAdapterConfig(name="m1")], build, store_workers=0) as (eng, _):
+    async with l2_engine(4 * PAGE, [MockAdapterConfig(name="m1")], store_workers=0) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         old = seq(4, 0)
@@ -126,7 +111,7 @@ async def test_a_full_l1_lets_go_of_the_oldest_queued_chunk_to_make_room() -> No
 async def test_shedding_counts_only_bytes_it_unpinned() -> None:
     """The oldest queued chunk is also read-locked by a request: letting it go frees nothing, so
     the next one is let go too."""
-    async with l2_engine(4 * PAGE, [MockAdapterConfig(name="m1")], build, store_workers=0) as (eng, _):
+    async with l2_engine(4 * PAGE, [MockAdapterConfig(name="m1")], store_workers=0) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         old = seq(4, 0)
@@ -144,7 +129,7 @@ async def test_shedding_counts_only_bytes_it_unpinned() -> None:
 
 
 async def test_a_tenant_over_its_l1_quota_lets_go_of_its_own_oldest_queued_chunk_only() -> None:
-    async with l2_engine(8 * PAGE, [MockAdapterConfig(name="m1")], build, store_workers=0) as (eng, _):
+    async with l2_engine(8 * PAGE, [MockAdapterConfig(name="m1")], store_workers=0) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         eng.tenants.set_quota("a", Quota(l1_bytes=2 * PAGE))
@@ -163,7 +148,7 @@ async def test_a_tenant_over_its_l1_quota_lets_go_of_its_own_oldest_queued_chunk
 
 
 async def test_nothing_queued_of_the_tenant_means_a_quota_refusal() -> None:
-    async with l2_engine(8 * PAGE, [MockAdapterConfig(name="m1")], build, store_workers=0) as (eng, _):
+    async with l2_engine(8 * PAGE, [MockAdapterConfig(name="m1")], store_workers=0) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         eng.tenants.set_quota("a", Quota(l1_bytes=PAGE))
@@ -182,7 +167,7 @@ async def test_nothing_queued_of_the_tenant_means_a_quota_refusal() -> None:
 @pytest.mark.parametrize(("policy", "in_m2"), [("all", True), ("first", False)])
 async def test_policy_first_writes_to_the_first_tier_only(policy: str, in_m2: bool) -> None:
     adapters = [MockAdapterConfig(name="m1"), MockAdapterConfig(name="m2")]
-    async with l2_engine(1 << 20, adapters, build, store_policy=policy) as (eng, _):
+    async with l2_engine(1 << 20, adapters, store_policy=policy) as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(2, 0)
@@ -195,7 +180,7 @@ async def test_policy_first_writes_to_the_first_tier_only(policy: str, in_m2: bo
 async def test_seen_twice_counts_a_lookup_and_the_store_of_one_request_as_one_sighting() -> None:
     """The connector looks a request up, then stores what missed: that chunk was seen once."""
     adapters = [MockAdapterConfig(name="m1")]
-    async with l2_engine(1 << 20, adapters, build, store_policy="seen_twice") as (eng, _):
+    async with l2_engine(1 << 20, adapters, store_policy="seen_twice") as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         toks = seq(2, 0)
@@ -214,7 +199,7 @@ async def test_seen_twice_counts_a_lookup_and_the_store_of_one_request_as_one_si
 
 async def test_policy_seen_twice_writes_only_chunks_seen_twice() -> None:
     adapters = [MockAdapterConfig(name="m1")]
-    async with l2_engine(1 << 20, adapters, build, store_policy="seen_twice") as (eng, _):
+    async with l2_engine(1 << 20, adapters, store_policy="seen_twice") as (eng, _):
         assert eng.l2 is not None
         eid = eng.register("m", small_layout()).engine_id
         once, twice = seq(2, 0), seq(2, 1)

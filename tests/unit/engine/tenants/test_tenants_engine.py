@@ -4,7 +4,6 @@ quota, QUOTA refusals, quota 0, lowered quotas, allowlist mode, and the ledger's
 from __future__ import annotations
 
 import random
-import struct
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -15,35 +14,11 @@ from engine.l1.lifecycle import L1Object, ObjectState
 from engine.results import SlotStatus, StoreSlot
 from engine.status import StatusReader
 from engine.tenants.quota import L1, Quota
-from tests.factories import FakeClock, admin, engine, key, make_cache, reserve, small_layout, tokens
+from tests.factories import FakeClock, admin, engine, key, make_cache, reserve, seq, small_layout
+from tests.unit.engine.tenants.writes import PAGE, payload, store
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB = one aligned page
-PAGE = 4096
 R, E, Q, N = SlotStatus.RESERVED, SlotStatus.EXISTS, SlotStatus.QUOTA, SlotStatus.NO_SPACE
-
-
-def seq(n_chunks: int, which: int) -> bytes:
-    """Chunks of sequence `which`; sequences with the same `which` share their prefixes."""
-    return tokens(n_chunks * CHUNK, start=which * 10_000)
-
-
-def payload(tag: int, which: int, chunk: int) -> bytes:
-    """What tenant `tag` writes for chunk `chunk` of sequence `which`: different per tenant."""
-    head = struct.pack("<HHH", tag, which, chunk)
-    return head + bytes([tag % 251 + 1]) * (PAGE - len(head))
-
-
-def store(
-    eng: CacheEngine, eid: int, toks: bytes, salt: str, tag: int = 0, which: int = 0, commit: bool = True
-) -> list[StoreSlot]:
-    slots = eng.store(eid, "w", toks, salt)
-    for s in slots:
-        if s.status is R:
-            with eng.arena.view(s.offset, s.size) as view:
-                view[:] = payload(tag, which, s.chunk)
-    if commit:
-        assert all(eng.commit(eid, [s.oid for s in slots if s.status is R]))
-    return slots
 
 
 def statuses(slots: Sequence[StoreSlot]) -> list[SlotStatus]:

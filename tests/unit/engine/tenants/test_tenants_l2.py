@@ -5,7 +5,6 @@ quotas, allowlist mode, detached adapters, concurrent write-behind, metrics."""
 
 from __future__ import annotations
 
-import struct
 from dataclasses import asdict
 
 import pytest
@@ -13,54 +12,22 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.metrics import TenantCollector
-from app.settings import AdapterConfig, MockAdapterConfig
 from engine.facade import CacheEngine
 from engine.keys import ObjectKey
-from engine.results import SlotStatus, StoreSlot
+from engine.results import SlotStatus
 from engine.tenants.ledger import TenantLedger
 from engine.tenants.quota import L1, Quota
-from storage import blob_header
-from storage.base import L2Adapter
-from storage.mock import MockAdapter
-from tests.factories import admin, l2_engine, small_layout, tokens
+from storage.codec import blob_header
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
+from tests.factories import admin, l2_engine, seq, small_layout
+from tests.unit.engine.tenants.writes import PAGE, store
 
 pytestmark = pytest.mark.anyio
 
 CHUNK = 16  # tokens per chunk; a chunk of small_layout() is 4 KiB
-PAGE = 4096
 R, Q = SlotStatus.RESERVED, SlotStatus.QUOTA
 TWO_MOCKS = [MockAdapterConfig(name="m1"), MockAdapterConfig(name="m2")]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def build(config: AdapterConfig) -> L2Adapter:
-    assert isinstance(config, MockAdapterConfig)
-    return MockAdapter(config)
-
-
-def seq(n_chunks: int, which: int) -> bytes:
-    return tokens(n_chunks * CHUNK, start=which * 10_000)
-
-
-def payload(tag: int, which: int, chunk: int) -> bytes:
-    head = struct.pack("<HHH", tag, which, chunk)
-    return head + bytes([tag % 251 + 1]) * (PAGE - len(head))
-
-
-def store(
-    eng: CacheEngine, eid: int, toks: bytes, salt: str, tag: int = 0, which: int = 0
-) -> list[StoreSlot]:
-    slots = eng.store(eid, "w", toks, salt)
-    for s in slots:
-        if s.status is R:
-            with eng.arena.view(s.offset, s.size) as view:
-                view[:] = payload(tag, which, s.chunk)
-    assert all(eng.commit(eid, [s.oid for s in slots if s.status is R]))
-    return slots
 
 
 async def settle(eng: CacheEngine) -> None:
@@ -112,7 +79,7 @@ async def assert_l2_ledger_true(eng: CacheEngine) -> None:
 
 
 async def test_l2_usage_is_in_the_ledger_per_adapter_and_storing_again_counts_once() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         store(eng, eid, seq(3, 0), "a", tag=1)
         store(eng, eid, seq(2, 0), "tenant/b", tag=2)
@@ -143,7 +110,7 @@ async def test_l2_usage_is_in_the_ledger_per_adapter_and_storing_again_counts_on
 
 
 async def test_over_quota_evicts_the_tenants_own_lru_blobs_in_that_adapter_only() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         ba = blob_bytes(eng, eid, "a")
         eng.tenants.set_quota("a", Quota(l2_bytes=4 * ba))
@@ -172,7 +139,7 @@ async def test_over_quota_evicts_the_tenants_own_lru_blobs_in_that_adapter_only(
 
 
 async def test_a_blob_larger_than_the_quota_is_refused_and_counted() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         eng.tenants.set_quota("a", Quota(l2_bytes=PAGE))  # less than one blob (header + page)
         assert [s.status for s in store(eng, eid, seq(3, 0), "a")] == [R, R, R]
@@ -187,7 +154,7 @@ async def test_a_blob_larger_than_the_quota_is_refused_and_counted() -> None:
 
 
 async def test_quota_zero_stores_nothing_in_l2_and_a_lowered_zero_empties_it_at_the_next_write() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         assert eng.l2 is not None
         eng.tenants.set_quota("z", Quota(l2_bytes=0))
@@ -212,7 +179,7 @@ async def test_quota_zero_stores_nothing_in_l2_and_a_lowered_zero_empties_it_at_
 
 
 async def test_a_lowered_quota_takes_effect_at_the_tenants_next_write_to_the_tier() -> None:
-    async with l2_engine(64 * PAGE, [MockAdapterConfig(name="m1")], build) as (eng, _):
+    async with l2_engine(64 * PAGE, [MockAdapterConfig(name="m1")]) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         ba = blob_bytes(eng, eid, "a")
         store(eng, eid, seq(6, 0), "a")
@@ -231,7 +198,7 @@ async def test_a_lowered_quota_takes_effect_at_the_tenants_next_write_to_the_tie
 
 
 async def test_a_quota_set_below_what_a_tenant_holds_is_met_at_once_in_l1_and_l2() -> None:
-    async with l2_engine(64 * PAGE, [MockAdapterConfig(name="m1")], build) as (eng, _):
+    async with l2_engine(64 * PAGE, [MockAdapterConfig(name="m1")]) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         ba = blob_bytes(eng, eid, "a")
         store(eng, eid, seq(6, 0), "a")
@@ -250,7 +217,7 @@ async def test_a_quota_set_below_what_a_tenant_holds_is_met_at_once_in_l1_and_l2
 
 
 async def test_allowlist_mode_keeps_salts_without_a_quota_out_of_l2() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         eng.tenants.set_quota("ok", Quota())  # listed, unlimited
         # A reservation made before allowlist mode was turned on is committed after it.
@@ -271,7 +238,7 @@ async def test_allowlist_mode_keeps_salts_without_a_quota_out_of_l2() -> None:
 
 
 async def test_a_detached_adapter_is_forgotten_and_a_new_one_of_that_name_starts_from_zero() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         assert eng.l2 is not None
         store(eng, eid, seq(3, 0), "a")
@@ -311,7 +278,7 @@ class PeakLedger(TenantLedger):
 async def test_concurrent_write_behind_batches_never_take_a_tenant_past_its_quota() -> None:
     ledger = PeakLedger()
     slow = [MockAdapterConfig(name="m1", latency_ms=2)]  # writes overlap across the workers
-    async with l2_engine(64 * PAGE, slow, build, store_workers=3, ledger=ledger) as (eng, _):
+    async with l2_engine(64 * PAGE, slow, store_workers=3, ledger=ledger) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         ba = blob_bytes(eng, eid, "a")
         eng.tenants.set_quota("a", Quota(l2_bytes=5 * ba))
@@ -330,7 +297,7 @@ async def test_concurrent_write_behind_batches_never_take_a_tenant_past_its_quot
 
 
 async def test_metrics_label_each_adapter_as_a_tier_with_bounded_tenants() -> None:
-    async with l2_engine(64 * PAGE, TWO_MOCKS, build) as (eng, _):
+    async with l2_engine(64 * PAGE, TWO_MOCKS) as (eng, _):
         eid = eng.register("m", small_layout()).engine_id
         ba = blob_bytes(eng, eid, "a")
         eng.tenants.set_quota("a", Quota(l2_bytes=10 * ba))

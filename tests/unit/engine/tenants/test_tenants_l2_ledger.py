@@ -4,13 +4,13 @@ the ledger's figures per adapter and tenant are the sums over the blobs the adap
 
 from __future__ import annotations
 
-from hypothesis import settings
-
-from app.settings import AdapterConfig, MockAdapterConfig
+from app.settings import AdapterConfig
 from engine.l2.tiers import Tier
 from storage.base import L2Adapter
-from storage.mock import MockAdapter
+from storage.mock.adapter import MockAdapter
+from storage.mock.config import MockAdapterConfig
 from tests.l2_ledger_machine import L2LedgerMachine
+from tests.machine_runs import machine_runs
 
 KIB = 1024 / (1 << 30)  # capacity_gb of one KiB
 
@@ -43,4 +43,4 @@ class MockLedgerMachine(L2LedgerMachine):
 
 
 TestMockLedger = MockLedgerMachine.TestCase
-TestMockLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestMockLedger.settings = machine_runs(40, 40)

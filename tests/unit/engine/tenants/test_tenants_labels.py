@@ -20,11 +20,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def executor() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(1, thread_name_prefix="test-state") as pool:
         yield pool

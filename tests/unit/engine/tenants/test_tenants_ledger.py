@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -20,6 +19,7 @@ from engine.results import SlotStatus
 from engine.tenants.ledger import OTHER, LedgerError, TenantLedger
 from engine.tenants.quota import L1, LIMIT_MAX, Quota
 from tests.factories import FakeClock, small_layout, tokens
+from tests.machine_runs import machine_runs
 
 CHUNK = 16
 PAGE = 4096
@@ -126,7 +126,7 @@ class EngineLedgerMachine(RuleBasedStateMachine):
 
 
 TestEngineLedger = EngineLedgerMachine.TestCase
-TestEngineLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestEngineLedger.settings = machine_runs(50, 40)
 
 
 # --- the ledger on its own ----------------------------------------------------------------------

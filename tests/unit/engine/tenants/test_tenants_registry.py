@@ -19,11 +19,6 @@ from engine.tenants.registry import QUOTA_FILE, QuotaRegistry
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def names(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 

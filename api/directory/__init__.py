@@ -1,1 +1,0 @@
-"""The directory's HTTP API and its KV-event subscriptions (`kvdepot directory`)."""
