@@ -36,6 +36,7 @@ from api.metrics import DataPlaneMetrics, PinCollector, build_registry
 from api.metrics_events import EventMetrics
 from api.metrics_workers import WorkerCollector
 from app.kv_events import KvEvents, build_kv_events
+from app.logs import LogCollector
 from app.serving import QuietUvicorn, guarded_http
 from app.settings import Settings
 from app.tracing import Tracing, build_tracing
@@ -124,6 +125,7 @@ def build_observers(
     """The metrics registry, the bus's histograms, the KV-event publisher (bound), tracing; the
     publisher is closed again when tracing cannot be built."""
     registry = build_registry(engine, s.tenants.metrics_top_n)
+    registry.register(LogCollector())
     event_metrics = (
         EventMetrics(registry, chunk_size=s.l1.chunk_size, max_tracked=s.events.tracked_chunks)
         if s.events.enabled

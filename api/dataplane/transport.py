@@ -10,7 +10,9 @@ returns the reply bytes or an awaitable of them; anything else that arrives gets
 The descriptor is edge-triggered, so the reader drains the socket until it says nothing is left,
 up to `READ_BUDGET` messages or `READ_SLICE_S` seconds per call before giving the loop a turn.
 A deferred reply is sent from a task; sending touches the socket, which can consume the edge of
-its descriptor, so the reader drains the socket again right after. A reply the client's queue has
+its descriptor, so a drain is scheduled right after. Drains are coalesced: at most one is queued on
+the loop at a time, so a burst of deferred replies costs one slice a turn, not one each (a hundred
+LOOKUPs answered at once would otherwise hold the loop for a hundred slices). A reply the client's queue has
 no room for is dropped and logged. A socket that fails, or is closed under the reader, ends
 `serve` with an error, so the supervisor marks the data plane dead.
 
@@ -62,6 +64,7 @@ class RouterTransport:
         self._closing = False
         self._done: asyncio.Future[None] | None = None
         self._deferred = TaskSet("dataplane-deferred-replies")
+        self._drain_queued = False
         self.running = False
 
     @property
@@ -102,9 +105,9 @@ class RouterTransport:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         fd = int(sock.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._on_readable)
+        loop.add_reader(fd, self._on_fd)
         self.running = True
-        loop.call_soon(self._on_readable)  # messages that arrived before the reader was added
+        self._queue_drain()  # messages that arrived before the reader was added
         try:
             while True:
                 try:
@@ -118,6 +121,20 @@ class RouterTransport:
             self.running = False
             with contextlib.suppress(Exception):
                 loop.remove_reader(fd)
+
+    def _queue_drain(self) -> None:
+        """A drain on the loop's next turn, unless one is queued already."""
+        if not self._drain_queued:
+            self._drain_queued = True
+            asyncio.get_running_loop().call_soon(self._queued_drain)
+
+    def _on_fd(self) -> None:
+        if not self._drain_queued:  # else the queued drain reads what made the descriptor ready
+            self._on_readable()
+
+    def _queued_drain(self) -> None:
+        self._drain_queued = False
+        self._on_readable()
 
     def _on_readable(self) -> None:
         """Drain the socket (its FD is edge-triggered: read until it says nothing is left), up to a
@@ -142,7 +159,7 @@ class RouterTransport:
                     self._send(sock, [frames[0], reply])
                 else:  # answered later (a LOOKUP waiting for L2): the loop goes on meanwhile
                     self._spawn_reply(frames[0], reply)
-            asyncio.get_running_loop().call_soon(self._on_readable)
+            self._queue_drain()
         except zmq.ZMQError as exc:
             if not self._closing:
                 self._done.set_exception(RuntimeError(f"the data-plane socket failed: {exc}"))
@@ -160,8 +177,8 @@ class RouterTransport:
             if self._sock is not None:
                 self._send(self._sock, frames)
                 # Sending may have consumed the edge of the socket's descriptor: messages that
-                # arrived meanwhile would wait for the next one. Drain now.
-                self._on_readable()
+                # arrived meanwhile would wait for the next one. Drain on the next turn.
+                self._queue_drain()
 
         self._deferred.spawn(send_later(), name="dataplane-deferred-reply")
 
