@@ -2,8 +2,8 @@
 # Sets up the environment and runs every gate: ruff, mypy --strict, import layering, the
 # documentation site's mkdocs build --strict, pytest.
 # Extra arguments go to one pytest run over what they name (e.g. tests/run.sh -k allocator);
-# without any, the unit suite runs beside the installs, then the integration and e2e suites side
-# by side.
+# without any, the unit suite runs once the installs are done, then the integration and e2e suites
+# side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,12 +44,6 @@ fi
 # ... and a 3-node Redis Cluster on 7101-7103 (the cluster variants of the L2 tests).
 tests/redis_cluster.sh
 
-# Without arguments the unit suite (in-process, needs neither vLLM nor Debian's tools) runs now, in
-# the background beside the installs and the static gates; the other suites run after them.
-if [ $# -eq 0 ]; then
-  background unit .venv/bin/python -m pytest tests/unit
-fi
-
 # Debian's prometheus (promtool checks; a real Prometheus scrapes a sidecar in
 # tests/integration/test_prometheus.py) and chromium (the /docs page in a headless browser), when
 # missing. As root, or through sudo without a password; a failed install fails those tests.
@@ -71,45 +65,46 @@ fi
 # Under this script a test whose tool is missing fails instead of skipping (tests/integration/tools.py).
 export TESTS_NEED_TOOLS=1  # (no KVDEPOT_ prefix: the sidecar refuses unknown KVDEPOT_ names)
 
-echo "== ruff"
+echo "== ruff (at ${SECONDS} s)"
 .venv/bin/ruff check .
-echo "== mypy --strict"
+echo "== mypy --strict (at ${SECONDS} s)"
 .venv/bin/mypy app api engine storage gpu fleet httpkit bench connector/kvdepot_connector
-echo "== layering"
+echo "== layering (at ${SECONDS} s)"
 .venv/bin/python tests/check_layering.py
-echo "== mkdocs build --strict"
+echo "== mkdocs build --strict (at ${SECONDS} s)"
 # The documentation site, built into a temporary directory: a broken link or anchor between its
 # pages fails (mkdocs.yml's validation settings, made fatal by --strict).
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$logs/site"
-echo "== setup_vllm"
+echo "== setup_vllm (at ${SECONDS} s)"
 finish setup_vllm
-echo "== setup_dynamo"
+echo "== setup_dynamo (at ${SECONDS} s)"
 finish setup_dynamo
 if [ ${#need[@]} -gt 0 ]; then
-  echo "== tools (${need[*]})"
+  echo "== tools (${need[*]}) (at ${SECONDS} s)"
   finish tools
 fi
 if [ $# -eq 0 ]; then
-  echo "== pytest: unit (run beside the installs)"
+  # The unit suite alone (nothing else running: its wall time is its own), then the others.
+  echo "== pytest: unit (at ${SECONDS} s)"
   unit_rc=0
-  wait "$(cat "$logs/unit.pid")" || unit_rc=$?
-  cat "$logs/unit"
+  .venv/bin/python -m pytest --durations=10 tests/unit || unit_rc=$?
   # The e2e suite (real vLLM engines: mostly CPU) runs beside the integration suite (real sidecars
   # and Redis: mostly waiting on them); they share no state (Redis keys under their own prefixes,
   # free ports, their own temporary directories). Its output follows the integration suite's.
   background e2e .venv/bin/python -m pytest -p no:cacheprovider --durations=15 tests/e2e
-  echo "== pytest: integration (the e2e suite runs beside it)"
+  echo "== pytest: integration (the e2e suite runs beside it) (at ${SECONDS} s)"
   integration_rc=0
   .venv/bin/python -m pytest --durations=25 tests/integration || integration_rc=$?
-  echo "== pytest: e2e"
+  echo "== pytest: e2e (at ${SECONDS} s)"
   e2e_rc=0
   wait "$(cat "$logs/e2e.pid")" || e2e_rc=$?
   cat "$logs/e2e"
+  echo "== pytest done (at ${SECONDS} s)"
   if [ "$unit_rc" -ne 0 ] || [ "$integration_rc" -ne 0 ] || [ "$e2e_rc" -ne 0 ]; then
     echo "error: pytest failed (exit codes: unit $unit_rc, integration $integration_rc, e2e $e2e_rc)" >&2
     exit 1
   fi
 else
-  echo "== pytest"
+  echo "== pytest (at ${SECONDS} s)"
   .venv/bin/python -m pytest "$@"
 fi

@@ -67,5 +67,7 @@ def test_hostile_connections_neither_crash_nor_stall_the_router() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hostile_registrations_and_events_neither_crash_nor_grow_the_directory() -> None:
-    result = fuzz("directory", 50_000)
-    assert result["registrations"] >= 5_000 - 1  # one in ten frames, sent beside the events
+    # 2 x 10^4 here (the longest test of the suite at 5 x 10^4); `kvdepot bench fuzz --surface
+    # directory --frames 1000000` is the long run
+    result = fuzz("directory", 20_000)
+    assert result["registrations"] >= 2_000 - 1  # one in ten frames, sent beside the events
