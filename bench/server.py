@@ -30,7 +30,8 @@ ratio, which a burst of outside load during one request does not move, and the P
 client 0 right before the run: the overhead every call pays, back to back (`ping_p50_ms`) and each
 right after a memmove of one request's bytes (`ping_after_copy_p50_ms`); `phases_ms`, the median
 per client and request of each step and of its parts: `memcpy`, `store` = `reserve` (the STORE
-round trip) + `copy_in` (a memmove per chunk into its slot) + `commit` (the COMMIT round trip),
+round trip) + `copy_in` (a memmove per chunk into its slot) + `commit` (`--commit post`, the
+default: sending the COMMIT, its answer read by the LOOKUP that follows; `wait`: its round trip),
 `retrieve` = `extents` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`:
 where the time beyond the copy goes; and, with a sidecar this benchmark started, `sidecar_ms`: the
 mean time the sidecar itself spent handling one STORE, COMMIT, LOOKUP, RETRIEVE and RELEASE during
@@ -69,7 +70,9 @@ PINGS = 200
 PINGS_AFTER_COPY = 50
 #: the operations of a store and a retrieve, as the sidecar's /metrics names them
 SIDECAR_OPS = ("store", "commit", "lookup", "retrieve", "release")
-WORKER_ARGS = ("requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
+WORKER_ARGS = (
+    "requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens", "commit",
+)  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tracing", action="store_true",
         help="start the sidecar with tracing exported over OTLP/HTTP to a receiver in this process "
         "(which counts the spans)",
+    )  # fmt: skip
+    p.add_argument(
+        "--commit", choices=("post", "wait"), default="post",
+        help="a store's COMMIT sent without waiting for its answer (post: one round trip per store; "
+        "a refused commit is counted when the next call reads its reply) or waited for",
     )  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--client", type=int, default=0, help=argparse.SUPPRESS)
@@ -339,7 +347,7 @@ def _result(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
         lookup_chunks=first["chunks_per_request"], chunk_bytes=first["chunk_bytes"],
         chunks=args.requests * first["chunks_per_request"], requests=args.requests,
         ok=lookups["ok"] and all(r["ok"] for r in out["runs"]) and out.get("prompt", {}).get("ok", True),
-        url="started" if args.url is None else args.url, runs=out["runs"],
+        url="started" if args.url is None else args.url, commit=args.commit, runs=out["runs"],
     )  # fmt: skip
     if "prompt" in out:
         result["prompt"] = out["prompt"]

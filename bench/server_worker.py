@@ -138,7 +138,8 @@ class Worker:
                 end = time.monotonic()
                 hit = c.lookup(req.tokens, request_id=req.rid, cache_salt=self.salt).hit_chunks
                 c.free_lookup_locks(req.rid)
-                ok = stored == len(req.chunks) and hit == len(req.chunks)
+                # the LOOKUP read a posted COMMIT's answer first: a refused chunk is counted by now
+                ok = stored == len(req.chunks) and hit == len(req.chunks) and c.commits_refused == 0
                 return {"begin": begin, "end": end, "ok": ok, "phases": phases}
             valid, phases = self._retrieve(req)
             return {"begin": begin, "end": time.monotonic(), "ok": valid, "phases": phases}
@@ -192,7 +193,7 @@ class Worker:
                 ctypes.memmove(c.slot_view(slot).data_ptr(), src.data_ptr(), slot.size)
                 oids.append(slot.oid)
         t2 = time.perf_counter()
-        committed = c.commit(oids)
+        committed = c.commit(oids, wait=self.args.commit == "wait")
         t3 = time.perf_counter()
         stored = sum(committed)
         return stored, {"reserve": t1 - t0, "copy_in": t2 - t1, "commit": t3 - t2}

@@ -5,7 +5,6 @@ matched by id; copies between tensors and the arena run in a thread. Same operat
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +18,6 @@ from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
 from kvdepot_connector.outcomes import StoreOutcome
 from kvdepot_connector.session import ClientBase
-
-log = logging.getLogger("kvdepot_connector")
 
 
 class AsyncKVDepotClient(ClientBase):
@@ -135,9 +132,8 @@ class AsyncKVDepotClient(ClientBase):
         fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
 
         def done(f: asyncio.Future[p.Reply]) -> None:
-            if not f.cancelled() and isinstance(f.result(), p.ErrorReply):
-                self.posted_errors += 1
-                log.warning("kvdepot: %s sent without waiting failed: %s", op, f.result())
+            if not f.cancelled():
+                self._posted_reply(op, f.result())
 
         fut.add_done_callback(done)
         self._pending[msg.id] = fut
@@ -153,6 +149,7 @@ class AsyncKVDepotClient(ClientBase):
         first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
         lora_name: str = "",
+        wait: bool = True,
     ) -> StoreOutcome:
         """As `KVDepotClient.store`; the copies run in a thread."""
         s = self._session
@@ -166,7 +163,15 @@ class AsyncKVDepotClient(ClientBase):
         except BaseException:
             await self._call(calls.abort(s.reserved(reply)))
             raise
-        committed = await self._call(calls.commit(oids)) if oids else []
+        committed: list[bool] = []
+        if oids and wait:
+            committed = await self._call(calls.commit(oids))
+        elif oids:
+            if s.engine_id == 0:
+                await self._handshake()
+            await self._post(calls.commit(oids), "COMMIT")
+            self.commits_posted += len(oids)
+            committed = [True] * len(oids)
         if oids:
             s.map_ahead()  # a non-blocking read of the lifeline; the mapping runs in its thread
         return s.outcome(reply, committed)

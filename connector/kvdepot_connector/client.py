@@ -22,7 +22,6 @@ give the same nonce; a client given none has a random one of its own.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -41,9 +40,6 @@ from kvdepot_connector.protocol import encode_tokens
 from kvdepot_connector.session import ClientBase
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
-
-
-log = logging.getLogger("kvdepot_connector")
 
 #: requests sent without waiting whose replies are remembered (to count the errors among them)
 MAX_POSTED = 4096
@@ -104,9 +100,8 @@ class KVDepotClient(ClientBase):
         """A reply nobody waits for: an error answering a request sent without waiting is counted
         and logged (its locks expire with their lease), anything else is skipped."""
         op = self._posted.pop(reply.id, None)
-        if op is not None and isinstance(reply, p.ErrorReply):
-            self.posted_errors += 1
-            log.warning("kvdepot: %s sent without waiting failed: %s", op, reply.message)
+        if op is not None:
+            self._posted_reply(op, reply)
 
     def _post(self, call: Call[Any], op: str) -> None:
         """Send `call` without waiting for its reply (read, and skipped, by a later call)."""
@@ -285,12 +280,24 @@ class KVDepotClient(ClientBase):
             )
         )
 
-    def commit(self, oids: Sequence[int]) -> list[bool]:
-        """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored."""
+    def commit(self, oids: Sequence[int], *, wait: bool = True) -> list[bool]:
+        """Phase two: make the filled slots visible. Per oid: False = its lease expired, not stored.
+        `wait=False`: sent without waiting for the answer (all True is returned); chunks the sidecar
+        refused are counted in `commits_refused` when the reply is read, at the latest by this
+        client's next call, before that call returns. Until the sidecar has handled it, a LOOKUP
+        from another connection may miss those chunks (a miss, never wrong bytes: the sidecar checks
+        the commit as it would have)."""
         if not oids:
             return []
-        committed = self._call(calls.commit(oids))
         with self._lock:
+            if wait:
+                committed = self._call(calls.commit(oids))
+            else:
+                if self._session.engine_id == 0:
+                    self._handshake()
+                self._post(calls.commit(oids), "COMMIT")
+                self.commits_posted += len(oids)
+                committed = [True] * len(oids)
             self._session.map_ahead()
         return committed
 
@@ -308,8 +315,11 @@ class KVDepotClient(ClientBase):
         first_chunk: int = 0,
         extra_keys: Sequence[bytes] = (),
         lora_name: str = "",
+        wait: bool = True,
     ) -> StoreOutcome:
-        """Store `chunks` as the full chunks `first_chunk..` of `tokens`: reserve, copy, commit."""
+        """Store `chunks` as the full chunks `first_chunk..` of `tokens`: reserve, copy, commit
+        (`wait=False`: the commit is sent without waiting, as `commit` says; the outcome then
+        counts every reserved chunk as stored)."""
         s = self._session
         with self._lock:
             reply = self.reserve(
@@ -321,7 +331,7 @@ class KVDepotClient(ClientBase):
             except BaseException:
                 self.abort(s.reserved(reply))
                 raise
-            return s.outcome(reply, self.commit(oids))
+            return s.outcome(reply, self.commit(oids, wait=wait))
 
     def free_lookup_locks(self, request_id: str) -> int:
         return self._call(calls.free_lookup_locks(request_id))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kvdepot_connector import protocol as p
 
-__all__ = ["Locked", "StoreOutcome"]
+__all__ = ["Locked", "StoreOutcome", "late_reply"]
+
+log = logging.getLogger("kvdepot_connector")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,3 +38,21 @@ class Locked:
     #: the release-fence words the RETRIEVE named (kvdepot_connector.fences): pass them to
     #: `release`, which then need not wait for its answer when none moved
     fences: list[p.Fence] = field(default_factory=list)
+
+
+def late_reply(op: str, reply: p.Reply) -> tuple[int, int]:
+    """The reply to a request sent without waiting, read late: (1 when it is an error, chunks a
+    COMMIT could not make visible), each logged. Nothing else is owed: locks expire with their
+    lease, a chunk not committed is a miss."""
+    if isinstance(reply, p.ErrorReply):
+        log.warning("kvdepot: %s sent without waiting failed: %s", op, reply.message)
+        return 1, 0
+    if isinstance(reply, p.CommitReply) and not all(reply.ok):
+        refused = reply.ok.count(False)
+        log.warning(
+            "kvdepot: a COMMIT sent without waiting stored %d of %d chunks",
+            len(reply.ok) - refused,
+            len(reply.ok),
+        )
+        return 0, refused
+    return 0, 0

@@ -26,16 +26,15 @@ lifeline, so a stalled process is told from a busy one; the session's `role` and
 name it in the sidecar's worker registry.
 
 Primitives:
-  Session.handshake()                   the handshake's calls (hello, which connects the
-                                         lifeline, then register)
-  Session.message(call)                 a call's message (`calls.lookup(...)`, ...), with a fresh
-                                         id and the engine id
+  Session.handshake()                   the handshake's calls (hello: the lifeline; register)
+  Session.message(call)                 a call's message, with a fresh id and the engine id
   Session.recovery(call, reply)         the calls to make before resending: the sidecar no longer
                                          knows this connection (it restarted, or closed an idle
                                          session: hello and register) or engine (register)
   Session.share(regions)                sealed KV regions to the sidecar, over the lifeline
   Session.close()                       the lifeline and the arena mapping go
   Session.copy_in / copy_out / outcome  the copies of a store or a retrieve and their result
+Replies to calls sent without waiting are counted by `ClientBase._posted_reply` (outcomes.late_reply).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from kvdepot_connector.calls import Call, T, check_reply
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
 from kvdepot_connector.fences import Fences
 from kvdepot_connector.lifeline import Heartbeats, LifelineClient, LifelineError
-from kvdepot_connector.outcomes import Locked, StoreOutcome
+from kvdepot_connector.outcomes import Locked, StoreOutcome, late_reply
 from kvdepot_connector.shm import ArenaMapping
 
 
@@ -368,10 +367,15 @@ class ClientBase:
             model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance,
             timeout_s=timeout_s, role=role, rank=rank,
         )  # fmt: skip
-        #: RELEASEs answered valid by the fences, without waiting; errors among their late replies
-        self.released_unasked = 0
-        self.posted_errors = 0
+        #: sent without waiting: RELEASEs the fences answered, chunks committed (`wait=False`); among
+        #: the late replies, errors and chunks refused (write lease expired), counted when read
+        self.released_unasked = self.commits_posted = self.posted_errors = self.commits_refused = 0
         self._open_transport()
+
+    def _posted_reply(self, op: str, reply: p.Reply) -> None:
+        errors, refused = late_reply(op, reply)
+        self.posted_errors += errors
+        self.commits_refused += refused
 
     def _open_transport(self) -> None:
         """The subclass's sockets and locks (nothing connects yet)."""

@@ -250,6 +250,27 @@ def test_store_copies_into_the_reserved_slots_and_commits(sidecar: Any, connect:
     assert sc.ops()[-2:] == ["Store", "Abort"] and sc.seen[-1].oids == [11]
 
 
+def test_a_commit_sent_without_waiting_is_accounted_by_the_next_call(sidecar: Any, connect: Connect) -> None:
+    def answer(m: Any) -> p.Reply:
+        if isinstance(m, p.Store):
+            return p.StoreReply(id=m.id, slots=[
+                p.Slot(chunk=0, status=p.SlotStatus.RESERVED, oid=11, offset=0, size=CHUNK_BYTES),
+                p.Slot(chunk=1, status=p.SlotStatus.RESERVED, oid=12, offset=CHUNK_BYTES, size=CHUNK_BYTES),
+            ])  # fmt: skip
+        if isinstance(m, p.Commit):  # the second chunk's lease ran out
+            return p.CommitReply(id=m.id, ok=[oid != 12 for oid in m.oids])
+        return p.Pong(id=m.id, server_time=1.0)
+
+    sc = sidecar(answer)
+    client = connect(sc.url)
+    chunks = [torch.full((CHUNK_BYTES // 2,), float(i), dtype=torch.float16) for i in range(2)]
+    out = client.store(list(range(8)), chunks, request_id="w", wait=False)
+    assert out.stored == 2 and client.commits_posted == 2  # sent, not yet answered
+    client.ping()  # reads the COMMIT's answer before its own
+    assert sc.ops()[-3:] == ["Store", "Commit", "Ping"]
+    assert (client.commits_refused, client.posted_errors) == (1, 0)
+
+
 def test_a_slot_beyond_the_arena_is_refused_and_given_back(sidecar: Any, connect: Connect) -> None:
     """The client copies with memmove: a slot the arena does not hold must never be written."""
 
