@@ -2,7 +2,7 @@
 same vLLM-CPU server: no cache, vLLM's native prefix cache, native + kvdepot, kvdepot alone.
 
     .venv/bin/python tests/e2e/bench_serve.py [--cases fits,over,restart] \
-        [--configs none,native,both,kvdepot] [--runs 3] [--out DIR]
+        [--configs none,native,both,kvdepot] [--runs 3] [--neighbours N] [--out DIR]
 
 Cases (8-layer random Llama, 2048-token prefixes + 128-token suffixes, 8 output tokens,
 `--max-concurrency 4`, every server pinned alike with VLLM_CPU_NUM_OF_RESERVED_CPU=1):
@@ -22,6 +22,11 @@ prefix-cache counters (native queries and hits, kvdepot's external hits) read be
 and the sidecar's view (`sidecar_ops`: calls and mean handling time per data-plane operation
 during the run). One JSON object per run on stdout and in
 OUT/<case>-<config>-<run>.json; OUT/summary.jsonl collects the rows of every invocation.
+
+`--neighbours N` (`--neighbour-kind cpu|memio`): N neighbour processes run beside each setup, from
+before its server starts until it stops, the same for every setup: `cpu` busy-loops, `memio`
+copies 256 MiB buffers and writes (and fsyncs) 64 MiB files in a loop, as a busy node's other
+pods do. Each row names them (`neighbours`, `neighbour_kind`).
 
 `--trace`: the connector writes its per-request timeline (lookup, prefetch polling, load, save,
 in the scheduler's and the worker's view) to OUT/trace-<case>-<config>/; read it with
@@ -69,6 +74,35 @@ p = FlexibleArgumentParser()
 add_cli_args(p)
 main(p.parse_args(sys.argv[1:]))
 """
+
+#: a neighbour process's body, by kind
+NEIGHBOURS = {
+    "cpu": "while True: pass",
+    "memio": (
+        "import os, sys, tempfile\n"
+        "src, dst = bytearray(256 << 20), bytearray(256 << 20)\n"
+        "d = tempfile.mkdtemp(prefix='neighbour-', dir=sys.argv[1])\n"
+        "while True:\n"
+        "    dst[:] = src\n"
+        "    with open(os.path.join(d, 'f'), 'wb') as f:\n"
+        "        f.write(memoryview(src)[: 64 << 20]); f.flush(); os.fsync(f.fileno())\n"
+    ),
+}
+
+
+def start_neighbours(n: int, kind: str, out: Path) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen([sys.executable, "-c", NEIGHBOURS[kind], str(out)], stdout=subprocess.DEVNULL)
+        for _ in range(n)
+    ]
+
+
+def stop_neighbours(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait(30)
+
 
 COUNTERS = {
     "native_queries": "vllm:prefix_cache_queries_total",
@@ -151,16 +185,18 @@ def _sidecar(data: Path, config: str) -> SidecarProcess:
 
 
 def run_setup(
-    model: Path, out: Path, name: str, config: str, runs: range, trace: bool
+    model: Path, out: Path, name: str, config: str, runs: range, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     case = CASES[name]
-    where = out / f"trace-{name}-{config}" if trace else None
+    where = out / f"trace-{name}-{config}" if args.trace else None
     data = Path(tempfile.mkdtemp(prefix=f"sidecar-{config}-", dir=out))
-    sidecar = _sidecar(data, config) if config in KVDEPOT else None
-    url = sidecar.url if sidecar is not None else None
+    neighbours = start_neighbours(args.neighbours, args.neighbour_kind, out)
+    sidecar = server = None
     results = []
-    server = _server(model, out, config, case, url, where)
     try:
+        sidecar = _sidecar(data, config) if config in KVDEPOT else None
+        url = sidecar.url if sidecar is not None else None
+        server = _server(model, out, config, case, url, where)
         for run in runs:
             seed = 1000 * run  # the same prompts in every setup
             if name == "restart":
@@ -177,6 +213,7 @@ def run_setup(
             after, ops_after = _counters(server), _sidecar_ops(sidecar)
             row = {
                 "case": name, "config": config, "run": run, "seed": seed,
+                "neighbours": args.neighbours, "neighbour_kind": args.neighbour_kind,
                 "seconds": round(time.monotonic() - t0, 2), **_summary(got["ttfts"]),
                 "counters": {k: after[k] - before[k] for k in after}, "loadavg": os.getloadavg()[0],
                 "sidecar_ops": ops_delta(ops, ops_after),
@@ -186,9 +223,11 @@ def run_setup(
             print(json.dumps(row), flush=True)
             results.append(row)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         if sidecar is not None:
             sidecar.stop()
+        stop_neighbours(neighbours)
     return results
 
 
@@ -227,6 +266,8 @@ def main() -> int:
     p.add_argument("--first-run", type=int, default=1, help="number the runs (and seed them) from here")
     p.add_argument("--out", type=Path, default=Path("/tmp/kvdepot-bench-serve"))
     p.add_argument("--trace", action="store_true", help="the connector's per-request timeline")
+    p.add_argument("--neighbours", type=int, default=0, help="neighbour processes beside each setup")
+    p.add_argument("--neighbour-kind", choices=sorted(NEIGHBOURS), default="cpu")
     rows = "print OUT/summary.jsonl as the rows of docs/benchmarks/vllm-serve.md and exit"
     p.add_argument("--table", action="store_true", help=rows)
     args = p.parse_args()
@@ -243,7 +284,7 @@ def main() -> int:
             if config == "disk" and name != "restart":
                 continue
             runs = range(args.first_run, args.first_run + args.runs)
-            rows += run_setup(model, out, name, config, runs, args.trace)
+            rows += run_setup(model, out, name, config, runs, args)
     with open(out / "summary.jsonl", "a", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return 0
