@@ -9,27 +9,23 @@ Primitives in data-plane call order:
   owned(engine, instance)                           -> Registration; NotOwner for another instance's
   lookup(engine, request, tokens, salt[, holder])   -> LookupResult; hit objects read-locked, misses
                                                        prefetched from L2 (query_prefetch/wait_prefetch)
-  retrieve(engine, request, first, count[, holder]) -> extents (and oids) of the locked objects
-  release(engine, request, oids[, holder])          -> True only if the copy is safe (see below)
-  store(engine, request, tokens, salt, first_chunk, prompt_tokens)
-                                                    -> per-chunk StoreSlot (reserve; client copies);
-                                                       chunks ending past prompt_tokens (when > 0)
-                                                       hold generated tokens
+  retrieve(engine, request, first, count[, holder]) -> extents (and oids) of the locked objects;
+                                                       fence_words(extents), lock_epoch(request)
+  release(engine, request, oids[, holder, epoch])   -> True only if the copy is safe (see below)
+  store(engine, request, tokens, salt, first_chunk, prompt_tokens) -> per-chunk StoreSlot (reserve;
+      the client copies); chunks ending past prompt_tokens (when > 0) hold generated tokens
   commit(engine, oids[, holder])                    -> per-oid ok / lease expired; visible at once
-                                                       (committed generated chunks are counted; the
-                                                       holder's quarantine of expired ones goes);
-                                                       NotOwner (nothing done) for a reservation of
-                                                       another instance (abort likewise)
+      (committed generated chunks are counted; the holder's quarantine of expired ones goes);
+      NotOwner (nothing done) for a reservation of another instance (abort likewise)
   free_lookup_locks / end_request / clear
 Reclaiming (the work is engine/reclaim.py's; the facade keeps these names):
   suspect_holder(session)                           a client session is silent past its timeout
-                                                       (engine/workers.py): the requests it took part
-                                                       in lose their locks (its late RELEASE of them
-                                                       is invalid), its reservations are quarantined
+      (engine/workers.py): the requests it took part in lose their locks (its late RELEASE of them
+      is invalid), its reservations are quarantined
   end_holder(session)                               a client session is gone (its lifeline closed):
-                                                       its reservations (and quarantine) go at once
+      its reservations (and quarantine) go at once
   end_instance(instance)                            the instance's last session is gone: its
-                                                       requests (read locks) and registrations go
+      requests (read locks) and registrations go
   reap(now)                                         -> expired leases reclaimed (run_reaper loop)
 
 Events (engine/events.py, the bus the L1 cache was given): STORED (tier L1) at COMMIT with what
@@ -255,27 +251,31 @@ class CacheEngine:
         fences = self.cache.fences
         return [] if fences is None else fences.snapshot((e.offset, e.size) for e in extents)
 
-    def release(self, engine_id: int, request_id: str, oids: Sequence[int] = (), *, holder: int = 0) -> bool:
+    def lock_epoch(self, engine_id: int, request_id: str) -> int:  # which LOOKUP holds its locks
+        return self._requests.epoch((engine_id, request_id))
+
+    def release(
+        self, engine_id: int, request_id: str, oids: Sequence[int] = (), *, holder: int = 0, epoch: int = 0
+    ) -> bool:
         """Drop the request's read locks after it copied. True only when the copy is safe: every
         object in `oids` (those it copied from) is still alive; without oids, the request still
         held its locks. False: discard the copy; always for a request whose locks were dropped
-        because `holder` went suspect."""
+        because `holder` went suspect. With `epoch` (the RETRIEVE's), a newer LOOKUP's locks stay
+        (a RELEASE not waited for can arrive after the next LOOKUP, sent on another connection)."""
         self.registration(engine_id)
-        if self.reclaim.fenced(holder, (engine_id, request_id)):
+        rid = (engine_id, request_id)
+        if self.reclaim.fenced(holder, rid):
             return False  # its locks went already; a newer state of the request is not its to drop
         alive = self.cache.alive
         valid = all(alive(oid) for oid in oids)  # before unlocking: a last unlock may free them
-        held = self._requests.release((engine_id, request_id))
+        held = self._requests.release(rid, epoch)
         return valid if oids else held > 0
 
     def free_lookup_locks(self, engine_id: int, request_id: str) -> int:
         self.registration(engine_id)
         return self._requests.release((engine_id, request_id))
 
-    def end_request(self, engine_id: int, request_id: str) -> int:
-        self.registration(engine_id)
-        rid = (engine_id, request_id)
-        return self._requests.release(rid)
+    end_request = free_lookup_locks
 
     def note_uncacheable(self, reason: str) -> None:
         """A client will neither load nor store a request (it cannot key it): counted, a miss."""

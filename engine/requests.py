@@ -16,7 +16,8 @@ Primitives in call order:
   state.prefetch = handle   the prefetch started for it (engine/l2/prefetch.py)
   attach(state, obj, now)   a prefetched chunk arrived, in order: read-locked if still current
   get(rid) / settle(rid)    the current state; a finished prefetch that brought nothing is dropped
-  release(rid)              drop the request's state and locks -> how many were held
+  release(rid, epoch)       drop the request's state and locks -> how many were held (with the
+                            epoch of a state since replaced: nothing)
   reap(now)                 -> requests whose lease expired (locks dropped)
   release_engines(ids)      the requests of these engines are dropped (their instance is gone)
   release_holder(holder)    the requests a client session took part in (LOOKUP or RETRIEVE) are
@@ -25,6 +26,7 @@ Primitives in call order:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from engine.l1.cache import L1Cache
@@ -44,6 +46,8 @@ class RequestState:
     current: bool = True
     holders: set[int] = field(default_factory=set)
     """The client sessions that looked it up or retrieved from it (0: none named)."""
+    epoch: int = 0
+    """Which LOOKUP made it (unique in the table's life): a RELEASE names the one it copied for."""
 
     @property
     def pending(self) -> int:
@@ -58,6 +62,7 @@ class RequestTable:
         self.read_lease_s = read_lease_s
         #: the current state of every request that holds locks or waits for a prefetch
         self.locks: dict[RequestId, RequestState] = {}
+        self._epochs = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self.locks)
@@ -78,7 +83,7 @@ class RequestTable:
         for i, obj in enumerate(held):
             if i >= len(found) or found[i] is not obj:
                 cache.unlock(obj)
-        return RequestState(found, now + self.read_lease_s)
+        return RequestState(found, now + self.read_lease_s, epoch=next(self._epochs))
 
     def keep(self, rid: RequestId, state: RequestState) -> None:
         self.locks[rid] = state
@@ -103,8 +108,16 @@ class RequestTable:
                 self._drop(rid)
         return state
 
-    def release(self, rid: RequestId) -> int:
-        """Drop the request's state and its read locks. Returns how many locks it held."""
+    def epoch(self, rid: RequestId) -> int:
+        """The epoch of the request's current state (0: it has none)."""
+        state = self.locks.get(rid)
+        return 0 if state is None else state.epoch
+
+    def release(self, rid: RequestId, epoch: int = 0) -> int:
+        """Drop the request's state and its read locks. Returns how many locks it held. With an
+        `epoch` other than the current state's, nothing is dropped (-1): that state was replaced."""
+        if epoch and self.epoch(rid) not in (0, epoch):
+            return -1
         state = self._drop(rid)
         if state is None:
             return 0

@@ -1,11 +1,10 @@
 """DataPlaneServer: what the engine-side clients ask over the data plane and how it is answered,
 on the sidecar's event loop.
 
-State: the transport (api/dataplane/transport.py: the ZMQ ROUTER socket, its reader and the tasks
-sending deferred replies) and the sessions (api/dataplane/sessions.py: routing id -> session, made
-by HELLO). Cache state lives in the engine facade; handlers are short synchronous calls into it,
-run inline in arrival order, so a COMMIT's reply is sent only after the objects are visible and
-the next LOOKUP from anyone sees them.
+State: the transport (api/dataplane/transport.py: the ROUTER socket, its reader, the tasks sending
+deferred replies) and the sessions (api/dataplane/sessions.py: routing id -> session, made by
+HELLO). Cache state lives in the engine facade; handlers are short synchronous calls into it, run
+inline in arrival order: a COMMIT's reply goes once the objects are visible to every LOOKUP.
 
 Every frame is decoded against the protocol's tagged union with bounds on every field; anything that
 fails (garbage, unknown op, wrong types, absurd sizes) gets an ErrorReply and changes nothing; it is
@@ -335,10 +334,11 @@ class DataPlaneServer:
     def _retrieve(self, m: p.Retrieve, s: Session) -> p.Reply:
         extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks, holder=s.id)
         fences = [p.Fence(i, word) for i, word in self.engine.fence_words(extents)]
-        return p.RetrieveReply(id=m.id, extents=[p.Extent(*e) for e in extents], fences=fences)
+        epoch = self.engine.lock_epoch(m.engine_id, m.request_id)
+        return p.RetrieveReply(id=m.id, extents=[p.Extent(*e) for e in extents], fences=fences, epoch=epoch)
 
     def _release(self, m: p.Release, s: Session) -> p.Reply:
-        valid = self.engine.release(m.engine_id, m.request_id, m.oids, holder=s.id)
+        valid = self.engine.release(m.engine_id, m.request_id, m.oids, holder=s.id, epoch=m.epoch)
         return p.ReleaseReply(id=m.id, valid=valid)
 
     def _store(self, m: p.Store, s: Session) -> p.Reply:

@@ -108,22 +108,23 @@ class AsyncKVDepotClient(ClientBase):
     async def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """As `KVDepotClient.retrieve`; the copies run in a thread."""
         reply = await self._call(calls.retrieve(request_id, first_chunk, len(outs)))
+        oids = self._session.oids(reply)
         try:
             await asyncio.to_thread(self._session.copy_out, reply, outs)
         except BaseException:
-            await self.release(request_id, self._session.oids(reply))
+            await self.release(request_id, oids, epoch=reply.epoch)
             raise
-        return await self.release(request_id, self._session.oids(reply), fences=reply.fences)
+        return await self.release(request_id, oids, fences=reply.fences, epoch=reply.epoch)
 
     async def release(
-        self, request_id: str, oids: Sequence[int] = (), *, fences: Sequence[p.Fence] = ()
+        self, request_id: str, oids: Sequence[int] = (), *, fences: Sequence[p.Fence] = (), epoch: int = 0
     ) -> bool:
         """As `KVDepotClient.release`."""
         if fences and self._session.unmoved(fences):
-            await self._post(calls.release(request_id, oids), "RELEASE")
+            await self._post(calls.release(request_id, oids, epoch), "RELEASE")
             self.released_unasked += 1
             return True
-        return await self._call(calls.release(request_id, oids))
+        return await self._call(calls.release(request_id, oids, epoch))
 
     async def _post(self, call: Call[Any], op: str) -> None:
         """Send `call` without waiting for its reply; an error reply is counted and logged."""

@@ -100,11 +100,12 @@ def retrieve(request_id: str, first_chunk: int, num_chunks: int) -> Call[p.Retri
     )  # fmt: skip
 
 
-def release(request_id: str, oids: Sequence[int] = ()) -> Call[bool]:
+def release(request_id: str, oids: Sequence[int] = (), epoch: int = 0) -> Call[bool]:
     ids = list(oids)
     return _call(
-        lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id, oids=ids), p.ReleaseReply, _valid
-    )
+        lambda i, e: p.Release(id=i, engine_id=e, request_id=request_id, oids=ids, epoch=epoch),
+        p.ReleaseReply, _valid,
+    )  # fmt: skip
 
 
 def register_kv_cache(layers: Sequence[p.TensorHandle]) -> Call[int]:

@@ -186,23 +186,27 @@ class KVDepotClient(ClientBase):
         """
         with self._lock:
             reply = self._call(calls.retrieve(request_id, first_chunk, len(outs)))
+            oids = self._session.oids(reply)
             try:
                 self._session.copy_out(reply, outs)
             except BaseException:
-                self.release(request_id, self._session.oids(reply))
+                self.release(request_id, oids, epoch=reply.epoch)
                 raise
-            return self.release(request_id, self._session.oids(reply), fences=reply.fences)
+            return self.release(request_id, oids, fences=reply.fences, epoch=reply.epoch)
 
-    def release(self, request_id: str, oids: Sequence[int] = (), *, fences: Sequence[p.Fence] = ()) -> bool:
+    def release(
+        self, request_id: str, oids: Sequence[int] = (), *, fences: Sequence[p.Fence] = (), epoch: int = 0
+    ) -> bool:
         """Drop the request's locks. True only when copies from the objects `oids` (or, without
         oids, from the request's locks) are valid. With the `fences` their RETRIEVE named, called
-        after the copies: when no fence moved, True without waiting for the sidecar's answer."""
+        after the copies: when no fence moved, True without waiting for the sidecar's answer. With
+        the RETRIEVE's `epoch`, only the locks of that LOOKUP go (not a newer one's)."""
         with self._lock:
             if fences and self._session.unmoved(fences):
-                self._post(calls.release(request_id, oids), "RELEASE")
+                self._post(calls.release(request_id, oids, epoch), "RELEASE")
                 self.released_unasked += 1
                 return True
-            return self._call(calls.release(request_id, oids))
+            return self._call(calls.release(request_id, oids, epoch))
 
     def locked(self, request_id: str, *, first_chunk: int, num_chunks: int) -> Locked:
         """Arena views (uint8) of the request's locked chunks `first_chunk..` and their object

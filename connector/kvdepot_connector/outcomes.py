@@ -38,6 +38,8 @@ class Locked:
     #: the release-fence words the RETRIEVE named (kvdepot_connector.fences): pass them to
     #: `release`, which then need not wait for its answer when none moved
     fences: list[p.Fence] = field(default_factory=list)
+    #: which LOOKUP of the request holds the locks: pass it to `release` too
+    epoch: int = 0
 
 
 def late_reply(op: str, reply: p.Reply) -> tuple[int, int]:

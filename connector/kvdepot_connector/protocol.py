@@ -215,6 +215,9 @@ class Release(Msg, tag="release"):
     engine_id: EngineId
     request_id: Name
     oids: Annotated[list[Oid], msgspec.Meta(max_length=MAX_LIST)] = msgspec.field(default_factory=list)
+    #: the `epoch` of the RETRIEVE reply copied from: the locks of a newer LOOKUP of the request
+    #: (a RELEASE that arrives after it, from another connection) are not this RELEASE's to drop
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
 
 class Store(Msg, tag="store"):
@@ -332,6 +335,8 @@ class RetrieveReply(Msg, tag="retrieve_reply"):
     extents: list[Extent]
     #: the fence words of the segments the extents span; empty: the RELEASE's answer decides
     fences: list[Fence] = msgspec.field(default_factory=list)
+    #: which LOOKUP of the request holds these locks (name it in the RELEASE); 0: unknown
+    epoch: int = 0
 
 
 class ReleaseReply(Msg, tag="release_reply"):

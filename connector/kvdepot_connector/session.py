@@ -34,7 +34,7 @@ Primitives:
   Session.share(regions)                sealed KV regions to the sidecar, over the lifeline
   Session.close()                       the lifeline and the arena mapping go
   Session.copy_in / copy_out / outcome  the copies of a store or a retrieve and their result
-Replies to calls sent without waiting are counted by `ClientBase._posted_reply` (outcomes.late_reply).
+  ClientBase._posted_reply              late replies to calls sent without waiting, counted
 """
 
 from __future__ import annotations
@@ -297,9 +297,8 @@ class Session:
     def locked(self, reply: p.RetrieveReply) -> Locked:
         return Locked(
             [self.region(ext.offset, ext.size) for ext in reply.extents],
-            [ext.oid for ext in reply.extents],
-            reply.fences,
-        )
+            [ext.oid for ext in reply.extents], reply.fences, reply.epoch,
+        )  # fmt: skip
 
     @staticmethod
     def oids(reply: p.RetrieveReply) -> list[int]:

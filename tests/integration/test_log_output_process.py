@@ -10,13 +10,25 @@ import os
 import subprocess
 import sys
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from bench.sidecar import stop_process
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.dp_client import LAYOUT
+from tests.integration.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
 #: far more request lines than a pipe holds (64 KiB: about 300 of them)
 REQUESTS = 2000
 
@@ -39,6 +51,7 @@ def test_a_stdout_nobody_reads_holds_neither_the_control_plane_nor_the_data_plan
                 break
         assert started, "the sidecar did not start"
         http_url = urllib.parse.urlsplit(started["http"])
+        wait_for(lambda: _answers(started["http"] + "/ready"), timeout=120)  # the line precedes the listener
         conn = http.client.HTTPConnection(http_url.hostname or "127.0.0.1", http_url.port, timeout=60)
         try:
             for _ in range(REQUESTS):  # each one logs an http_request line

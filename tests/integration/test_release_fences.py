@@ -88,3 +88,28 @@ def test_an_object_freed_elsewhere_in_the_segment_costs_a_round_trip_not_validit
         assert all(torch.equal(g, m) for g, m in zip(got, mine, strict=True))
     finally:
         c.close()
+
+
+def test_a_release_that_arrives_after_the_next_lookup_leaves_that_lookup_its_locks(
+    sidecar_factory: StartSidecar,
+) -> None:
+    # The worker's RELEASE (sent without waiting) may reach the sidecar after the scheduler's next
+    # LOOKUP of the request (a preempted request resumed): it names the epoch it copied under, and
+    # the newer LOOKUP's locks stay for the worker's next RETRIEVE.
+    sc = sidecar_factory(env=ENV, l1_size_gb=SMALL_L1)
+    c = client(sc.url)
+    try:
+        toks = request_tokens(8, 4)
+        assert c.store(toks, [chunk_data(8, i) for i in range(4)], request_id="w", cache_salt="t").stored == 4
+        assert c.lookup(toks, request_id="r", cache_salt="t").hit_chunks == 4
+        first = c.locked("r", first_chunk=0, num_chunks=4)
+        copy(first.views)
+        assert c.lookup(toks, request_id="r", cache_salt="t").hit_chunks == 4  # asked again
+        assert c.release("r", first.oids, epoch=first.epoch) is True
+        second = c.locked("r", first_chunk=0, num_chunks=4)  # the locks are there
+        assert second.epoch > first.epoch > 0
+        assert c.release("r", second.oids, epoch=second.epoch) is True
+        assert c.end_request("r") == 0
+        assert sc.get_json("/status")["l1"]["locked_requests"] == 0
+    finally:
+        c.close()

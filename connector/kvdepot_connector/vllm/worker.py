@@ -160,9 +160,9 @@ class WorkerSide:
                 for plane, src in zip(self.planes, cuts[i], strict=True):
                     plane[block].copy_(src[j])
         except BaseException:
-            self.client.release(spec.request_id, locked.oids)
+            self.client.release(spec.request_id, locked.oids, epoch=locked.epoch)
             raise
-        valid = self.client.release(spec.request_id, locked.oids, fences=locked.fences)
+        valid = self.client.release(spec.request_id, locked.oids, fences=locked.fences, epoch=locked.epoch)
         return valid and len(locked.views) == spec.num_chunks
 
     def _cut(self, chunk: torch.Tensor) -> list[torch.Tensor]:

@@ -65,3 +65,26 @@ def test_a_late_release_leaves_a_newer_lookup_of_the_request_alone() -> None:
         eng.lookup(eid, "r", toks, "", holder=SCHED)  # the scheduler asks again meanwhile
         assert eng.release(eid, "r", [e.oid for e in extents], holder=WORKER) is False
         assert eng.locked_requests() == 1  # the scheduler's new locks stay
+
+
+def test_a_release_naming_a_replaced_lookup_leaves_the_newer_one_its_locks() -> None:
+    # A worker's RELEASE sent without waiting can reach the sidecar after the scheduler's next
+    # LOOKUP of the request (another connection): it names the epoch it copied under.
+    with engine(1 << 20) as (eng, _):
+        eid = eng.register("m", small_layout()).engine_id
+        toks = tokens(2 * CHUNK)
+        slots = eng.store(eid, "w", toks, "")
+        assert all(eng.commit(eid, [s.oid for s in slots]))
+        eng.lookup(eid, "r", toks, "", holder=SCHED)
+        extents = eng.retrieve(eid, "r", 0, 2, holder=WORKER)
+        first = eng.lock_epoch(eid, "r")
+        eng.lookup(eid, "r", toks, "", holder=SCHED)  # preempted and resumed: asked again
+        second = eng.lock_epoch(eid, "r")
+        assert 0 < first < second
+        # the late RELEASE: its copy is valid (the objects live on), the new locks stay
+        assert eng.release(eid, "r", [e.oid for e in extents], holder=WORKER, epoch=first) is True
+        assert eng.locked_requests() == 1 and eng.cache.state_counts()["read_locked"] == 2
+        assert len(eng.retrieve(eid, "r", 0, 2, holder=WORKER)) == 2
+        assert eng.release(eid, "r", [e.oid for e in extents], holder=WORKER, epoch=second) is True
+        assert eng.locked_requests() == 0 and eng.cache.state_counts()["read_locked"] == 0
+        assert eng.lock_epoch(eid, "r") == 0
