@@ -27,7 +27,7 @@ def test_bench_server_prints_one_verified_json_object() -> None:
     assert set(got) == {
         "store_gbps", "retrieve_gbps", "memcpy_gbps", "store_vs_memcpy", "retrieve_vs_memcpy",
         "lookup_p50_ms", "lookup_p99_ms", "lookup_chunks", "chunk_bytes", "chunks", "requests", "ok", "url",
-        "runs", "loadavg", "sidecar_cpu_s",
+        "runs", "loadavg", "sidecar_cpu_s", "commit",
     }  # fmt: skip
     assert (got["ok"], got["url"], got["chunks"], got["requests"], got["lookup_chunks"]) == (
         True,
