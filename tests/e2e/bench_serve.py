@@ -26,7 +26,8 @@ OUT/<case>-<config>-<run>.json; OUT/summary.jsonl collects the rows of every inv
 `--neighbours N` (`--neighbour-kind cpu|memio`): N neighbour processes run beside each setup, from
 before its server starts until it stops, the same for every setup: `cpu` busy-loops, `memio`
 copies 256 MiB buffers and writes (and fsyncs) 64 MiB files in a loop, as a busy node's other
-pods do. Each row names them (`neighbours`, `neighbour_kind`).
+pods do. Each row names them (`neighbours`, `neighbour_kind`). `--sidecar-cpus 1`: every thread of
+the sidecar allowed on those CPUs only (e.g. vLLM's reserved CPU, off the engine's OpenMP core).
 
 `--trace`: the connector writes its per-request timeline (lookup, prefetch polling, load, save,
 in the scheduler's and the worker's view) to OUT/trace-<case>-<config>/; read it with
@@ -177,11 +178,16 @@ def _server(
     ).wait_healthy()
 
 
-def _sidecar(data: Path, config: str) -> SidecarProcess:
+def _sidecar(data: Path, config: str, cpus: str | None = None) -> SidecarProcess:
     env = {"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}
     if config != "disk":
         env["KVDEPOT_L2__ADAPTERS"] = "[]"  # L1 only; `disk` keeps the default disk tier
-    return start_sidecar(data, env=env, l1_size_gb=3)
+    sidecar = start_sidecar(data, env=env, l1_size_gb=3)
+    if cpus is not None:  # every thread of it, as `taskset -a -c` does
+        allowed = {int(c) for c in cpus.split(",")}
+        for task in Path(f"/proc/{sidecar.proc.pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), allowed)
+    return sidecar
 
 
 def run_setup(
@@ -194,7 +200,7 @@ def run_setup(
     sidecar = server = None
     results = []
     try:
-        sidecar = _sidecar(data, config) if config in KVDEPOT else None
+        sidecar = _sidecar(data, config, args.sidecar_cpus) if config in KVDEPOT else None
         url = sidecar.url if sidecar is not None else None
         server = _server(model, out, config, case, url, where)
         for run in runs:
@@ -204,7 +210,7 @@ def run_setup(
                 server.stop()
                 if config == "disk" and sidecar is not None:
                     sidecar.stop(timeout=60)  # drains the write-behind
-                    sidecar = _sidecar(data, config)
+                    sidecar = _sidecar(data, config, args.sidecar_cpus)
                     url = sidecar.url
                 server = _server(model, out, config, case, url, where)
             before, ops = _counters(server), _sidecar_ops(sidecar)
@@ -214,6 +220,7 @@ def run_setup(
             row = {
                 "case": name, "config": config, "run": run, "seed": seed,
                 "neighbours": args.neighbours, "neighbour_kind": args.neighbour_kind,
+                "sidecar_cpus": args.sidecar_cpus,
                 "seconds": round(time.monotonic() - t0, 2), **_summary(got["ttfts"]),
                 "counters": {k: after[k] - before[k] for k in after}, "loadavg": os.getloadavg()[0],
                 "sidecar_ops": ops_delta(ops, ops_after),
@@ -268,6 +275,7 @@ def main() -> int:
     p.add_argument("--trace", action="store_true", help="the connector's per-request timeline")
     p.add_argument("--neighbours", type=int, default=0, help="neighbour processes beside each setup")
     p.add_argument("--neighbour-kind", choices=sorted(NEIGHBOURS), default="cpu")
+    p.add_argument("--sidecar-cpus", help="CPUs the sidecar may run on, e.g. 1 (vLLM's reserved CPU)")
     rows = "print OUT/summary.jsonl as the rows of docs/benchmarks/vllm-serve.md and exit"
     p.add_argument("--table", action="store_true", help=rows)
     args = p.parse_args()
