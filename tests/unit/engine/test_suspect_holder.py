@@ -4,7 +4,8 @@ took part in lose their locks (its late RELEASE is invalid), its reservations ar
 
 from __future__ import annotations
 
-from engine.results import SlotStatus
+from engine.facade import CacheEngine
+from engine.results import Extent, SlotStatus
 from tests.factories import engine, small_layout, tokens
 
 CHUNK = 16
@@ -53,14 +54,20 @@ def test_the_scheduler_suspect_drops_the_requests_it_looked_up() -> None:
         assert eng.suspect_holder(SCHED) == (0, 0)  # nothing left: idempotent
 
 
+def retrieved(eng: CacheEngine) -> tuple[int, bytes, list[Extent]]:
+    """Two chunks stored, looked up by the scheduler and retrieved by the worker: (engine id,
+    tokens, the extents copied from)."""
+    eid = eng.register("m", small_layout()).engine_id
+    toks = tokens(2 * CHUNK)
+    slots = eng.store(eid, "w", toks, "")
+    assert all(eng.commit(eid, [s.oid for s in slots]))
+    eng.lookup(eid, "r", toks, "", holder=SCHED)
+    return eid, toks, eng.retrieve(eid, "r", 0, 2, holder=WORKER)
+
+
 def test_a_late_release_leaves_a_newer_lookup_of_the_request_alone() -> None:
     with engine(1 << 20) as (eng, _):
-        eid = eng.register("m", small_layout()).engine_id
-        toks = tokens(2 * CHUNK)
-        slots = eng.store(eid, "w", toks, "")
-        assert all(eng.commit(eid, [s.oid for s in slots]))
-        eng.lookup(eid, "r", toks, "", holder=SCHED)
-        extents = eng.retrieve(eid, "r", 0, 2, holder=WORKER)
+        eid, toks, extents = retrieved(eng)
         assert eng.suspect_holder(WORKER) == (1, 0)
         eng.lookup(eid, "r", toks, "", holder=SCHED)  # the scheduler asks again meanwhile
         assert eng.release(eid, "r", [e.oid for e in extents], holder=WORKER) is False
@@ -71,12 +78,7 @@ def test_a_release_naming_a_replaced_lookup_leaves_the_newer_one_its_locks() -> 
     # A worker's RELEASE sent without waiting can reach the sidecar after the scheduler's next
     # LOOKUP of the request (another connection): it names the epoch it copied under.
     with engine(1 << 20) as (eng, _):
-        eid = eng.register("m", small_layout()).engine_id
-        toks = tokens(2 * CHUNK)
-        slots = eng.store(eid, "w", toks, "")
-        assert all(eng.commit(eid, [s.oid for s in slots]))
-        eng.lookup(eid, "r", toks, "", holder=SCHED)
-        extents = eng.retrieve(eid, "r", 0, 2, holder=WORKER)
+        eid, toks, extents = retrieved(eng)
         first = eng.lock_epoch(eid, "r")
         eng.lookup(eid, "r", toks, "", holder=SCHED)  # preempted and resumed: asked again
         second = eng.lock_epoch(eid, "r")
