@@ -10,10 +10,10 @@ returns the reply bytes or an awaitable of them; anything else that arrives gets
 The descriptor is edge-triggered, so the reader drains the socket until it says nothing is left,
 up to `READ_BUDGET` messages or `READ_SLICE_S` seconds per call before giving the loop a turn.
 A deferred reply is sent from a task; sending touches the socket, which can consume the edge of
-its descriptor, so a drain is scheduled right after. Drains are coalesced: at most one is queued on
-the loop at a time, so a burst of deferred replies costs one slice a turn, not one each (a hundred
-LOOKUPs answered at once would otherwise hold the loop for a hundred slices). A reply the client's queue has
-no room for is dropped and logged. A socket that fails, or is closed under the reader, ends
+its descriptor, so a drain is scheduled right after. Drains are coalesced: at most one is queued
+on the loop at a time, so a burst of deferred replies costs one slice a turn, not one each (a
+hundred LOOKUPs answered at once would otherwise hold the loop for a hundred slices). A reply the
+client's queue has no room for is dropped and logged. A socket that fails, or is closed under the reader, ends
 `serve` with an error, so the supervisor marks the data plane dead.
 
 Primitives in call order: `bind()` (errors are ConfigError), `serve()` (supervised task),

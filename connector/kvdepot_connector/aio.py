@@ -127,7 +127,10 @@ class AsyncKVDepotClient(ClientBase):
         return await self._call(calls.release(request_id, oids, epoch))
 
     async def _post(self, call: Call[Any], op: str) -> None:
-        """Send `call` without waiting for its reply; an error reply is counted and logged."""
+        """Send `call` without waiting for its reply (the handshake first where the call needs the
+        engine id); an error reply is counted and logged."""
+        if call.registered and self._session.engine_id == 0:
+            await self._handshake()
         sock = self._socket()
         msg = self._session.message(call)
         fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
@@ -168,8 +171,6 @@ class AsyncKVDepotClient(ClientBase):
         if oids and wait:
             committed = await self._call(calls.commit(oids))
         elif oids:
-            if s.engine_id == 0:
-                await self._handshake()
             await self._post(calls.commit(oids), "COMMIT")
             self.commits_posted += len(oids)
             committed = [True] * len(oids)

@@ -104,7 +104,10 @@ class KVDepotClient(ClientBase):
             self._posted_reply(op, reply)
 
     def _post(self, call: Call[Any], op: str) -> None:
-        """Send `call` without waiting for its reply (read, and skipped, by a later call)."""
+        """Send `call` without waiting for its reply (read, and skipped, by a later call); the
+        handshake first where the call needs the engine id, as `_call` does."""
+        if call.registered and self._session.engine_id == 0:
+            self._handshake()
         msg = self._session.message(call)
         self._socket().send(p.encode(msg), copy=False)
         if len(self._posted) >= MAX_POSTED:  # replies that never came: the oldest is forgotten
@@ -297,8 +300,6 @@ class KVDepotClient(ClientBase):
             if wait:
                 committed = self._call(calls.commit(oids))
             else:
-                if self._session.engine_id == 0:
-                    self._handshake()
                 self._post(calls.commit(oids), "COMMIT")
                 self.commits_posted += len(oids)
                 committed = [True] * len(oids)
