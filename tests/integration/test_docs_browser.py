@@ -101,6 +101,9 @@ def test_docs_render_the_operations_with_nothing_fetched_beyond_loopback(
         redoc = browser.open(sc.http + "/redoc")
         assert redoc.wait_for("document.body.innerText.includes('Liveness: OK while the process lives')")
         assert sc.http + "/docs-assets/redoc.standalone.js" in redoc.requests
+        # The attribution's logo is rendered after the page: wait for it, loaded from inline data.
+        logo = "document.querySelector('img[alt=\"redocly logo\"]')"
+        assert redoc.wait_for(f"{logo} && {logo}.complete && {logo}.src.startsWith('data:')"), redoc.requests
         assert beyond(redoc.requests, sc.http) == [], redoc.requests
 
 

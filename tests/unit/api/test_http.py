@@ -210,6 +210,9 @@ async def test_docs_pages_load_their_assets_from_the_sidecar(shared: RunningServ
             assert asset.status_code == 200 and len(asset.content) > 1000, url
     js = await shared.client.get("/docs-assets/swagger-ui-bundle.js")
     assert "javascript" in js.headers["content-type"] and b"SwaggerUIBundle" in js.content
+    redoc = await shared.client.get("/docs-assets/redoc.standalone.js")
+    assert "javascript" in redoc.headers["content-type"] and b"Redoc" in redoc.content
+    assert b"cdn.redoc.ly" not in redoc.content and b"redocly logo" in redoc.content
     assert (await shared.client.get("/docs-assets/../pyproject.toml")).status_code == 404
     assert (await shared.client.get("/docs/oauth2-redirect")).status_code == 200
 
