@@ -16,7 +16,7 @@ from kvdepot_connector import calls
 from kvdepot_connector import protocol as p
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.outcomes import StoreOutcome
+from kvdepot_connector.outcomes import Posted, StoreOutcome
 from kvdepot_connector.session import ClientBase
 
 
@@ -27,6 +27,8 @@ class AsyncKVDepotClient(ClientBase):
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[int, asyncio.Future[p.Reply]] = {}
+        #: requests sent without waiting for their reply (a RELEASE whose fences held, a COMMIT)
+        self.posted = Posted()
         self._reader: asyncio.Task[None] | None = None
         self._handshake_lock = asyncio.Lock()
 
@@ -47,6 +49,10 @@ class AsyncKVDepotClient(ClientBase):
         while True:
             frame = await sock.recv()
             reply = p.reply_decoder.decode(frame)
+            op = self.posted.pop(reply.id)
+            if op is not None:
+                self._posted_reply(op, reply)
+                continue
             fut = self._pending.pop(reply.id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
@@ -133,14 +139,7 @@ class AsyncKVDepotClient(ClientBase):
             await self._handshake()
         sock = self._socket()
         msg = self._session.message(call)
-        fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
-
-        def done(f: asyncio.Future[p.Reply]) -> None:
-            if not f.cancelled():
-                self._posted_reply(op, f.result())
-
-        fut.add_done_callback(done)
-        self._pending[msg.id] = fut
+        self.posted.add(msg.id, op)
         await sock.send(p.encode(msg))
 
     async def store(

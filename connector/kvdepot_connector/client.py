@@ -35,14 +35,11 @@ from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.outcomes import Locked, StoreOutcome
+from kvdepot_connector.outcomes import Locked, Posted, StoreOutcome
 from kvdepot_connector.protocol import encode_tokens
 from kvdepot_connector.session import ClientBase
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
-
-#: requests sent without waiting whose replies are remembered (to count the errors among them)
-MAX_POSTED = 4096
 
 #: a first RegisterKVCache waits for the sidecar to set up its copy engine
 REGISTER_KV_CACHE_TIMEOUT_S = 30.0
@@ -56,8 +53,8 @@ class KVDepotClient(ClientBase):
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._lock = threading.RLock()
-        #: ids of requests sent without waiting for their reply (a RELEASE whose fences held)
-        self._posted: dict[int, str] = {}
+        #: requests sent without waiting for their reply (a RELEASE whose fences held, a COMMIT)
+        self.posted = Posted()
 
     # --- connection ----------------------------------------------------------------------------
 
@@ -99,7 +96,7 @@ class KVDepotClient(ClientBase):
     def _late(self, reply: p.Reply) -> None:
         """A reply nobody waits for: an error answering a request sent without waiting is counted
         and logged (its locks expire with their lease), anything else is skipped."""
-        op = self._posted.pop(reply.id, None)
+        op = self.posted.pop(reply.id)
         if op is not None:
             self._posted_reply(op, reply)
 
@@ -110,9 +107,7 @@ class KVDepotClient(ClientBase):
             self._handshake()
         msg = self._session.message(call)
         self._socket().send(p.encode(msg), copy=False)
-        if len(self._posted) >= MAX_POSTED:  # replies that never came: the oldest is forgotten
-            self._posted.pop(next(iter(self._posted)))
-        self._posted[msg.id] = op
+        self.posted.add(msg.id, op)
 
     def _handshake(self) -> None:
         for step in self._session.handshake():

@@ -9,7 +9,7 @@ import torch
 
 from kvdepot_connector import protocol as p
 
-__all__ = ["Locked", "StoreOutcome", "late_reply"]
+__all__ = ["Locked", "Posted", "StoreOutcome", "late_reply"]
 
 log = logging.getLogger("kvdepot_connector")
 
@@ -58,3 +58,29 @@ def late_reply(op: str, reply: p.Reply) -> tuple[int, int]:
         )
         return 0, refused
     return 0, 0
+
+
+class Posted:
+    """The requests a client sent without waiting, by id, oldest first, each with what to do with its
+    reply. Bounded: when replies stop coming (a sidecar restarted, a reply lost), the oldest beyond
+    `limit` is forgotten (`forgotten` counts them), so a long-lived client never grows without end."""
+
+    #: requests sent without waiting whose replies are remembered
+    limit = 4096
+
+    def __init__(self) -> None:
+        self._ops: dict[int, str] = {}
+        self.forgotten = 0
+
+    def add(self, request_id: int, op: str) -> None:
+        while len(self._ops) >= self.limit:
+            oldest = next(iter(self._ops))
+            del self._ops[oldest]
+            self.forgotten += 1
+        self._ops[request_id] = op
+
+    def pop(self, request_id: int) -> str | None:
+        return self._ops.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._ops)

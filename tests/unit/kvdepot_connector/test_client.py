@@ -25,6 +25,7 @@ from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
 from kvdepot_connector.handles import F_ADD_SEALS, SEALS
 from kvdepot_connector.lifeline import HEADER, Hello, Welcome, decode_body, send_frame
+from kvdepot_connector.outcomes import Posted
 
 LAYOUT = p.Layout(dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kind="test",
                   chunk_size=4)  # fmt: skip
@@ -123,6 +124,10 @@ class Blocking:
         if not asyncio.iscoroutinefunction(method):
             return method
         return lambda *a, **kw: self._runner.run(method(*a, **kw))
+
+    def pending(self) -> int:
+        """Replies the asyncio client still has a future waiting for."""
+        return len(self._client._pending)
 
     def close(self) -> None:
         self._runner.run(self._client.close())
@@ -269,6 +274,34 @@ def test_a_commit_sent_without_waiting_is_accounted_by_the_next_call(sidecar: An
     client.ping()  # reads the COMMIT's answer before its own
     assert sc.ops()[-3:] == ["Store", "Commit", "Ping"]
     assert (client.commits_refused, client.posted_errors) == (1, 0)
+
+
+def test_requests_sent_without_waiting_are_remembered_up_to_a_bound(
+    sidecar: Any, connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar that never answers the COMMITs sent without waiting (it restarted, the replies
+    were lost): the client remembers the newest `Posted.limit` of them, not all of them forever."""
+
+    def answer(m: Any) -> p.Reply | None:
+        if isinstance(m, p.Store):
+            return p.StoreReply(id=m.id, slots=[
+                p.Slot(chunk=0, status=p.SlotStatus.RESERVED, oid=11, offset=0, size=CHUNK_BYTES),
+            ])  # fmt: skip
+        if isinstance(m, p.Commit):
+            return None
+        return p.Pong(id=m.id, server_time=1.0)
+
+    monkeypatch.setattr(Posted, "limit", 8)
+    sc = sidecar(answer)
+    client = connect(sc.url)
+    chunk = torch.zeros(CHUNK_BYTES // 2, dtype=torch.float16)
+    for _ in range(12):
+        assert client.store(list(range(4)), [chunk], request_id="w", wait=False).stored == 1
+    client.ping()  # answered after every COMMIT before it has reached the sidecar
+    assert sc.ops().count("Commit") == 12 and client.commits_posted == 12
+    assert (len(client.posted), client.posted.forgotten) == (8, 4)
+    if isinstance(client, Blocking):  # nothing else holds on to them: no future is left waiting
+        assert client.pending() == 0
 
 
 def test_a_slot_beyond_the_arena_is_refused_and_given_back(sidecar: Any, connect: Connect) -> None:
