@@ -25,6 +25,9 @@ lifeline brought) a session may not register, reserve, commit or have the sideca
 (`_NEEDS_LIFELINE`: `unauthorized`), and one not held within the lifeline handshake timeout
 expires (checked on every frame), its instance with it when it was the instance's last session.
 
+The read path (LOOKUP, QUERY_PREFETCH, RETRIEVE, RELEASE, FREE_LOOKUP_LOCKS, END_REQUEST) is
+answered by `reads` (api/dataplane/reads.py), which also checks every message's token bytes.
+
 The sidecar's own KV copies (REGISTER_KV_CACHE, LOAD_BLOCKS, SAVE_BLOCKS) are answered by
 `copies` (api/dataplane/copies.py: the transfers given built, or made when first needed, so that a
 sidecar no engine asks to copy never imports torch); `prepare_transfers` starts making them early.
@@ -47,6 +50,7 @@ from api.audit import AuditLog
 from api.dataplane.clear import clear_tenant
 from api.dataplane.copies import SidecarCopies
 from api.dataplane.errors import wire_code
+from api.dataplane.reads import ReadPath
 from api.dataplane.sessions import Session, SessionTable
 from api.dataplane.transport import RouterTransport
 from api.dataplane.workers import WorkerWatch
@@ -63,7 +67,7 @@ from app.errors import (
 from engine.events import Kind
 from engine.facade import CacheEngine
 from engine.keys import KVLayout
-from engine.results import LookupResult, SlotStatus
+from engine.results import SlotStatus
 from engine.workers import WorkerRegistry
 from kvdepot_connector import protocol as p
 
@@ -107,7 +111,7 @@ class DataPlaneServer:
         self.copies = SidecarCopies(engine, transfers, make_transfers)
         self.url = url
         self.max_frame_bytes = max_frame_bytes
-        self.max_token_bytes = max_tokens * 4
+        self.reads = ReadPath(engine, max_tokens)
         self.metrics = metrics
         self.sessions = SessionTable(
             max_sessions=max_sessions, idle_s=session_idle_s,
@@ -128,15 +132,15 @@ class DataPlaneServer:
         """Each message type and the method that answers it."""
         return {
             p.Register: self._register,
-            p.Lookup: self._lookup,
-            p.QueryPrefetch: self._query_prefetch,
-            p.Retrieve: self._retrieve,
-            p.Release: self._release,
+            p.Lookup: self.reads.lookup,
+            p.QueryPrefetch: self.reads.query_prefetch,
+            p.Retrieve: self.reads.retrieve,
+            p.Release: self.reads.release,
             p.Store: self._store,
             p.Commit: self._commit,
             p.Abort: self._abort,
-            p.FreeLookupLocks: self._free_lookup_locks,
-            p.EndRequest: self._end_request,
+            p.FreeLookupLocks: self.reads.free_lookup_locks,
+            p.EndRequest: self.reads.end_request,
             p.Ping: self._ping,
             p.Clear: self._clear,
             p.RegisterKVCache: self._register_kv_cache,
@@ -255,17 +259,6 @@ class DataPlaneServer:
             events.emit(Kind.ERROR, op=op, request_id=request_id, reason=code.value)
         return p.encode(p.ErrorReply(id=rid, code=code.value, message=message, retryable=retryable))
 
-    def _tokens(self, data: bytes) -> bytes:
-        if len(data) % 4:
-            raise InvalidInput(
-                f"tokens must be uint32 little-endian: {len(data)} bytes is not a multiple of 4"
-            )
-        if len(data) > self.max_token_bytes:
-            raise InvalidInput(
-                f"{len(data) // 4} tokens exceed data_plane.max_tokens={self.max_token_bytes // 4}"
-            )
-        return data
-
     # --- handlers ------------------------------------------------------------------------------
 
     def _hello(self, m: p.Hello, peer: bytes) -> p.Reply:
@@ -312,38 +305,9 @@ class DataPlaneServer:
             layout_fingerprint=layout.fingerprint,
         )
 
-    def _lookup(self, m: p.Lookup, s: Session) -> p.Reply | Awaitable[p.Reply]:
-        if m.uncacheable is not None:
-            self.engine.registration(m.engine_id)  # only a registered engine is counted
-            self.engine.note_uncacheable(m.uncacheable.value)
-            total = len(self._tokens(m.tokens)) // (p.TOKEN_BYTES * self.engine.chunk_size)
-            return p.LookupReply(id=m.id, hit_tokens=0, hit_chunks=0, total_chunks=total)
-        r = self.engine.lookup(
-            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.extra_keys, holder=s.id
-        )
-        if m.wait and r.pending_chunks:
-            return self._lookup_when_loaded(m)
-        return _lookup_reply(m.id, r)
-
-    async def _lookup_when_loaded(self, m: p.Lookup) -> p.Reply:
-        return _lookup_reply(m.id, await self.engine.wait_prefetch(m.engine_id, m.request_id))
-
-    def _query_prefetch(self, m: p.QueryPrefetch, _: Session) -> p.Reply:
-        return _lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id))
-
-    def _retrieve(self, m: p.Retrieve, s: Session) -> p.Reply:
-        extents = self.engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks, holder=s.id)
-        fences = [p.Fence(i, word) for i, word in self.engine.fence_words(extents)]
-        epoch = self.engine.lock_epoch(m.engine_id, m.request_id)
-        return p.RetrieveReply(id=m.id, extents=[p.Extent(*e) for e in extents], fences=fences, epoch=epoch)
-
-    def _release(self, m: p.Release, s: Session) -> p.Reply:
-        valid = self.engine.release(m.engine_id, m.request_id, m.oids, holder=s.id, epoch=m.epoch)
-        return p.ReleaseReply(id=m.id, valid=valid)
-
     def _store(self, m: p.Store, s: Session) -> p.Reply:
         slots = self.engine.store(
-            m.engine_id, m.request_id, self._tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id,
+            m.engine_id, m.request_id, self.reads.tokens(m.tokens), m.cache_salt, m.first_chunk, holder=s.id,
             extras=m.extra_keys, prompt_tokens=m.prompt_tokens, lora_name=m.lora_name,
         )  # fmt: skip
         return p.StoreReply(
@@ -356,12 +320,6 @@ class DataPlaneServer:
 
     def _abort(self, m: p.Abort, s: Session) -> p.Reply:
         return p.CountReply(id=m.id, count=self.engine.abort(m.engine_id, m.oids, holder=s.id))
-
-    def _free_lookup_locks(self, m: p.FreeLookupLocks, _: Session) -> p.Reply:
-        return p.CountReply(id=m.id, count=self.engine.free_lookup_locks(m.engine_id, m.request_id))
-
-    def _end_request(self, m: p.EndRequest, _: Session) -> p.Reply:
-        return p.CountReply(id=m.id, count=self.engine.end_request(m.engine_id, m.request_id))
 
     def _ping(self, m: p.Ping, _: Session) -> p.Reply:
         return p.Pong(id=m.id, server_time=time.time())
@@ -386,15 +344,8 @@ class DataPlaneServer:
         return await self.copies.load(m)
 
     async def _save_blocks(self, m: p.SaveBlocks, _: Session) -> p.Reply:
-        return await self.copies.save(m, self._tokens(m.tokens))
+        return await self.copies.save(m, self.reads.tokens(m.tokens))
 
 
 def _code(exc: Exception) -> p.ErrorCode:
     return wire_code(exc) if isinstance(exc, KVDepotError) else p.ErrorCode.INTERNAL
-
-
-def _lookup_reply(rid: int, r: LookupResult) -> p.LookupReply:
-    return p.LookupReply(
-        id=rid, hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, total_chunks=r.total_chunks,
-        pending_chunks=r.pending_chunks,
-    )  # fmt: skip
