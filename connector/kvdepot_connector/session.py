@@ -54,7 +54,7 @@ from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnav
 from kvdepot_connector.fences import Fences
 from kvdepot_connector.lifeline import Heartbeats, LifelineClient, LifelineError
 from kvdepot_connector.outcomes import Locked, StoreOutcome, late_reply
-from kvdepot_connector.shm import ArenaMapping
+from kvdepot_connector.shm import ArenaMapping, identity
 
 
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
@@ -174,10 +174,8 @@ class Session:
             received.pop(f"arena:{k}")
         fds = [v for _, v in segments]
         try:
-            if self.arena is not None and (self.arena.name, self.arena.size) == (
-                reply.arena_name,
-                reply.arena_size,
-            ):
+            first = fds[0] if fds else fd  # the same arena only if the same memfd (names repeat)
+            if self.arena is not None and first is not None and self.arena.identity == identity(first):
                 return
             self.close_arena()
             if not self.map_arena:

@@ -60,10 +60,14 @@ def _check_sealed(fd: int) -> int:
 
 
 class ArenaMapping:
-    def __init__(self, mm: mmap.mmap, name: str, size: int, segment: int = 0) -> None:
+    def __init__(
+        self, mm: mmap.mmap, name: str, size: int, segment: int = 0, identity: Identity = (0, 0)
+    ) -> None:
         self._mm = mm
         self.name = name
         self.size = size
+        #: the first descriptor's file (device, inode): which memfd this is, whatever its name
+        self.identity = identity
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         #: bytes per segment (0: one read-write mapping of the whole arena)
         self.segment = segment
@@ -91,7 +95,7 @@ class ArenaMapping:
         except BaseException:
             mm.close()
             raise
-        return cls(mm, _name(fds[0]), size, segment)
+        return cls(mm, _name(fds[0]), size, segment, identity(fds[0]))
 
     def grant(self, index: int, fd: int) -> None:
         """Map segment `index` read-write from `fd` (the caller closes it) over its read-only view."""
@@ -145,7 +149,7 @@ class ArenaMapping:
             raise ValueError(f"arena is {actual} bytes, expected {size}")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return cls(mm, _name(fd), size)
+        return cls(mm, _name(fd), size, identity=identity(fd))
 
     def region(self, offset: int, size: int) -> torch.Tensor:
         self._check(offset, size)
@@ -178,6 +182,15 @@ class ArenaMapping:
         del self.tensor
         with contextlib.suppress(BufferError):
             self._mm.close()
+
+
+Identity = tuple[int, int]
+
+
+def identity(fd: int) -> Identity:
+    """The (device, inode) of the file behind `fd`: two memfds never share one while both exist."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _name(fd: int) -> str:

@@ -40,6 +40,7 @@ import errno
 import fcntl
 import mmap
 import os
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -170,7 +171,9 @@ class SealedArena(SharedArena):
         cls, size: int, instance: str, *, populate: bool = True, segment_bytes: int | None = None
     ) -> SealedArena:
         """An arena of `size` bytes, cut into segments of about `segment_bytes` (None: one)."""
-        name = f"{PREFIX}{instance}-{os.getpid()}"
+        # A restart in a container has the same pid and data directory: the nonce tells the arenas
+        # apart (clients also compare the memfd itself, never the name alone).
+        name = f"{PREFIX}{instance}-{os.getpid()}-{secrets.token_hex(4)}"
         if populate:
             free = available_memory()
             if free is not None and size > free:

@@ -53,7 +53,8 @@ def test_a_sidecar_killed_with_sigkill_restarts_on_its_data_dir(
     second = sidecar_factory(data_dir=data_dir, env=ENV, l1_size_gb=0.02)
 
     serves(second)
-    assert second.started["arena"] == f"kvdepot-{instance_id(data_dir)}-{second.proc.pid}"
+    assert second.started["arena"].startswith(f"kvdepot-{instance_id(data_dir)}-{second.proc.pid}-")
+    assert second.started["arena"] != first.started["arena"]
 
 
 def test_no_file_is_created_in_dev_shm_even_where_one_has_the_arenas_name(

@@ -16,7 +16,7 @@ from engine.l1.arena import SealedArena
 from gpu.device import CpuDevice, HandleError
 from gpu.sealed import F_ADD_SEALS, REQUIRED_SEALS, RegionLimits, SealedRegions, SealError, open_sealed
 from kvdepot_connector.handles import SharedTensor, export_tensor
-from kvdepot_connector.shm import ArenaMapping
+from kvdepot_connector.shm import ArenaMapping, identity
 
 HOLDER = "instance-a"
 
@@ -164,6 +164,19 @@ def test_one_holder_cannot_fill_the_table(shared: SharedTensor) -> None:
         regions.add(HOLDER, "r2", shared_copy(shared), shared.nbytes)
     regions.add(object(), "other", shared_copy(shared), shared.nbytes)  # another holder still may
     assert len(regions) == 3
+
+
+def test_two_arenas_of_one_process_and_instance_have_other_names_and_files() -> None:
+    """What a sidecar restarted in its container makes (same pid, same data directory): a client
+    that still maps the old arena tells them apart by name and by the memfd itself."""
+    first = SealedArena.create_sealed(1 << 20, "test", populate=False)
+    second = SealedArena.create_sealed(1 << 20, "test", populate=False)
+    try:
+        assert first.name != second.name and first.name.startswith(f"kvdepot-test-{os.getpid()}-")
+        assert identity(first.fd) != identity(second.fd)
+    finally:
+        first.close()
+        second.close()
 
 
 def test_the_sealed_arena_maps_in_a_client_that_cannot_truncate_it() -> None:

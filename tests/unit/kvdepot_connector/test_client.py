@@ -47,6 +47,7 @@ class FakeSidecar:
         os.ftruncate(self.arena_fd, ARENA_BYTES)
         fcntl.fcntl(self.arena_fd, F_ADD_SEALS, SEALS)
         self.arena = mmap.mmap(self.arena_fd, ARENA_BYTES)
+        self.old_arenas: list[tuple[int, mmap.mmap]] = []
         # The lifeline: every client connects one after HELLO; the arena's descriptor comes over it.
         self.lifeline_path = str(tmp / "lifeline.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -100,13 +101,23 @@ class FakeSidecar:
     def ops(self) -> list[str]:
         return [type(m).__name__ for m in self.seen]
 
+    def new_arena(self) -> None:
+        """What a restarted sidecar has: a new arena, under the same name (a sidecar restarted
+        in its container gets the same pid and data directory); later lifelines bring it."""
+        fd = os.memfd_create(self.arena_name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, ARENA_BYTES)
+        fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
+        self.old_arenas.append((self.arena_fd, self.arena))
+        self.arena_fd, self.arena = fd, mmap.mmap(fd, ARENA_BYTES)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._sock.close(linger=0)
         self._ctx.term()
-        self.arena.close()
-        os.close(self.arena_fd)
+        for fd, arena in [*self.old_arenas, (self.arena_fd, self.arena)]:
+            arena.close()
+            os.close(fd)
         for line in self._lines:
             line.close()
         self._listener.close()
@@ -302,6 +313,34 @@ def test_requests_sent_without_waiting_are_remembered_up_to_a_bound(
     assert (len(client.posted), client.posted.forgotten) == (8, 4)
     if isinstance(client, Blocking):  # nothing else holds on to them: no future is left waiting
         assert client.pending() == 0
+
+
+def test_a_sidecar_restarted_with_an_arena_of_the_same_name_is_read_from_its_new_arena(
+    sidecar: Any, connect: Connect
+) -> None:
+    """The client maps the arena the new lifeline brings, not the one it had because the name is
+    the same: copies out of the old one would be another sidecar's bytes at the new one's offsets."""
+    restarted = threading.Event()
+
+    def answer(m: Any) -> p.Reply:
+        if isinstance(m, p.Retrieve):
+            if restarted.is_set():  # it knows the connection no more: the client says HELLO again
+                restarted.clear()
+                return p.ErrorReply(id=m.id, code=p.ErrorCode.HELLO_REQUIRED, message="who?")
+            return p.RetrieveReply(id=m.id, extents=[p.Extent(offset=512, size=CHUNK_BYTES, oid=21)])
+        return p.ReleaseReply(id=m.id, valid=True)
+
+    sc = sidecar(answer)
+    sc.arena[512 : 512 + CHUNK_BYTES] = b"\xaa" * CHUNK_BYTES
+    client = connect(sc.url)
+    out = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
+    assert client.retrieve("r", [out]) is True and out.tolist() == [0xAA] * CHUNK_BYTES
+    sc.new_arena()
+    sc.arena[512 : 512 + CHUNK_BYTES] = b"\xbb" * CHUNK_BYTES
+    restarted.set()
+    assert client.retrieve("r", [out]) is True
+    assert sc.ops().count("Hello") == 2
+    assert out.tolist() == [0xBB] * CHUNK_BYTES
 
 
 def test_a_slot_beyond_the_arena_is_refused_and_given_back(sidecar: Any, connect: Connect) -> None:
