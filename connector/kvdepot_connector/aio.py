@@ -14,10 +14,10 @@ import zmq.asyncio
 
 from kvdepot_connector import calls
 from kvdepot_connector import protocol as p
+from kvdepot_connector.base import ClientBase
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
 from kvdepot_connector.outcomes import Posted, StoreOutcome
-from kvdepot_connector.session import ClientBase
 
 
 class AsyncKVDepotClient(ClientBase):

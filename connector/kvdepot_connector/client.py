@@ -33,11 +33,11 @@ import zmq
 from kvdepot_connector import calls
 from kvdepot_connector import protocol as p
 from kvdepot_connector.aio import AsyncKVDepotClient
+from kvdepot_connector.base import ClientBase
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
 from kvdepot_connector.outcomes import Locked, Posted, StoreOutcome
 from kvdepot_connector.protocol import encode_tokens
-from kvdepot_connector.session import ClientBase
 
 __all__ = ["AsyncKVDepotClient", "KVDepotClient", "Locked", "StoreOutcome", "encode_tokens"]
 

@@ -34,7 +34,6 @@ Primitives:
   Session.share(regions)                sealed KV regions to the sidecar, over the lifeline
   Session.close()                       the lifeline and the arena mapping go
   Session.copy_in / copy_out / outcome  the copies of a store or a retrieve and their result
-  ClientBase._posted_reply              late replies to calls sent without waiting, counted
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import secrets
 from collections.abc import Sequence
 
 import torch
@@ -53,7 +51,7 @@ from kvdepot_connector.calls import Call, T, check_reply
 from kvdepot_connector.errors import ProtocolMismatch, SidecarError, SidecarUnavailable
 from kvdepot_connector.fences import Fences
 from kvdepot_connector.lifeline import Heartbeats, LifelineClient, LifelineError
-from kvdepot_connector.outcomes import Locked, StoreOutcome, late_reply
+from kvdepot_connector.outcomes import Locked, StoreOutcome
 from kvdepot_connector.shm import ArenaMapping, identity
 
 
@@ -333,65 +331,3 @@ class Session:
             expired=expired,
         )
 
-
-class ClientBase:
-    """Identity and handshake state common to both clients; each adds its own transport."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        model: str,
-        layout: p.Layout,
-        kv_rank: int = 0,
-        group: int = 0,
-        timeout_s: float = 5.0,
-        map_arena: bool = True,
-        name: str = "",
-        instance: str | None = None,
-        role: p.Role = "",
-        rank: int | None = None,
-    ) -> None:
-        """`instance`: the engine instance nonce (lowercase hex, 16..128 characters) this client
-        acts for; the clients of one engine (scheduler, workers) give the same one, since they own
-        its requests and reservations together. None: a fresh random one, this client's alone.
-        `role` ("scheduler" or "worker") and `rank`: how the sidecar's worker registry names it."""
-        self.url = url
-        self.timeout_s = timeout_s
-        self.name = name
-        self.instance = secrets.token_hex(16) if instance is None else instance
-        self._session = Session(
-            model, layout, kv_rank, group, name=name, map_arena=map_arena, instance=self.instance,
-            timeout_s=timeout_s, role=role, rank=rank,
-        )  # fmt: skip
-        #: sent without waiting: RELEASEs the fences answered, chunks committed (`wait=False`); among
-        #: the late replies, errors and chunks refused (write lease expired), counted when read
-        self.released_unasked = self.commits_posted = self.posted_errors = self.commits_refused = 0
-        self._open_transport()
-
-    def _posted_reply(self, op: str, reply: p.Reply) -> None:
-        errors, refused = late_reply(op, reply)
-        self.posted_errors += errors
-        self.commits_refused += refused
-
-    def _open_transport(self) -> None:
-        """The subclass's sockets and locks (nothing connects yet)."""
-        raise NotImplementedError
-
-    @property
-    def engine_id(self) -> int:
-        return self._session.engine_id
-
-    def share(self, regions: Sequence[tuple[str, int, int]]) -> None:
-        """Hand the sidecar sealed memfd regions (name, fd, bytes; e.g. `SharedTensor.region()`)
-        over this client's lifeline, so it can copy into and out of them (`register_kv_cache`).
-        They stay shared while the engine instance has a live client."""
-        self._session.share(regions)
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._session.chunk_bytes
-
-    @property
-    def chunk_size(self) -> int:
-        return self._session.layout.chunk_size
