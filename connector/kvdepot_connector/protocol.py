@@ -95,9 +95,6 @@ decoded gets ErrorReply(code="malformed_frame") with id -1 when no id could be r
 
 from __future__ import annotations
 
-import array
-import sys
-from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
@@ -132,6 +129,9 @@ from kvdepot_connector.wire import (
     Oid,
     SlotStatus,
     Uncacheable,
+    encode,
+    encode_tokens,
+    salvage_id,
 )
 
 # the whole wire, including what kv_sharing and wire define: import it from here
@@ -363,38 +363,5 @@ Reply = (
 )  # fmt: skip
 
 
-class _IdOnly(msgspec.Struct):
-    id: int = -1
-
-
-_encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
 reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
-_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
-
-
-def encode_tokens(tokens: Sequence[int] | bytes) -> bytes:
-    """Tokens as the wire carries them (and the sidecar hashes them): uint32 little-endian."""
-    if isinstance(tokens, bytes):
-        return tokens
-    if isinstance(tokens, list):  # `fromlist` converts a list in about 60% of the constructor's time
-        arr = array.array("I")
-        arr.fromlist(tokens)
-    else:
-        arr = array.array("I", tokens)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def salvage_id(frame: bytes) -> int:
-    """The `id` of a frame that failed to decode, or -1."""
-    try:
-        value = _id_decoder.decode(frame).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return -1
-    return value if isinstance(value, int) and -1 <= value < 1 << 62 else -1
