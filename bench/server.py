@@ -32,7 +32,9 @@ right after a memmove of one request's bytes (`ping_after_copy_p50_ms`); `phases
 per client and request of each step and of its parts: `memcpy`, `store` = `reserve` (the STORE
 round trip) + `copy_in` (a memmove per chunk into its slot) + `commit` (`--commit post`, the
 default: sending the COMMIT, its answer read by the LOOKUP that follows; `wait`: its round trip),
-`retrieve` = `extents` (the RETRIEVE round trip: the locked extents) + `copy_out` + `release`:
+`retrieve` = `extents` (`--retrieve locate`, the default: views made from the extents the
+untimed LOOKUP before it named, as a vLLM worker copies from its scheduler's lookup; `ask`: the
+RETRIEVE round trip) + `copy_out` + `release`:
 where the time beyond the copy goes; and, with a sidecar this benchmark started, `sidecar_ms`: the
 mean time the sidecar itself spent handling one STORE, COMMIT, LOOKUP, RETRIEVE and RELEASE during
 the run, from its /metrics: the rest of a round trip is the transport and the client), the prompt
@@ -308,7 +310,8 @@ def _result(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
         lookup_chunks=first["chunks_per_request"], chunk_bytes=first["chunk_bytes"],
         chunks=args.requests * first["chunks_per_request"], requests=args.requests,
         ok=lookups["ok"] and all(r["ok"] for r in out["runs"]) and out.get("prompt", {}).get("ok", True),
-        url="started" if args.url is None else args.url, commit=args.commit, runs=out["runs"],
+        url="started" if args.url is None else args.url, commit=args.commit, retrieve=args.retrieve,
+        runs=out["runs"],
     )  # fmt: skip
     if "prompt" in out:
         result["prompt"] = out["prompt"]

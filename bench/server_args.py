@@ -17,6 +17,7 @@ PINGS_AFTER_COPY = 50
 SIDECAR_OPS = ("store", "commit", "lookup", "retrieve", "release")
 WORKER_ARGS = (
     "requests", "chunks_per_request", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens", "commit",
+    "retrieve",
 )  # fmt: skip
 
 
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--commit", choices=("post", "wait"), default="post",
         help="a store's COMMIT sent without waiting for its answer (post: one round trip per store; "
         "a refused commit is counted when the next call reads its reply) or waited for",
+    )  # fmt: skip
+    p.add_argument(
+        "--retrieve", choices=("locate", "ask"), default="locate",
+        help="where a retrieve's extents come from: the LOOKUP that locked the request (locate: "
+        "asked for them, as the vLLM scheduler does for its workers; the retrieve is the copy and "
+        "the release) or a RETRIEVE round trip of its own (ask)",
     )  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--client", type=int, default=0, help=argparse.SUPPRESS)

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kvdepot_connector.client import KVDepotClient
-from kvdepot_connector.protocol import Layout, SlotStatus, encode_tokens
+from kvdepot_connector.protocol import Layout, LookupReply, SlotStatus, encode_tokens
 
 
 @dataclass
@@ -118,6 +118,7 @@ class Worker:
         # the store baseline's destinations (touched): three, used in turn
         self.cold = [[torch.ones_like(c) for c in self.requests[0].chunks] for _ in range(3)]
         self.client = KVDepotClient(args.url, model="bench-model", layout=self.layout, timeout_s=30).connect()
+        self.located: LookupReply | None = None  # the last "lock" step's LOOKUP reply
 
     def step(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
@@ -143,10 +144,11 @@ class Worker:
                 return {"begin": begin, "end": end, "ok": ok, "phases": phases}
             valid, phases = self._retrieve(req)
             return {"begin": begin, "end": time.monotonic(), "ok": valid, "phases": phases}
-        if op == "lock":
+        if op == "lock":  # the scheduler's LOOKUP, untimed; with --retrieve locate it names the extents
             req = self.requests[cmd["r"]]
-            hit = c.lookup(req.tokens, request_id=req.rid, cache_salt=self.salt).hit_chunks
-            return {"ok": hit == len(req.chunks)}
+            self.located = c.lookup(req.tokens, request_id=req.rid, cache_salt=self.salt,
+                                    extents=self.args.retrieve == "locate")  # fmt: skip
+            return {"ok": self.located.hit_chunks == len(req.chunks)}
         if op == "clear":  # this client's chunks go; its write domain's segments stay its own
             c.clear(self.salt)
             return {"ok": all(c.lookup(r.tokens, request_id=r.rid, cache_salt=self.salt).hit_chunks == 0
@@ -200,16 +202,22 @@ class Worker:
 
     def _retrieve(self, req: Request) -> tuple[bool, dict[str, float]]:
         """`KVDepotClient.retrieve`'s three steps through its public calls (`extents`: the RETRIEVE
-        round trip naming the locked extents; one memmove out of each, as `retrieve` does; the
-        release), each timed. Returns (copy valid, seconds per step)."""
+        round trip naming the locked extents, or with --retrieve locate their views made from the
+        LOOKUP's reply; one memmove out of each, as `retrieve` does; the release), each timed.
+        Returns (copy valid, seconds per step)."""
         c = self.client
         t0 = time.perf_counter()
-        locked = c.locked(req.rid, first_chunk=0, num_chunks=len(req.outs))
+        n = len(req.outs)
+        if self.args.retrieve == "locate":
+            assert self.located is not None
+            locked = c.locked_from(self.located, first_chunk=0, num_chunks=n)
+        else:
+            locked = c.locked(req.rid, first_chunk=0, num_chunks=n)
         t1 = time.perf_counter()
         for view, dst in zip(locked.views, req.outs, strict=True):
             ctypes.memmove(dst.data_ptr(), view.data_ptr(), view.numel())
         t2 = time.perf_counter()
-        valid = c.release(req.rid, locked.oids, fences=locked.fences)
+        valid = c.release(req.rid, locked.oids, fences=locked.fences, epoch=locked.epoch)
         t3 = time.perf_counter()
         return valid, {"extents": t1 - t0, "copy_out": t2 - t1, "release": t3 - t2}
 

@@ -5,7 +5,8 @@ State: none of its own (the facade holds the requests' read locks). Called by Da
 dispatch after the session and the engine id's owner were checked.
 
 Primitives: `ReadPath(engine, max_tokens)`, then one method per message: lookup (an awaitable when
-it waits for a prefetch), query_prefetch, retrieve, release, free_lookup_locks, end_request;
+it waits for a prefetch; asked, its reply also carries what a RETRIEVE of its hits would),
+query_prefetch, retrieve, release, free_lookup_locks, end_request;
 `tokens(data)`, the token bytes of a request checked (the store path uses it too).
 """
 
@@ -47,16 +48,28 @@ class ReadPath:
         tokens = self.tokens(m.tokens)
         r = engine.lookup(m.engine_id, m.request_id, tokens, m.cache_salt, m.extra_keys, holder=s.id)
         if m.wait and r.pending_chunks:
-            return self._lookup_when_loaded(m)
-        return lookup_reply(m.id, r)
+            return self._lookup_when_loaded(m, s)
+        return self._located(m, s, lookup_reply(m.id, r))
 
-    async def _lookup_when_loaded(self, m: p.Lookup) -> p.Reply:
-        return lookup_reply(m.id, await self.engine.wait_prefetch(m.engine_id, m.request_id))
+    async def _lookup_when_loaded(self, m: p.Lookup, s: Session) -> p.Reply:
+        r = await self.engine.wait_prefetch(m.engine_id, m.request_id)
+        return self._located(m, s, lookup_reply(m.id, r))
+
+    def _located(self, m: p.Lookup, s: Session, reply: p.LookupReply) -> p.LookupReply:
+        """The reply, naming the locked chunks as a RETRIEVE of them all would when `m.extents`
+        asks and none is still coming from L2."""
+        if not m.extents or not reply.hit_chunks or reply.pending_chunks:
+            return reply
+        located = self.retrieve(p.Retrieve(id=m.id, engine_id=m.engine_id, request_id=m.request_id,
+                                           num_chunks=reply.hit_chunks), s)  # fmt: skip
+        reply.extents, reply.fences, reply.epoch = located.extents, located.fences, located.epoch
+        reply.arena = self.engine.arena.name
+        return reply
 
     def query_prefetch(self, m: p.QueryPrefetch, _: Session) -> p.Reply:
         return lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id))
 
-    def retrieve(self, m: p.Retrieve, s: Session) -> p.Reply:
+    def retrieve(self, m: p.Retrieve, s: Session) -> p.RetrieveReply:
         engine = self.engine
         extents = engine.retrieve(m.engine_id, m.request_id, m.first_chunk, m.num_chunks, holder=s.id)
         fences = [p.Fence(i, word) for i, word in engine.fence_words(extents)]

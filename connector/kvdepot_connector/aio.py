@@ -17,7 +17,7 @@ from kvdepot_connector import protocol as p
 from kvdepot_connector.base import ClientBase
 from kvdepot_connector.calls import Call, T, Tokens
 from kvdepot_connector.errors import SidecarUnavailable
-from kvdepot_connector.outcomes import Posted, StoreOutcome
+from kvdepot_connector.outcomes import Locked, Posted, StoreOutcome
 
 
 class AsyncKVDepotClient(ClientBase):
@@ -101,12 +101,17 @@ class AsyncKVDepotClient(ClientBase):
     async def lookup(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False,
         extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None, traceparent: str = "",
+        extents: bool = False,
     ) -> p.LookupReply:  # fmt: skip
         """As `KVDepotClient.lookup`."""
         return await self._call(calls.lookup(
             tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable,
-            traceparent=traceparent,
+            traceparent=traceparent, extents=extents,
         ))
+
+    def locked_from(self, reply: p.LookupReply, *, first_chunk: int, num_chunks: int) -> Locked:
+        """As `KVDepotClient.locked_from` (no round trip)."""
+        return self._session.locked(reply, first_chunk, num_chunks)
 
     async def query_prefetch(self, request_id: str) -> p.LookupReply:
         return await self._call(calls.query_prefetch(request_id))

@@ -68,6 +68,10 @@ class ClientBase:
     def engine_id(self) -> int:
         return self._session.engine_id
 
+    @property
+    def kv_rank(self) -> int:
+        return self._session.kv_rank
+
     def share(self, regions: Sequence[tuple[str, int, int]]) -> None:
         """Hand the sidecar sealed memfd regions (name, fd, bytes; e.g. `SharedTensor.region()`)
         over this client's lifeline, so it can copy into and out of them (`register_kv_cache`).

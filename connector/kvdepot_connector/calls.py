@@ -74,14 +74,14 @@ def ping() -> Call[float]:
 
 def lookup(
     tokens: Tokens, request_id: str, cache_salt: str, wait: bool, *, extra_keys: Sequence[bytes] = (),
-    uncacheable: p.Uncacheable | None = None, traceparent: str = "",
+    uncacheable: p.Uncacheable | None = None, traceparent: str = "", extents: bool = False,
 ) -> Call[p.LookupReply]:  # fmt: skip
     data = p.encode_tokens(tokens)
     extras = list(extra_keys)
     return _call(
         lambda i, e: p.Lookup(
             id=i, engine_id=e, request_id=request_id, tokens=data, cache_salt=cache_salt, wait=wait,
-            extra_keys=extras, uncacheable=uncacheable, traceparent=traceparent,
+            extra_keys=extras, uncacheable=uncacheable, traceparent=traceparent, extents=extents,
         ),
         p.LookupReply, _same,
     )  # fmt: skip

@@ -159,6 +159,7 @@ class KVDepotClient(ClientBase):
     def lookup(
         self, tokens: Tokens, *, request_id: str, cache_salt: str = "", wait: bool = False,
         extra_keys: Sequence[bytes] = (), uncacheable: p.Uncacheable | None = None, traceparent: str = "",
+        extents: bool = False,
     ) -> p.LookupReply:  # fmt: skip
         """Hit length from the start of `tokens`; the hits are read-locked for `request_id`.
 
@@ -166,11 +167,14 @@ class KVDepotClient(ClientBase):
         are in (or the sidecar's prefetch deadline passed); without it `pending_chunks` says how
         many are still coming and `query_prefetch` polls. `extra_keys`: per chunk (protocol); with
         `uncacheable` the sidecar counts the reason and answers a miss; `traceparent`: the engine
-        request's W3C trace context (the sidecar's spans of the request join its trace).
+        request's W3C trace context (the sidecar's spans of the request join its trace); with
+        `extents` the reply also names the hits as a RETRIEVE would, when none is still pending
+        (`locked_from` makes them views, with no round trip; this client or another of the same
+        engine instance, e.g. the scheduler's lookup for a worker's copy).
         """
         return self._call(calls.lookup(
             tokens, request_id, cache_salt, wait, extra_keys=extra_keys, uncacheable=uncacheable,
-            traceparent=traceparent,
+            traceparent=traceparent, extents=extents,
         ))
 
     def query_prefetch(self, request_id: str) -> p.LookupReply:
@@ -212,6 +216,12 @@ class KVDepotClient(ClientBase):
         `release(request_id, locked.oids)` afterwards: its answer says whether the copies are valid."""
         reply = self._call(calls.retrieve(request_id, first_chunk, num_chunks))
         return self._session.locked(reply)
+
+    def locked_from(self, reply: p.LookupReply, *, first_chunk: int, num_chunks: int) -> Locked:
+        """As `locked`, from a LOOKUP's reply that named its extents (`lookup(..., extents=True)`):
+        no round trip. ValueError when the reply names no such chunks or another arena than this
+        client maps (the sidecar restarted since): `locked` then asks instead."""
+        return self._session.locked(reply, first_chunk, num_chunks)
 
     def register_kv_cache(
         self, layers: Sequence[p.TensorHandle], *, timeout_s: float = REGISTER_KV_CACHE_TIMEOUT_S

@@ -195,6 +195,10 @@ class Lookup(Msg, tag="lookup"):
     #: the engine request's W3C trace context (`traceparent` header value, version 00), when the
     #: engine traces it: the sidecar's spans of the request join that trace
     traceparent: Traceparent = ""
+    #: set: when every chunk found is in L1 by the time of the reply (none still coming from L2),
+    #: the reply also names them as a RETRIEVE of them all would (extents, fence words, epoch):
+    #: a reader copies without a RETRIEVE, then RELEASEs as after one
+    extents: bool = False
 
 
 class QueryPrefetch(Msg, tag="query_prefetch"):
@@ -300,6 +304,13 @@ class LookupReply(Msg, tag="lookup_reply"):
     hit_chunks: int
     total_chunks: int
     pending_chunks: int = 0
+    #: asked for (`Lookup.extents`) and nothing pending: the locked chunks from chunk 0, their
+    #: fence words and lock epoch, as in a RetrieveReply; empty otherwise (RETRIEVE them)
+    extents: list[Extent] = msgspec.field(default_factory=list)
+    fences: list[Fence] = msgspec.field(default_factory=list)
+    epoch: int = 0
+    #: the name of the arena the extents are in (a reader mapping another one must RETRIEVE)
+    arena: str = ""
 
 
 class Slot(msgspec.Struct, array_like=True, frozen=True):

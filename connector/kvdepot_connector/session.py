@@ -290,11 +290,16 @@ class Session:
         with contextlib.suppress(SidecarUnavailable):
             self._take_grants(soon=True)
 
-    def locked(self, reply: p.RetrieveReply) -> Locked:
-        return Locked(
-            [self.region(ext.offset, ext.size) for ext in reply.extents],
-            [ext.oid for ext in reply.extents], reply.fences, reply.epoch,
-        )  # fmt: skip
+    def locked(self, reply: p.RetrieveReply | p.LookupReply, first: int = 0, count: int = -1) -> Locked:
+        """Views of chunks `first..first+count` (-1: all) of a RETRIEVE's or LOOKUP's extents; a
+        LOOKUP's only when they are that many, in the arena mapped here (else ValueError)."""
+        ext = reply.extents[first:] if count < 0 else reply.extents[first : first + count]
+        if isinstance(reply, p.LookupReply):
+            mapped = self.arena.name if self.arena is not None else None
+            if reply.arena != mapped or first < 0 or len(ext) != count:
+                raise ValueError("the lookup names no such extents in the arena this client maps")
+        views = [self.region(e.offset, e.size) for e in ext]
+        return Locked(views, [e.oid for e in ext], reply.fences, reply.epoch)
 
     @staticmethod
     def oids(reply: p.RetrieveReply) -> list[int]:

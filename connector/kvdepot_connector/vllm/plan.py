@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdepot_connector.protocol import LookupReply
+
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
@@ -25,6 +27,11 @@ class LoadSpec:
     num_chunks: int
     skip_blocks: int = 0
     asynchronous: bool = False  # vLLM waits for it in finished_recving (else it runs before the forward)
+    #: per kv rank, the scheduler's LOOKUP reply naming the locked chunks (`Lookup.extents`): the
+    #: worker copies from them with no RETRIEVE; empty (chunks came from L2 after the lookup): it asks
+    located: tuple[LookupReply, ...] = ()
+    #: the engine instance whose scheduler looked up (a worker acting for another one asks instead)
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)

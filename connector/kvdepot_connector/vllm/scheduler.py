@@ -9,13 +9,14 @@ parallel rank): a hit counts only where every rank has it. Everything here runs 
 scheduler thread.
 
 Hooks, in the order vLLM calls them:
-  matched_tokens(req, computed)   LOOKUP with the request's extra keys (an uncacheable request: one
-                                  LOOKUP saying why, counted by the sidecar, then 0)
+  matched_tokens(req, computed)   LOOKUP with the request's extra keys, asking for the hits' extents
+                                  (an uncacheable request: one LOOKUP saying why, counted, then 0)
                                   (then QUERY_PREFETCH while chunks arrive from L2: None =
                                   "ask me next step"); the answer is cached for repeated asks,
                                   until the request is preempted (its loaded chunks' locks are
                                   gone then: it looks up again)
-  after_alloc(req, blocks, n)     the blocks the hit goes into: a LoadSpec for the next step
+  after_alloc(req, blocks, n)     the blocks the hit goes into: a LoadSpec for the next step, with
+                                  the lookup's extents (the worker copies without a RETRIEVE)
   plan_step(...)                  loads due + full prompt chunks completed this step -> SaveSpecs,
                                   + the decode saves of requests finished since the last step
   on_output(invalid, failed)      a failed load marks the request: asked again, it answers 0
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 from kvdepot_connector.client import KVDepotClient, encode_tokens
 from kvdepot_connector.errors import KVDepotClientError
-from kvdepot_connector.protocol import TOKEN_BYTES, Uncacheable
+from kvdepot_connector.protocol import TOKEN_BYTES, LookupReply, Uncacheable
 from kvdepot_connector.vllm.extra_keys import RequestKeys
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec, StepPlan
@@ -68,6 +69,7 @@ class _Request:
     claim: tuple[int, int] | None = None  # tokens [start, end) promised to vLLM, not yet loaded
     claim_async: bool = False  # that load runs asynchronously (vLLM waits for finished_recving)
     load_blocks: tuple[int, ...] = ()
+    located: tuple[LookupReply, ...] = ()  # per rank: the lookup's extents, when every rank named them
     saved_chunks: int = 0
     preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -136,7 +138,7 @@ class SchedulerSide:
             # hit it loaded (released after the copy). Look up again; what it stored stays stored.
             req.preemptions = preemptions
             req.answered, req.claim, req.pending, req.load_blocks = None, None, False, ()
-            req.hit_chunks = 0
+            req.hit_chunks, req.located = 0, ()
         if req.failed or req.keys is None:
             return 0, False
         if req.answered is not None and not req.pending:
@@ -146,8 +148,7 @@ class SchedulerSide:
             return 0, False
         req.looked_up = True
         try:
-            hits = []
-            pending = False
+            replies = []
             for client in self.clients:
                 reply = (
                     client.query_prefetch(request_id)
@@ -155,11 +156,12 @@ class SchedulerSide:
                     else client.lookup(
                         req.tokens, request_id=request_id, cache_salt=req.salt,
                         extra_keys=req.keys.extras(req.num_prompt_tokens // self.chunk_size),
-                        traceparent=req.traceparent,
+                        traceparent=req.traceparent, extents=True,
                     )
                 )  # fmt: skip
-                hits.append(reply.hit_chunks)
-                pending = pending or reply.pending_chunks > 0
+                replies.append(reply)
+            hits = [r.hit_chunks for r in replies]
+            pending = any(r.pending_chunks > 0 for r in replies)
         except CLIENT_ERRORS as exc:
             self.guard.failed("lookup", exc)
             req.answered = (0, False)
@@ -170,6 +172,7 @@ class SchedulerSide:
         if pending:
             return None, False  # chunks are arriving from L2: vLLM asks again next step
         req.hit_chunks = min(hits)
+        req.located = tuple(replies) if all(len(r.extents) >= req.hit_chunks for r in replies) else ()
         req.answered = (req.hit_chunks, False)
         return self._answer(req, num_tokens, num_computed)
 
@@ -217,8 +220,9 @@ class SchedulerSide:
             last_block = len(block_ids)
             num_chunks = 0
         spec = LoadSpec(
-            request_id, tuple(block_ids[:last_block]), first_chunk, num_chunks, skip_blocks, req.claim_async
-        )
+            request_id, tuple(block_ids[:last_block]), first_chunk, num_chunks, skip_blocks, req.claim_async,
+            req.located, self.clients[0].instance if req.located else "",
+        )  # fmt: skip
         req.load_blocks = tuple(block_ids[skip_blocks:last_block])
         req.saved_chunks = max(req.saved_chunks, first_chunk + num_chunks)
         req.claim = None

@@ -15,7 +15,8 @@ Primitives, in vLLM's step order:
   follow(instance) before the step's loads and saves: act for the scheduler's engine instance,
                   whose nonce the step's plan carries (vllm/identity.py)
   load(specs)     in start_load_kv: the request's read-locked chunks into its blocks of every
-                  plane, then the locks released with the object ids copied from; RELEASE saying
+                  plane (from the extents the scheduler's LOOKUP named, else a RETRIEVE's), then
+                  the locks released with the object ids copied from; RELEASE saying
                   valid=False (the objects changed: a lease expired, the scheduler ended the
                   request), or any failure, reports the request's blocks as failed, which vLLM
                   recomputes (never garbage KV)
@@ -38,6 +39,7 @@ import torch
 from kvdepot_connector.client import KVDepotClient
 from kvdepot_connector.errors import SidecarError
 from kvdepot_connector.layout import ChunkFormat, blocks_per_chunk
+from kvdepot_connector.outcomes import Locked
 from kvdepot_connector.protocol import ErrorCode, SlotStatus, TensorHandle
 from kvdepot_connector.vllm.guard import SidecarGuard
 from kvdepot_connector.vllm.plan import LoadSpec, SaveSpec
@@ -88,6 +90,8 @@ class WorkerSide:
         self._errors: set[int] = set()
         self.loaded_chunks = 0
         self.saved_chunks = 0
+        #: loads the scheduler's lookup named but this worker could not copy from (it asked instead)
+        self.located_refused = 0
 
     def _shared_call(self, call: Callable[[], T]) -> T:
         """Run a sidecar-side copy, handing the planes over first when this sidecar (process) has
@@ -152,7 +156,9 @@ class WorkerSide:
         """Copy out of the locked chunks; valid only if every object copied from is still the
         same (the release fences unmoved, or the sidecar's generation check): else the blocks
         are failed."""
-        locked = self.client.locked(spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks)
+        locked = self._located(spec) or self.client.locked(
+            spec.request_id, first_chunk=spec.first_chunk, num_chunks=spec.num_chunks
+        )
         cuts = [self._cut(view) for view in locked.views]
         chunks = range(spec.first_chunk, spec.first_chunk + len(locked.views))
         try:
@@ -164,6 +170,21 @@ class WorkerSide:
             raise
         valid = self.client.release(spec.request_id, locked.oids, fences=locked.fences, epoch=locked.epoch)
         return valid and len(locked.views) == spec.num_chunks
+
+    def _located(self, spec: LoadSpec) -> Locked | None:
+        """The chunks as the scheduler's LOOKUP named them for this worker's kv rank (no round
+        trip), or None: not named, named for another engine instance than the one this worker
+        acts for (the RETRIEVE is then refused), or in an arena this client does not map (a
+        sidecar restarted since: the RETRIEVE then says HELLO to it first)."""
+        rank = self.client.kv_rank
+        if rank >= len(spec.located) or spec.instance != self.client.instance:
+            return None
+        try:
+            return self.client.locked_from(spec.located[rank], first_chunk=spec.first_chunk,
+                                           num_chunks=spec.num_chunks)  # fmt: skip
+        except ValueError:
+            self.located_refused += 1
+            return None
 
     def _cut(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """A chunk's bytes (a uint8 view of the arena) as one [block, block bytes] view per plane."""

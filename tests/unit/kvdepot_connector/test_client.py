@@ -343,6 +343,32 @@ def test_a_sidecar_restarted_with_an_arena_of_the_same_name_is_read_from_its_new
     assert out.tolist() == [0xBB] * CHUNK_BYTES
 
 
+def test_a_lookups_extents_are_copied_from_with_no_round_trip(sidecar: Any, connect: Connect) -> None:
+    def answer(m: Any) -> p.Reply:
+        if isinstance(m, p.Lookup):
+            assert m.extents
+            return p.LookupReply(id=m.id, hit_tokens=8, hit_chunks=2, total_chunks=2, extents=[
+                p.Extent(offset=256, size=CHUNK_BYTES, oid=31), p.Extent(offset=0, size=CHUNK_BYTES, oid=32),
+            ], epoch=3, arena=sc.arena_name)  # fmt: skip
+        return p.ReleaseReply(id=m.id, valid=True)
+
+    sc = sidecar(answer)
+    sc.arena[0:CHUNK_BYTES] = b"\x11" * CHUNK_BYTES
+    sc.arena[256 : 256 + CHUNK_BYTES] = b"\x22" * CHUNK_BYTES
+    client = connect(sc.url)
+    reply = client.lookup(list(range(8)), request_id="r", extents=True)
+    seen = len(sc.seen)
+    locked = client.locked_from(reply, first_chunk=1, num_chunks=1)
+    assert bytes(locked.views[0].numpy()) == b"\x11" * CHUNK_BYTES and locked.oids == [32]
+    assert (locked.epoch, len(sc.seen)) == (3, seen)  # nothing asked
+    for first, count in ((1, 2), (-1, 1), (2, 1)):
+        with pytest.raises(ValueError, match="no such extents"):
+            client.locked_from(reply, first_chunk=first, num_chunks=count)
+    reply.arena = "kvdepot-another"  # a sidecar that restarted since this client mapped its arena
+    with pytest.raises(ValueError, match="no such extents"):
+        client.locked_from(reply, first_chunk=0, num_chunks=1)
+
+
 def test_a_slot_beyond_the_arena_is_refused_and_given_back(sidecar: Any, connect: Connect) -> None:
     """The client copies with memmove: a slot the arena does not hold must never be written."""
 

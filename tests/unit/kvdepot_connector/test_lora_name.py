@@ -50,9 +50,8 @@ def test_the_client_refuses_a_lora_name_too_long_before_sending() -> None:
         calls.save_blocks([1, 2], "r", [0], "", 0, lora_name="x" * 257)
 
 
-class _Reply:
-    hit_chunks = 0
-    pending_chunks = 0
+def _miss() -> p.LookupReply:
+    return p.LookupReply(id=0, hit_tokens=0, hit_chunks=0, total_chunks=0)
 
 
 class _MissingClient:
@@ -60,8 +59,8 @@ class _MissingClient:
 
     instance = "ab" * 32
 
-    def lookup(self, tokens: Sequence[int] | bytes, **_: object) -> _Reply:
-        return _Reply()
+    def lookup(self, tokens: Sequence[int] | bytes, **_: object) -> p.LookupReply:
+        return _miss()
 
 
 def test_the_scheduler_side_names_the_requests_lora_adapter_in_its_saves(tmp_path: Path) -> None:

@@ -43,9 +43,8 @@ def test_lookup_carries_it_optionally_and_the_decoder_bounds_it() -> None:
         p.request_decoder.decode(bad)
 
 
-class _Reply:
-    hit_chunks = 0
-    pending_chunks = 0
+def _miss() -> p.LookupReply:
+    return p.LookupReply(id=0, hit_tokens=0, hit_chunks=0, total_chunks=0)
 
 
 class _RecordingClient:
@@ -54,9 +53,9 @@ class _RecordingClient:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
 
-    def lookup(self, tokens: object, *, request_id: str, traceparent: str = "", **_: object) -> _Reply:
+    def lookup(self, tokens: object, *, request_id: str, traceparent: str = "", **_: object) -> p.LookupReply:
         self.seen.append((request_id, traceparent))
-        return _Reply()
+        return _miss()
 
 
 def test_the_scheduler_side_sends_the_requests_traceparent_with_its_lookups() -> None:
