@@ -61,7 +61,8 @@ ENGINE_COUNTERS: tuple[Row, ...] = (
     ("store_existing_chunks", "Chunks a STORE found already present.", "existing_chunks"),
     ("decode_chunks_stored", "Committed chunks holding generated (decode) tokens.", "decode_chunks_stored"),
     ("no_space_chunks", "Chunks refused by STORE for lack of L1 room.", "no_space_chunks"),
-    ("retrieved_chunks", "Chunks handed out by RETRIEVE.", "retrieved_chunks"),
+    ("retrieved_chunks", "Chunks whose extents went to a reader (RETRIEVE, or a LOOKUP that named them).",
+     "retrieved_chunks"),
     ("expired_read_leases", "Requests whose read locks were reclaimed after their lease.", "expired_locks"),
     ("lease_reaper_errors", "Lease reaper passes that failed (the next pass runs).", "reaper_errors"),
 )

@@ -55,7 +55,7 @@ class ReadPath:
         r = await self.engine.wait_prefetch(m.engine_id, m.request_id)
         return self._located(m, s, lookup_reply(m.id, r))
 
-    def _located(self, m: p.Lookup, s: Session, reply: p.LookupReply) -> p.LookupReply:
+    def _located(self, m: p.Lookup | p.QueryPrefetch, s: Session, reply: p.LookupReply) -> p.LookupReply:
         """The reply, naming the locked chunks as a RETRIEVE of them all would when `m.extents`
         asks and none is still coming from L2."""
         if not m.extents or not reply.hit_chunks or reply.pending_chunks:
@@ -66,8 +66,8 @@ class ReadPath:
         reply.arena = self.engine.arena.name
         return reply
 
-    def query_prefetch(self, m: p.QueryPrefetch, _: Session) -> p.Reply:
-        return lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id))
+    def query_prefetch(self, m: p.QueryPrefetch, s: Session) -> p.Reply:
+        return self._located(m, s, lookup_reply(m.id, self.engine.query_prefetch(m.engine_id, m.request_id)))
 
     def retrieve(self, m: p.Retrieve, s: Session) -> p.RetrieveReply:
         engine = self.engine

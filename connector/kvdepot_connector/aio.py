@@ -113,8 +113,9 @@ class AsyncKVDepotClient(ClientBase):
         """As `KVDepotClient.locked_from` (no round trip)."""
         return self._session.locked(reply, first_chunk, num_chunks)
 
-    async def query_prefetch(self, request_id: str) -> p.LookupReply:
-        return await self._call(calls.query_prefetch(request_id))
+    async def query_prefetch(self, request_id: str, *, extents: bool = False) -> p.LookupReply:
+        """As `KVDepotClient.query_prefetch`."""
+        return await self._call(calls.query_prefetch(request_id, extents))
 
     async def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """As `KVDepotClient.retrieve`; the copies run in a thread."""

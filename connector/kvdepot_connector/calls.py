@@ -87,8 +87,11 @@ def lookup(
     )  # fmt: skip
 
 
-def query_prefetch(request_id: str) -> Call[p.LookupReply]:
-    return _call(lambda i, e: p.QueryPrefetch(id=i, engine_id=e, request_id=request_id), p.LookupReply, _same)
+def query_prefetch(request_id: str, extents: bool = False) -> Call[p.LookupReply]:
+    return _call(
+        lambda i, e: p.QueryPrefetch(id=i, engine_id=e, request_id=request_id, extents=extents),
+        p.LookupReply, _same,
+    )  # fmt: skip
 
 
 def retrieve(request_id: str, first_chunk: int, num_chunks: int) -> Call[p.RetrieveReply]:

@@ -177,8 +177,10 @@ class KVDepotClient(ClientBase):
             traceparent=traceparent, extents=extents,
         ))
 
-    def query_prefetch(self, request_id: str) -> p.LookupReply:
-        return self._call(calls.query_prefetch(request_id))
+    def query_prefetch(self, request_id: str, *, extents: bool = False) -> p.LookupReply:
+        """Where the request's lookup stands (chunks locked, chunks still coming from L2); with
+        `extents`, once none is still coming, the locked chunks named as `lookup` names them."""
+        return self._call(calls.query_prefetch(request_id, extents))
 
     def retrieve(self, request_id: str, outs: Sequence[torch.Tensor], *, first_chunk: int = 0) -> bool:
         """Copy the request's locked chunks `first_chunk..` into `outs`, then release the locks.

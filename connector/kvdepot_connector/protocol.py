@@ -204,6 +204,8 @@ class Lookup(Msg, tag="lookup"):
 class QueryPrefetch(Msg, tag="query_prefetch"):
     engine_id: EngineId
     request_id: Name
+    #: as `Lookup.extents`: once nothing is still coming, the reply names the locked chunks
+    extents: bool = False
 
 
 class Retrieve(Msg, tag="retrieve"):

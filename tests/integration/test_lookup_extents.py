@@ -8,6 +8,7 @@ Chunks still coming from L2 are not named until a waited lookup has them."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,7 @@ def test_a_worker_still_mapping_a_restarted_sidecars_old_arena_cannot_copy_from_
         scheduler.close()
 
 
-def test_chunks_still_coming_from_l2_are_named_once_the_waited_lookup_has_them(
+def test_chunks_still_coming_from_l2_are_named_once_the_query_or_the_waited_lookup_has_them(
     sidecar_factory: StartSidecar,
 ) -> None:
     sc = sidecar_factory(env=adapter_env("disk", ""), l1_size_gb=SMALL_L1)
@@ -142,12 +143,24 @@ def test_chunks_still_coming_from_l2_are_named_once_the_waited_lookup_has_them(
         toks = request_tokens(11, 8)
         coming = scheduler.lookup(toks, request_id="r", extents=True)
         assert coming.pending_chunks > 0 and coming.extents == []  # not all in L1: none named
-        loaded = scheduler.lookup(toks, request_id="r", extents=True, wait=True)
-        assert (loaded.hit_chunks, loaded.pending_chunks, len(loaded.extents)) == (8, 0, 8)
-        locked = worker.locked_from(loaded, first_chunk=0, num_chunks=8)
+        # Polled as the vLLM scheduler polls: named once nothing is still coming.
+        deadline = time.monotonic() + 30
+        while (polled := scheduler.query_prefetch("r", extents=True)).pending_chunks:
+            assert polled.extents == [] and time.monotonic() < deadline, polled
+            time.sleep(0.02)
+        assert (polled.hit_chunks, len(polled.extents)) == (8, 8)
+        locked = worker.locked_from(polled, first_chunk=0, num_chunks=8)
         got = copy(locked.views)
         assert worker.release("r", locked.oids, fences=locked.fences, epoch=locked.epoch) is True
         assert all(torch.equal(g, chunk_data(11, i)) for i, g in enumerate(got))
+        # Waited for, the same.
+        toks = request_tokens(12, 8)
+        loaded = scheduler.lookup(toks, request_id="r2", extents=True, wait=True)
+        assert (loaded.hit_chunks, loaded.pending_chunks, len(loaded.extents)) == (8, 0, 8)
+        locked = worker.locked_from(loaded, first_chunk=0, num_chunks=8)
+        got = copy(locked.views)
+        assert worker.release("r2", locked.oids, fences=locked.fences, epoch=locked.epoch) is True
+        assert all(torch.equal(g, chunk_data(12, i)) for i, g in enumerate(got))
     finally:
         worker.close()
         scheduler.close()

@@ -151,7 +151,7 @@ class SchedulerSide:
             replies = []
             for client in self.clients:
                 reply = (
-                    client.query_prefetch(request_id)
+                    client.query_prefetch(request_id, extents=True)
                     if req.pending
                     else client.lookup(
                         req.tokens, request_id=request_id, cache_salt=req.salt,
