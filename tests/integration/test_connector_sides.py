@@ -114,6 +114,46 @@ def test_plan_save_lookup_load_round_trip(
         work_client.close()
 
 
+def test_a_request_asked_again_in_a_later_step_finds_the_chunks_saved_since(
+    sidecar_factory: StartSidecar, kv: KV, tmp_path: Path
+) -> None:
+    """A request that shares its prefix with one still being computed: asked while that one's
+    chunks are not saved yet, it misses; asked again in a later step (it waited for room), it
+    finds them, as vLLM's own cache would. Within one step the answer is not asked again."""
+    sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02, data_dir=tmp_path / "s")
+    engine = secrets.token_hex(16)
+    sched_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, map_arena=False, instance=engine)
+    work_client = KVDepotClient(sc.url, model="m", layout=LAYOUT, instance=engine).connect()
+    worker = WorkerSide(work_client, kv.planes(), chunk_size=CHUNK, block_size=BLOCK)
+    sched = SchedulerSide([sched_client], chunk_size=CHUNK, block_size=BLOCK, load="sync")
+    try:
+        prefix = list(range(2000, 2000 + 4 * CHUNK))
+        first, second = [*prefix, 1, 2, 3], [*prefix, 4, 5, 6]
+        assert ask(sched, "a", first) == (0, False)
+        assert ask(sched, "b", second) == (0, False)  # not scheduled: no room this step
+        blocks_a = list(range(10, 19))
+        kv.fill(blocks_a, seed=3)
+        plan = sched.plan_step([ScheduledRequest("a", blocks_a, 0, len(first))])
+        worker.save(plan.saves)  # "a"'s four chunks, saved at the end of its step
+        assert worker.saved_chunks == 4
+        lookups = sc.dataplane_ops()["lookup"][0]
+        assert ask(sched, "b", second) == (4 * CHUNK, False)  # a later step: asked again
+        assert ask(sched, "b", second) == (4 * CHUNK, False)
+        assert sc.dataplane_ops()["lookup"][0] == lookups + 1  # once in this step
+        blocks_b = list(range(30, 39))
+        sched.after_alloc("b", blocks_b, 4 * CHUNK)
+        plan = sched.plan_step([ScheduledRequest("b", blocks_b, 4 * CHUNK, 3)])
+        worker.load(plan.loads)
+        assert worker.take_load_errors() == set()
+        loaded = zip(kv.blocks(blocks_a[:8]), kv.blocks(blocks_b[:8]), strict=True)
+        assert all(torch.equal(x, y) for x, y in loaded)
+        sched.finished("a")
+        sched.finished("b")
+    finally:
+        sched_client.close()
+        work_client.close()
+
+
 def test_a_load_whose_locks_are_gone_is_reported_failed(sidecar_factory: StartSidecar, kv: KV) -> None:
     sc = sidecar_factory(env={"KVDEPOT_L1__CHUNK_SIZE": str(CHUNK)}, l1_size_gb=0.02)
     client = KVDepotClient(sc.url, model="m", layout=LAYOUT)

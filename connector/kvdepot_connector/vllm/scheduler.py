@@ -12,9 +12,11 @@ Hooks, in the order vLLM calls them:
   matched_tokens(req, computed)   LOOKUP with the request's extra keys, asking for the hits' extents
                                   (an uncacheable request: one LOOKUP saying why, counted, then 0)
                                   (then QUERY_PREFETCH while chunks arrive from L2: None =
-                                  "ask me next step"); the answer is cached for repeated asks,
-                                  until the request is preempted (its loaded chunks' locks are
-                                  gone then: it looks up again)
+                                  "ask me next step"); the answer is cached for repeated asks in
+                                  the same step, and in later ones once a load was promised on it
+                                  or it covers the whole prompt; otherwise a later step asks again
+                                  (chunks saved since by the request that computed them), and so
+                                  does a request preempted (its loaded chunks' locks are gone)
   after_alloc(req, blocks, n)     the blocks the hit goes into: a LoadSpec for the next step, with
                                   the lookup's extents (the worker copies without a RETRIEVE)
   plan_step(...)                  loads due + full prompt chunks completed this step -> SaveSpecs,
@@ -70,6 +72,7 @@ class _Request:
     claim_async: bool = False  # that load runs asynchronously (vLLM waits for finished_recving)
     load_blocks: tuple[int, ...] = ()
     located: tuple[LookupReply, ...] = ()  # per rank: the lookup's extents, when every rank named them
+    asked_step: int = -1  # the step (plan_step count) of the last LOOKUP
     saved_chunks: int = 0
     preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -111,6 +114,7 @@ class SchedulerSide:
         self._loads_due: list[LoadSpec] = []
         self._saves_due: list[SaveSpec] = []
         self._sending: list[str] = []
+        self._step = 0  # plan_step calls so far
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -141,12 +145,13 @@ class SchedulerSide:
             req.hit_chunks, req.located = 0, ()
         if req.failed or req.keys is None:
             return 0, False
-        if req.answered is not None and not req.pending:
+        if req.answered is not None and not req.pending and not self._stale(req):
             return self._answer(req, num_tokens, num_computed)
         if len(prompt) < self.chunk_size or not self.guard.available():
             req.answered = (0, False)
             return 0, False
         req.looked_up = True
+        req.asked_step = self._step
         try:
             replies = []
             for client in self.clients:
@@ -175,6 +180,14 @@ class SchedulerSide:
         req.located = tuple(replies) if all(len(r.extents) >= req.hit_chunks for r in replies) else ()
         req.answered = (req.hit_chunks, False)
         return self._answer(req, num_tokens, num_computed)
+
+    def _stale(self, req: _Request) -> bool:
+        """The answer is from an earlier step, may have grown since (chunks other requests saved
+        at the end of a step: a prefix still being computed when this one was first asked), and
+        no load was handed to the workers on it (a claim whose blocks were never allocated is
+        void): asked again, as vLLM's own cache is at each scheduling try."""
+        full = req.num_prompt_tokens // self.chunk_size
+        return req.asked_step != self._step and req.hit_chunks < full and not req.load_blocks
 
     def _note_uncacheable(self, req: _Request, reason: Uncacheable) -> None:
         """Tell the sidecar (one rank is enough: it counts requests) why this one is not cached."""
@@ -231,6 +244,7 @@ class SchedulerSide:
     # --- each step -----------------------------------------------------------------------------
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
+        self._step += 1
         plan = StepPlan(
             loads=self._loads_due, saves=self._saves_due, sending=self._sending,
             instance=self.clients[0].instance if self.clients else "",
