@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.sidecar import SidecarProcess
 from kvdepot_connector.client import KVDepotClient
 from tests.integration.conftest import StartSidecar
 from tests.integration.dp_client import LAYOUT, chunk_data, request_tokens
@@ -25,13 +28,37 @@ ENV = {"KVDEPOT_L1__CHUNK_SIZE": "16", "KVDEPOT_L2__ADAPTERS": "[]"}
 SMALL_L1 = 1 / 1024  # 1 MiB: 16 chunks of 64 KiB
 
 
-def engine(url: str) -> tuple[KVDepotClient, KVDepotClient]:
-    """A scheduler's client (maps no arena) and a worker's, of one engine instance, as vLLM has."""
+@contextmanager
+def engine(url: str) -> Iterator[tuple[KVDepotClient, KVDepotClient]]:
+    """A scheduler's client (maps no arena) and a worker's, of one engine instance, as vLLM has;
+    closed on leaving."""
     scheduler = KVDepotClient(url, model="test-model", layout=LAYOUT, timeout_s=10, map_arena=False,
                               role="scheduler", rank=0).connect()  # fmt: skip
     worker = KVDepotClient(url, model="test-model", layout=LAYOUT, timeout_s=10, instance=scheduler.instance,
                            role="worker", rank=0).connect()  # fmt: skip
-    return scheduler, worker
+    try:
+        yield scheduler, worker
+    finally:
+        worker.close()
+        scheduler.close()
+
+
+Engine = tuple[SidecarProcess, KVDepotClient, KVDepotClient]
+
+
+@pytest.fixture
+def l1_only(sidecar_factory: StartSidecar) -> Iterator[Engine]:
+    """A sidecar with a 1 MiB L1 and no L2, and an engine's scheduler and worker clients."""
+    sc = sidecar_factory(env=ENV, l1_size_gb=SMALL_L1)
+    with engine(sc.url) as (scheduler, worker):
+        yield sc, scheduler, worker
+
+
+def stored(worker: KVDepotClient, seed: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Four chunks of `seed`'s tokens stored for tenant "t": (tokens, chunk bytes)."""
+    toks, mine = request_tokens(seed, 4), [chunk_data(seed, i) for i in range(4)]
+    assert worker.store(toks, mine, request_id="w", cache_salt="t").stored == 4
+    return toks, mine
 
 
 def copy(views: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -39,63 +66,45 @@ def copy(views: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def test_the_worker_copies_from_the_schedulers_lookup_and_releases_without_a_round_trip(
-    sidecar_factory: StartSidecar,
+    l1_only: Engine,
 ) -> None:
-    sc = sidecar_factory(env=ENV, l1_size_gb=SMALL_L1)
-    scheduler, worker = engine(sc.url)
-    try:
-        toks = request_tokens(5, 4)
-        mine = [chunk_data(5, i) for i in range(4)]
-        assert worker.store(toks, mine, request_id="w", cache_salt="t").stored == 4
-        plain = scheduler.lookup(toks, request_id="r", cache_salt="t")
-        assert plain.hit_chunks == 4 and plain.extents == []  # not asked: none named
-        reply = scheduler.lookup(toks, request_id="r", cache_salt="t", extents=True)
-        assert (reply.hit_chunks, len(reply.extents)) == (4, 4) and reply.fences and reply.epoch > 0
-        locked = worker.locked_from(reply, first_chunk=1, num_chunks=3)  # chunk 0 computed locally
-        got = copy(locked.views)
-        assert worker.release("r", locked.oids, fences=locked.fences, epoch=locked.epoch) is True
-        assert worker.released_unasked == 1
-        assert all(torch.equal(g, m) for g, m in zip(got, mine[1:], strict=True))
-        # What a RETRIEVE of the same lookup's locks names is what the LOOKUP named.
-        again = scheduler.lookup(toks, request_id="r2", cache_salt="t", extents=True)
-        retrieved = worker.locked("r2", first_chunk=0, num_chunks=4)
-        assert [e.oid for e in again.extents] == retrieved.oids and again.epoch == retrieved.epoch
-        assert worker.release("r2", retrieved.oids, fences=retrieved.fences, epoch=retrieved.epoch) is True
-        assert scheduler.end_request("r") == 0 and scheduler.end_request("r2") == 0
-        assert sc.get_json("/status")["l1"]["locked_requests"] == 0
-        # More chunks than the lookup named, or none: refused before any copy.
-        with pytest.raises(ValueError, match="no such extents"):
-            worker.locked_from(reply, first_chunk=2, num_chunks=3)
-        missed = scheduler.lookup(request_tokens(6, 4), request_id="m", cache_salt="t", extents=True)
-        assert missed.hit_chunks == 0 and missed.extents == []
-        with pytest.raises(ValueError, match="no such extents"):
-            worker.locked_from(missed, first_chunk=0, num_chunks=1)
-    finally:
-        worker.close()
-        scheduler.close()
+    sc, scheduler, worker = l1_only
+    toks, mine = stored(worker, 5)
+    plain = scheduler.lookup(toks, request_id="r", cache_salt="t")
+    assert plain.hit_chunks == 4 and plain.extents == []  # not asked: none named
+    reply = scheduler.lookup(toks, request_id="r", cache_salt="t", extents=True)
+    assert (reply.hit_chunks, len(reply.extents)) == (4, 4) and reply.fences and reply.epoch > 0
+    locked = worker.locked_from(reply, first_chunk=1, num_chunks=3)  # chunk 0 computed locally
+    got = copy(locked.views)
+    assert worker.release("r", locked.oids, fences=locked.fences, epoch=locked.epoch) is True
+    assert worker.released_unasked == 1
+    assert all(torch.equal(g, m) for g, m in zip(got, mine[1:], strict=True))
+    # What a RETRIEVE of the same lookup's locks names is what the LOOKUP named.
+    again = scheduler.lookup(toks, request_id="r2", cache_salt="t", extents=True)
+    retrieved = worker.locked("r2", first_chunk=0, num_chunks=4)
+    assert [e.oid for e in again.extents] == retrieved.oids and again.epoch == retrieved.epoch
+    assert worker.release("r2", retrieved.oids, fences=retrieved.fences, epoch=retrieved.epoch) is True
+    assert scheduler.end_request("r") == 0 and scheduler.end_request("r2") == 0
+    assert sc.get_json("/status")["l1"]["locked_requests"] == 0
+    # More chunks than the lookup named, or none: refused before any copy.
+    with pytest.raises(ValueError, match="no such extents"):
+        worker.locked_from(reply, first_chunk=2, num_chunks=3)
+    missed = scheduler.lookup(request_tokens(6, 4), request_id="m", cache_salt="t", extents=True)
+    assert missed.hit_chunks == 0 and missed.extents == []
+    with pytest.raises(ValueError, match="no such extents"):
+        worker.locked_from(missed, first_chunk=0, num_chunks=1)
 
 
-def test_memory_reused_between_the_lookup_and_the_copy_is_reported_invalid(
-    sidecar_factory: StartSidecar,
-) -> None:
-    sc = sidecar_factory(env=ENV, l1_size_gb=SMALL_L1)
-    scheduler, worker = engine(sc.url)
-    try:
-        toks = request_tokens(3, 4)
-        assert (
-            worker.store(toks, [chunk_data(3, i) for i in range(4)], request_id="w", cache_salt="t").stored
-            == 4
-        )
-        reply = scheduler.lookup(toks, request_id="r", cache_salt="t", extents=True)
-        assert scheduler.end_request("r") == 4  # the scheduler gave the request up meanwhile...
-        reuse_memory(worker, "t")  # ...its chunks were freed and their memory written again
-        locked = worker.locked_from(reply, first_chunk=0, num_chunks=4)
-        copy(locked.views)
-        assert worker.release("r", locked.oids, fences=locked.fences, epoch=locked.epoch) is False
-        assert worker.released_unasked == 0
-    finally:
-        worker.close()
-        scheduler.close()
+def test_memory_reused_between_the_lookup_and_the_copy_is_reported_invalid(l1_only: Engine) -> None:
+    _, scheduler, worker = l1_only
+    toks, _ = stored(worker, 3)
+    reply = scheduler.lookup(toks, request_id="r", cache_salt="t", extents=True)
+    assert scheduler.end_request("r") == 4  # the scheduler gave the request up meanwhile...
+    reuse_memory(worker, "t")  # ...its chunks were freed and their memory written again
+    locked = worker.locked_from(reply, first_chunk=0, num_chunks=4)
+    copy(locked.views)
+    assert worker.release("r", locked.oids, fences=locked.fences, epoch=locked.epoch) is False
+    assert worker.released_unasked == 0
 
 
 def test_a_worker_still_mapping_a_restarted_sidecars_old_arena_cannot_copy_from_the_new_one(
@@ -104,8 +113,7 @@ def test_a_worker_still_mapping_a_restarted_sidecars_old_arena_cannot_copy_from_
     """The scheduler's client has met the restarted sidecar; the worker's has not yet (it maps the
     old arena): the new arena's offsets in the old one's memory would be wrong bytes."""
     first = sidecar_factory(env=ENV, l1_size_gb=SMALL_L1, data_dir=tmp_path / "data")
-    scheduler, worker = engine(first.url)
-    try:
+    with engine(first.url) as (scheduler, worker):
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
         second = sidecar_factory(env=ENV, l1_size_gb=SMALL_L1, data_dir=tmp_path / "data")
@@ -123,17 +131,13 @@ def test_a_worker_still_mapping_a_restarted_sidecars_old_arena_cannot_copy_from_
         got = copy(locked.views)
         assert worker.release("r", locked.oids, fences=locked.fences, epoch=locked.epoch) is True
         assert all(torch.equal(g, m) for g, m in zip(got, mine, strict=True))
-    finally:
-        worker.close()
-        scheduler.close()
 
 
 def test_chunks_still_coming_from_l2_are_named_once_the_query_or_the_waited_lookup_has_them(
     sidecar_factory: StartSidecar,
 ) -> None:
     sc = sidecar_factory(env=adapter_env("disk", ""), l1_size_gb=SMALL_L1)
-    scheduler, worker = engine(sc.url)
-    try:
+    with engine(sc.url) as (scheduler, worker):
         for n, seed in enumerate((11, 12, 13), start=1):  # 24 chunks through a 16-chunk L1
             toks = request_tokens(seed, 8)
             assert (
@@ -161,6 +165,3 @@ def test_chunks_still_coming_from_l2_are_named_once_the_query_or_the_waited_look
         got = copy(locked.views)
         assert worker.release("r2", locked.oids, fences=locked.fences, epoch=locked.epoch) is True
         assert all(torch.equal(g, chunk_data(12, i)) for i, g in enumerate(got))
-    finally:
-        worker.close()
-        scheduler.close()
