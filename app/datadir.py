@@ -6,11 +6,12 @@ service lives (the kernel drops it when the process dies, however it dies, so no
 trusted). The file holds the owner's PID, only to name it when a second sidecar is refused.
 Everything a previous sidecar on this data dir left behind (its arena, its sockets) may be removed
 once the lock is held. `admin_token_from_file(path)` reads the admin token, or generates one into
-the file (mode 0600) on first start.
+the file (mode 0600) on first start; `with_admin_token(settings)` puts it into the settings.
 
 State: the lock's open descriptor. Touched by the thread that builds and closes the service.
 
-Primitives in call order: `DataDirLock.acquire(data_dir)`, `release()`; `admin_token_from_file`.
+Primitives in call order: `DataDirLock.acquire(data_dir)`, `release()`; `admin_token_from_file`,
+`with_admin_token`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import secrets
 from pathlib import Path
 
 import structlog
+from pydantic import SecretStr
 
 from app.errors import ConfigError
+from app.settings import Settings
 
 log = structlog.get_logger("kvdepot")
 
@@ -112,3 +115,13 @@ def _generate_token(path: Path) -> None:
     except OSError as exc:
         raise ConfigError(f"http.admin_token_file: cannot create {path}: {exc.strerror}") from None
     log.info("admin_token_generated", path=str(path))
+
+
+def with_admin_token(settings: Settings) -> Settings:
+    """`settings` with the admin token of `http.admin_token_file` in `http.admin_token` (read, or
+    generated on first start) when only the file is set; otherwise `settings` unchanged."""
+    http = settings.http
+    if http.admin_token is not None or http.admin_token_file is None:
+        return settings
+    token = SecretStr(admin_token_from_file(http.admin_token_file))
+    return settings.model_copy(update={"http": http.model_copy(update={"admin_token": token})})

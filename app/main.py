@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
-from pydantic import SecretStr
 
 from api.audit import AuditLog
 from api.dataplane.server import DataPlaneServer
@@ -28,7 +27,7 @@ from api.http.context import ControlContext
 from api.lifeline import LifelineServer
 from api.metrics_events import EventMetrics
 from app import __version__
-from app.datadir import DataDirLock, admin_token_from_file
+from app.datadir import DataDirLock, with_admin_token
 from app.errors import ConfigError
 from app.executors import Executors
 from app.fleet_member import DirectoryMember
@@ -67,16 +66,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
 log = structlog.get_logger("kvdepot")
-
-
-def with_admin_token(settings: Settings) -> Settings:
-    """`settings` with the admin token of `http.admin_token_file` in `http.admin_token` (read, or
-    generated on first start) when only the file is set; otherwise `settings` unchanged."""
-    http = settings.http
-    if http.admin_token is not None or http.admin_token_file is None:
-        return settings
-    token = SecretStr(admin_token_from_file(http.admin_token_file))
-    return settings.model_copy(update={"http": http.model_copy(update={"admin_token": token})})
 
 
 class Service:
