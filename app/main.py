@@ -32,6 +32,7 @@ from app.errors import ConfigError
 from app.executors import Executors
 from app.fleet_member import DirectoryMember
 from app.kv_events import KvEvents
+from app.loop_lag import LoopLag
 from app.planes import build_control_plane, build_data_plane, build_observers
 from app.serving import QuietUvicorn, bind_listener
 from app.settings import Settings
@@ -95,6 +96,7 @@ class Service:
         self.events: EventBus | None = None
         #: spans of each engine request over OTLP (tracing.otlp_endpoint set), a bus subscriber
         self.tracing: Tracing | None = None
+        self.loop_lag: LoopLag | None = None
         self.event_metrics: EventMetrics | None = None
         self._lock: DataDirLock | None = None
         self._executors: Executors | None = None
@@ -158,6 +160,7 @@ class Service:
         assert self.engine is not None
         obs = build_observers(s, self.engine, keys, self._span_exporter)
         self.event_metrics, self.kv_events, self.tracing = obs.event_metrics, obs.kv_events, obs.tracing
+        self.loop_lag = obs.loop_lag
         self._key_id = keys.signer.key_id.hex()  # named to the directory, which hashes tenants alike
         registry = obs.registry
         assert self.arena is not None
@@ -318,6 +321,8 @@ class Service:
         assert self.dataplane is not None
         assert self.http_server is not None
         assert self.http_socket is not None
+        if self.loop_lag is not None:
+            start("loop-lag", self.loop_lag.run(), drain=False)
         if self.kv_events is not None:
             self.kv_events.start()
         if self.events is not None and self.events.enabled:

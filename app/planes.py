@@ -37,6 +37,7 @@ from api.metrics_events import EventMetrics
 from api.metrics_workers import WorkerCollector
 from app.kv_events import KvEvents, build_kv_events
 from app.logs import LogCollector
+from app.loop_lag import LoopLag
 from app.serving import QuietUvicorn, guarded_http
 from app.settings import Settings
 from app.tracing import Tracing, build_tracing
@@ -86,6 +87,7 @@ class Observers:
     """Histograms from the bus (load latency, hit ratio, reuse distance, age at eviction)."""
     kv_events: KvEvents | None
     tracing: Tracing | None
+    loop_lag: LoopLag
 
 
 class TransferMaker:
@@ -141,7 +143,7 @@ def build_observers(
         if kv_events is not None:
             kv_events.close()
         raise
-    return Observers(registry, event_metrics, kv_events, tracing)
+    return Observers(registry, event_metrics, kv_events, tracing, LoopLag(registry))
 
 
 def build_data_plane(
