@@ -17,7 +17,8 @@ def test_bench_server_prints_one_verified_json_object() -> None:
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVDEPOT_")}
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "bench", "server", "--requests", "2", "--chunks-per-request", "3",
-         "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--chunk-tokens", "16", "--lookups", "20"],
+         "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--chunk-tokens", "16", "--lookups", "20",
+         "--retrieve", "ask"],
         capture_output=True, text=True, env=env, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -27,7 +28,7 @@ def test_bench_server_prints_one_verified_json_object() -> None:
     assert set(got) == {
         "store_gbps", "retrieve_gbps", "memcpy_gbps", "store_vs_memcpy", "retrieve_vs_memcpy",
         "lookup_p50_ms", "lookup_p99_ms", "lookup_chunks", "chunk_bytes", "chunks", "requests", "ok", "url",
-        "runs", "loadavg", "sidecar_cpu_s", "commit",
+        "runs", "loadavg", "sidecar_cpu_s", "commit", "retrieve",
     }  # fmt: skip
     assert (got["ok"], got["url"], got["chunks"], got["requests"], got["lookup_chunks"]) == (
         True,
@@ -38,6 +39,8 @@ def test_bench_server_prints_one_verified_json_object() -> None:
     )
     assert got["chunk_bytes"] == 2 * 1 * 1 * 16 * 16 * 2
     assert [(r["clients"], r["bytes_verified"], r["ok"]) for r in got["runs"]] == [(1, 6 * 1024, True)]
+    # --retrieve ask: each retrieve asked the sidecar with a RETRIEVE of its own
+    assert got["retrieve"] == "ask" and got["runs"][0]["sidecar_ms"]["retrieve"] > 0
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -59,7 +62,7 @@ def test_bench_server_runs_chunk_sizes_client_counts_and_a_long_prompt() -> None
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1
     got = json.loads(lines[0])
-    assert got["ok"] is True and got["commit"] == "post"
+    assert got["ok"] is True and (got["commit"], got["retrieve"]) == ("post", "locate")
     runs = got["runs"]
     assert [(r["chunk_mib"], r["clients"], r["chunks_per_request"]) for r in runs] == [
         (1, 1, 2), (1, 2, 2), (2, 1, 1), (2, 2, 1),
@@ -73,8 +76,9 @@ def test_bench_server_runs_chunk_sizes_client_counts_and_a_long_prompt() -> None
                     "retrieve_vs_memcpy_p50", "ping_p50_ms", "ping_p99_ms",
                     "ping_after_copy_p50_ms"):  # fmt: skip
             assert r[key] > 0
-        # The sidecar's own handling of each call of the run (its /metrics), a part of the round trip.
-        assert set(r["sidecar_ms"]) == {"store", "commit", "lookup", "retrieve", "release"}
+        # The sidecar's own handling of each call of the run (its /metrics), a part of the round trip;
+        # no RETRIEVE: each retrieve copied from the extents its LOOKUP named (`--retrieve locate`).
+        assert set(r["sidecar_ms"]) == {"store", "commit", "lookup", "release"}
         # Neither a COMMIT (`--commit post`, the default) nor a RELEASE whose fences held is waited
         # for: the sidecar handles each all the same.
         for op in ("commit", "release"):
