@@ -81,6 +81,20 @@ class SidecarProcess:
                     ops.setdefault(op, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
         return {op: (n, secs) for op, (n, secs) in ops.items()}
 
+    def loop_lag(self) -> dict[str, float]:
+        """The sidecar's `kvdepot_event_loop_lag_seconds` so far: wake-ups (`count`), their summed
+        lag in seconds (`sum`), and per bucket bound B the wake-ups at most B late (`le_B`)."""
+        with urllib.request.urlopen(self.http + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        head = "kvdepot_event_loop_lag_seconds"
+        for line in text.splitlines():
+            if line.startswith(head + "_bucket{"):
+                out["le_" + line.split('le="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith((head + "_count ", head + "_sum ")):
+                out[line.split(" ")[0][len(head) + 1 :]] = float(line.rsplit(" ", 1)[1])
+        return out
+
     def stop(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

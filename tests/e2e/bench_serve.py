@@ -20,7 +20,8 @@ in every setup, so the setups see the same prompts and each run's prefixes are n
 Per run: TTFT of every request in dispatch order (`ttfts`, seconds), mean/p50/p99, the server's
 prefix-cache counters (native queries and hits, kvdepot's external hits) read before and after,
 and the sidecar's view (`sidecar_ops`: calls and mean handling time per data-plane operation
-during the run). One JSON object per run on stdout and in
+during the run; `sidecar_loop_lag`: its event loop's wake-ups during the run, their mean lag and
+how many came over 10 ms, 100 ms and 1 s late). One JSON object per run on stdout and in
 OUT/<case>-<config>-<run>.json; OUT/summary.jsonl collects the rows of every invocation.
 
 `--neighbours N` (`--neighbour-kind cpu|memio`): N neighbour processes run beside each setup, from
@@ -122,6 +123,16 @@ def _sidecar_ops(sidecar: SidecarProcess | None) -> dict[str, tuple[float, float
     return {} if sidecar is None else sidecar.dataplane_ops()
 
 
+def _loop_lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The sidecar's event-loop lag during a run: wake-ups, their mean lag, and how many came more
+    than 10 ms, 100 ms and 1 s late."""
+    n = after.get("count", 0.0) - before.get("count", 0.0)
+    late = {f"late_{name}": n - (after.get(f"le_{b}", 0.0) - before.get(f"le_{b}", 0.0))
+            for name, b in (("10ms", "0.01"), ("100ms", "0.1"), ("1s", "1.0"))}  # fmt: skip
+    mean_ms = 1000 * (after.get("sum", 0.0) - before.get("sum", 0.0)) / n if n else 0.0
+    return {"wakeups": n, "mean_ms": round(mean_ms, 3), **late}
+
+
 def _bench(server: VllmServer, model: Path, case: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
     result = out / f"raw-{server.port}-{seed}.json"
     args = [
@@ -214,9 +225,11 @@ def run_setup(
                     url = sidecar.url
                 server = _server(model, out, config, case, url, where)
             before, ops = _counters(server), _sidecar_ops(sidecar)
+            lag = sidecar.loop_lag() if sidecar is not None else {}
             t0 = time.monotonic()
             got = _bench(server, model, case, seed, out)
             after, ops_after = _counters(server), _sidecar_ops(sidecar)
+            lag_after = sidecar.loop_lag() if sidecar is not None else {}
             row = {
                 "case": name, "config": config, "run": run, "seed": seed,
                 "neighbours": args.neighbours, "neighbour_kind": args.neighbour_kind,
@@ -224,6 +237,7 @@ def run_setup(
                 "seconds": round(time.monotonic() - t0, 2), **_summary(got["ttfts"]),
                 "counters": {k: after[k] - before[k] for k in after}, "loadavg": os.getloadavg()[0],
                 "sidecar_ops": ops_delta(ops, ops_after),
+                "sidecar_loop_lag": _loop_lag(lag, lag_after) if sidecar is not None else {},
                 **got,
             }  # fmt: skip
             (out / f"{name}-{config}-{run}.json").write_text(json.dumps(row))

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,3 +154,15 @@ def test_second_sidecar_on_the_same_data_dir_is_refused(
     assert get(first.http + "/ready")[0] == 200
     assert (data_dir / "dataplane.sock").is_socket()
     assert arenas_of(second.pid) == []
+
+
+def test_a_running_sidecar_measures_its_event_loops_lag(sidecar_factory: StartSidecar) -> None:
+    """`kvdepot_event_loop_lag_seconds` grows by a wake-up every 0.1 s, each in one bucket at most."""
+    sc = sidecar_factory(l1_size_gb=0.01)
+    first = sc.loop_lag()
+    deadline = time.monotonic() + 30
+    while (now := sc.loop_lag())["count"] < first["count"] + 3:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now["le_+Inf"] == now["count"] and now["sum"] >= 0
+    assert now["le_0.001"] <= now["le_0.1"] <= now["le_+Inf"]
