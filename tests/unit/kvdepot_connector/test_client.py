@@ -364,6 +364,10 @@ def test_a_lookups_extents_are_copied_from_with_no_round_trip(sidecar: Any, conn
     for first, count in ((1, 2), (-1, 1), (2, 1)):
         with pytest.raises(ValueError, match="no such extents"):
             client.locked_from(reply, first_chunk=first, num_chunks=count)
+    beyond = p.LookupReply(id=0, hit_tokens=4, hit_chunks=1, total_chunks=1, arena=sc.arena_name,
+                           extents=[p.Extent(offset=ARENA_BYTES - 64, size=CHUNK_BYTES, oid=33)])  # fmt: skip
+    with pytest.raises(ValueError, match="outside the arena"):  # a view past the mapping: never made
+        client.locked_from(beyond, first_chunk=0, num_chunks=1)
     reply.arena = "kvdepot-another"  # a sidecar that restarted since this client mapped its arena
     with pytest.raises(ValueError, match="no such extents"):
         client.locked_from(reply, first_chunk=0, num_chunks=1)
